@@ -1,0 +1,95 @@
+// VaSpace: virtual address reservations, handed out as ranges.
+//
+// Virtual address space is plentiful, physical chunks are not: the first reservation is several times the
+// capacity, and more are made only when a range does not fit. A range never spans two reservations, so each
+// reservation can be released whole, as cuMemAddressFree requires.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <vector>
+
+#include "../backend.h"
+
+namespace vmalloc::detail {
+
+class VaSpace {
+ public:
+  VaSpace(Backend& backend, std::size_t reservation_bytes)
+      : backend_(backend), reservation_bytes_(reservation_bytes) {}
+  ~VaSpace() {
+    for (auto& r : reservations_) backend_.release_reservation(r.base, r.bytes);
+  }
+  VaSpace(const VaSpace&) = delete;
+  VaSpace& operator=(const VaSpace&) = delete;
+
+  struct Slice {
+    std::uintptr_t addr;
+    std::uint32_t reservation;
+  };
+
+  // First fit over the reservations' free intervals; reserves more address space when none fits.
+  Slice take(std::size_t bytes) {
+    for (std::uint32_t i = 0; i < reservations_.size(); ++i) {
+      auto& free = reservations_[i].free;
+      for (auto it = free.begin(); it != free.end(); ++it) {
+        if (it->second < bytes) continue;
+        const std::uintptr_t addr = it->first;
+        const std::size_t left = it->second - bytes;
+        free.erase(it);
+        if (left) free.emplace(addr + bytes, left);
+        return {addr, i};
+      }
+    }
+    const std::size_t size = bytes > reservation_bytes_ ? bytes : reservation_bytes_;
+    Reservation r;
+    r.base = backend_.reserve(size);
+    r.bytes = size;
+    if (size > bytes) r.free.emplace(r.base + bytes, size - bytes);
+    reservations_.push_back(std::move(r));
+    return {reservations_.back().base, static_cast<std::uint32_t>(reservations_.size() - 1)};
+  }
+
+  // Returns [addr, addr + bytes) of reservation i to its free list, merging with free neighbours.
+  void give(std::uint32_t i, std::uintptr_t addr, std::size_t bytes) {
+    auto& free = reservations_[i].free;
+    auto next = free.lower_bound(addr);
+    if (next != free.end() && addr + bytes == next->first) {
+      bytes += next->second;
+      next = free.erase(next);
+    }
+    if (next != free.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == addr) {
+        prev->second += bytes;
+        return;
+      }
+    }
+    free.emplace(addr, bytes);
+  }
+
+  std::size_t reserved_bytes() const {
+    std::size_t n = 0;
+    for (auto& r : reservations_) n += r.bytes;
+    return n;
+  }
+  std::size_t free_bytes() const {
+    std::size_t n = 0;
+    for (auto& r : reservations_)
+      for (auto& [a, s] : r.free) n += s;
+    return n;
+  }
+
+ private:
+  struct Reservation {
+    std::uintptr_t base = 0;
+    std::size_t bytes = 0;
+    std::map<std::uintptr_t, std::size_t> free;  // unused address intervals
+  };
+
+  Backend& backend_;
+  std::size_t reservation_bytes_;
+  std::vector<Reservation> reservations_;
+};
+
+}  // namespace vmalloc::detail
