@@ -33,7 +33,9 @@ def configure(**options: Any) -> None:
     """
     unknown = set(options) - {"backend", "capacity", "chunk_size", "small_max", "history"}
     if unknown:
-        raise TypeError(f"unknown vmalloc option(s) {sorted(unknown)}: use backend, capacity, chunk_size, small_max, history")
+        raise TypeError(
+            f"unknown vmalloc option(s) {sorted(unknown)}: use backend, capacity, chunk_size, small_max, history"
+        )
     _C.configure(**options)
 
 
