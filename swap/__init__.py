@@ -1,0 +1,19 @@
+"""swap: train with saved activations beyond the device's memory, under a budget.
+
+    with swap.SwapManager(budget="12GiB") as sm:
+        for x, y in loader:
+            loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
+    print(sm.report())
+
+Saved activations go to pinned host memory once the forward pass is done with them and come back ahead
+of their backward use, following seed 001's window schedule. The scheduler (``plan``) and the simulator
+(``simulate``) are pure functions, usable without a GPU.
+"""
+
+from __future__ import annotations
+
+from .scheduler import POLICIES, InfeasibleBudget, Schedule, plan
+from .sequence import Sequence
+from .simulator import SimResult, choose_window, simulate
+
+__all__ = ["POLICIES", "InfeasibleBudget", "Schedule", "Sequence", "SimResult", "choose_window", "plan", "simulate"]

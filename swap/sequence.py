@@ -1,0 +1,95 @@
+"""The variable sequence: what the profiling iteration records and the scheduler plans against.
+
+A *step* is one access to a saved activation, in the order autograd makes them: every pack (the forward
+saves it, or saves the same storage again) and every unpack (a backward node reads it). This is seed 001's
+flattened variable sequence v, restricted to the variables that may be swapped; everything else on the
+device is folded into ``nonswap[i]``, the measured bytes that are not ours to move during step i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SAVE, USE = "save", "use"
+
+
+@dataclass
+class Sequence:
+    """One iteration's accesses to swappable variables.
+
+    Attributes:
+        var: the variable accessed at each step.
+        kind: ``"save"`` (pack hook: the forward saves it) or ``"use"`` (unpack hook: backward reads it).
+        sizes: bytes of each variable (its whole storage).
+        nonswap: device bytes that are not swappable variables, at their highest during each step (the
+            measured peak of the step less the variables held resident then).
+        compute: seconds of compute in each step (until the next access).
+        swappable: per variable; False keeps it resident (e.g. its storage outlives the iteration, so
+            swapping it would free nothing).
+    """
+
+    var: list[int]
+    kind: list[str]
+    sizes: list[int]
+    nonswap: list[int]
+    compute: list[float]
+    swappable: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = len(self.var)
+        if not (len(self.kind) == len(self.nonswap) == len(self.compute) == n):
+            raise ValueError("var, kind, nonswap and compute must have one entry per step")
+        if not self.swappable:
+            self.swappable = [True] * len(self.sizes)
+        if len(self.swappable) != len(self.sizes):
+            raise ValueError("swappable must have one entry per variable")
+        if any(v < 0 or v >= len(self.sizes) for v in self.var):
+            raise ValueError("a step names a variable that has no size")
+        seen: set[int] = set()
+        for i, (v, k) in enumerate(zip(self.var, self.kind)):
+            if k not in (SAVE, USE):
+                raise ValueError(f"step {i}: kind must be 'save' or 'use', not {k!r}")
+            if v not in seen and k != SAVE:
+                raise ValueError(f"step {i}: variable {v} is used before it is saved")
+            seen.add(v)
+
+    def __len__(self) -> int:
+        return len(self.var)
+
+    def next_access(self) -> list[int]:
+        """For each step, the next step that accesses the same variable (len(self) if none)."""
+        n = len(self.var)
+        nxt = [n] * n
+        last: dict[int, int] = {}
+        for i in range(n - 1, -1, -1):
+            nxt[i] = last.get(self.var[i], n)
+            last[self.var[i]] = i
+        return nxt
+
+    def signature(self) -> list[tuple[str, int]]:
+        """What a later iteration must repeat for the plan to apply: (kind, bytes) per step."""
+        return [(k, self.sizes[v]) for v, k in zip(self.var, self.kind)]
+
+    def live_bytes(self) -> list[int]:
+        """Bytes of swappable variables alive (saved, not yet past their last access) at each step: what
+        the device would hold without swapping."""
+        n = len(self.var)
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for i, v in enumerate(self.var):
+            first.setdefault(v, i)
+            last[v] = i
+        delta = [0] * (n + 1)
+        for v, f in first.items():
+            if self.swappable[v]:
+                delta[f] += self.sizes[v]
+                delta[last[v] + 1] -= self.sizes[v]
+        out, cur = [], 0
+        for i in range(n):
+            cur += delta[i]
+            out.append(cur)
+        return out
+
+    def no_swap_peak(self) -> int:
+        """The device peak if nothing were swapped."""
+        return max((n + live for n, live in zip(self.nonswap, self.live_bytes())), default=0)

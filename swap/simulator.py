@@ -1,0 +1,114 @@
+"""A discrete-event simulator of a schedule: one compute stream and independent H2D and D2H copy engines.
+
+It replays exactly the actions the executor issues, in the same order (``Schedule.actions``): at step i the
+compute stream waits for the D2H copies of ``release[i]``, queues the H2D copies of ``swap_in[i]``, waits
+for the H2D copy of the variable it uses, queues the D2H copies of ``swap_out[i]``, then computes for
+``compute[i]`` seconds. Copies on one engine run one after another at the link's bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .scheduler import Schedule, plan
+from .sequence import Sequence
+
+
+@dataclass
+class SimResult:
+    step_time: float  # seconds for the iteration
+    compute_time: float
+    stall_time: float
+    stalls: list[float]  # per step: compute-stream seconds spent waiting for copies
+    h2d_bytes: int
+    d2h_bytes: int
+    lower_bound: float  # max(compute, H2D bytes / bandwidth, D2H bytes / bandwidth)
+    peak_bytes: int  # planned device peak (non-swappable + resident)
+    memory: list[int]  # device bytes during each step
+    actions: list[tuple[int, str, int]]
+    timeline: list[tuple[str, float, float, str]] = field(default_factory=list)  # (lane, start, end, label)
+
+    @property
+    def overhead(self) -> float:
+        """Step time over the lower bound (1.0 = every copy hidden)."""
+        return self.step_time / self.lower_bound if self.lower_bound else 1.0
+
+
+def simulate(
+    seq: Sequence, schedule: Schedule, h2d_bandwidth: float, d2h_bandwidth: float, timeline: bool = False
+) -> SimResult:
+    """Replays ``schedule`` on ``seq`` with links of the given bandwidths (bytes/second)."""
+    if h2d_bandwidth <= 0 or d2h_bandwidth <= 0:
+        raise ValueError("bandwidths must be positive (bytes per second)")
+    t = 0.0
+    h2d_free = d2h_free = 0.0
+    h2d_done: dict[int, float] = {}
+    d2h_done: dict[int, float] = {}
+    stalls = [0.0] * len(seq)
+    lanes: list[tuple[str, float, float, str]] = []
+    h2d_bytes = d2h_bytes = 0
+    actions = schedule.actions(seq)
+
+    def wait(until: float, i: int) -> None:
+        nonlocal t
+        if until > t:
+            stalls[i] += until - t
+            if timeline:
+                lanes.append(("stall", t, until, f"step {i}"))
+            t = until
+
+    for i in range(len(seq)):
+        for v in schedule.release[i]:
+            wait(d2h_done.get(v, 0.0), i)
+        for v in schedule.swap_in[i]:
+            start = max(t, h2d_free)
+            h2d_free = h2d_done[v] = start + seq.sizes[v] / h2d_bandwidth
+            h2d_bytes += seq.sizes[v]
+            if timeline:
+                lanes.append(("h2d", start, h2d_free, f"v{v}"))
+        if seq.kind[i] != "save":
+            wait(h2d_done.get(seq.var[i], 0.0), i)
+        for v in schedule.swap_out[i]:
+            start = max(t, d2h_free)
+            d2h_free = d2h_done[v] = start + seq.sizes[v] / d2h_bandwidth
+            d2h_bytes += seq.sizes[v]
+            if timeline:
+                lanes.append(("d2h", start, d2h_free, f"v{v}"))
+        if timeline and seq.compute[i] > 0:
+            lanes.append(("compute", t, t + seq.compute[i], f"step {i}"))
+        t += seq.compute[i]
+    compute = sum(seq.compute)
+    lower = max(compute, h2d_bytes / h2d_bandwidth, d2h_bytes / d2h_bandwidth)
+    memory = [a + b for a, b in zip(seq.nonswap, schedule.resident)]
+    return SimResult(
+        t, compute, sum(stalls), stalls, h2d_bytes, d2h_bytes, lower, schedule.peak, memory, actions, lanes
+    )
+
+
+def choose_window(
+    seq: Sequence,
+    budget: int,
+    h2d_bandwidth: float,
+    d2h_bandwidth: float,
+    candidates: Optional[list[int]] = None,
+) -> tuple[int, Schedule, SimResult]:
+    """``window="auto"``: the window whose simulated iteration is fastest on the measured link and compute
+    times; among windows within 1% of the fastest, the smallest (it holds the least memory ahead)."""
+    if candidates is None:
+        largest = max(seq.sizes, default=1)
+        room = max(largest, budget - max(seq.nonswap, default=0))
+        candidates, w = [], largest
+        while w < room:
+            candidates.append(int(w))
+            w *= 1.5
+        candidates.append(int(room))
+    results = []
+    for w in sorted(set(min(c, budget) for c in candidates)):
+        sched = plan(seq, budget, w, "window")
+        results.append((w, sched, simulate(seq, sched, h2d_bandwidth, d2h_bandwidth)))
+    best = min(r[2].step_time for r in results)
+    for w, sched, sim in results:
+        if sim.step_time <= best * 1.01:
+            return w, sched, sim
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -1,0 +1,35 @@
+"""Replays a schedule as a state machine and checks that the executor could follow it."""
+
+from swap import Schedule, Sequence
+
+
+def check_schedule(seq: Sequence, s: Schedule) -> None:
+    n = len(seq)
+    last = {}
+    for i, v in enumerate(seq.var):
+        last[v] = i
+    resident: set[int] = set()
+    host: set[int] = set()
+    for i in range(n):
+        for v in list(resident):
+            if last[v] < i:
+                resident.discard(v)
+        for v in s.release[i]:
+            assert v in resident, f"step {i}: release of v{v}, which is not resident"
+            assert v in host, f"step {i}: release of v{v}, whose copy was never started"
+            resident.discard(v)
+        for v in s.swap_in[i]:
+            assert v not in resident, f"step {i}: swap-in of resident v{v}"
+            assert v in host, f"step {i}: swap-in of v{v}, which has no host copy"
+            resident.add(v)
+        v = seq.var[i]
+        if seq.swappable[v]:
+            if seq.kind[i] == "save":
+                resident.add(v)  # a save (re-)attaches the device tensor the forward passes in
+            assert v in resident, f"step {i}: v{v} used while not on the device"
+        for u in s.swap_out[i]:
+            assert u in resident, f"step {i}: swap-out of v{u}, which is not on the device"
+            host.add(u)
+        got = sum(seq.sizes[u] for u in resident)
+        assert got == s.resident[i], f"step {i}: resident {got} != planned {s.resident[i]}"
+        assert seq.nonswap[i] + got <= s.budget, f"step {i}: {seq.nonswap[i] + got} over budget {s.budget}"
