@@ -40,7 +40,8 @@ class InfeasibleBudget(ValueError):
         self.step, self.needed, self.budget, self.excess = step, needed, budget, needed - budget
         super().__init__(
             f"no schedule fits the budget of {_fmt(budget)}: step {step} ({detail}) needs {_fmt(needed)}, "
-            f"{_fmt(needed - budget)} over. Raise the budget, lower the batch size, or checkpoint that part of the model."
+            f"{_fmt(needed - budget)} over. Raise the budget, lower the batch size, or checkpoint that part of "
+            "the model."
         )
 
 
@@ -315,7 +316,7 @@ class _Planner:
         while self.wanted and self.wanted[0][0] <= self.i:
             heapq.heappop(self.wanted)
         wanted_vars = {w for _, w in self.wanted}
-        for u, w in sorted(self.wanted):
+        for _use, w in sorted(self.wanted):
             if not seq.swappable[w]:
                 continue
             if w in self.resident:
