@@ -12,8 +12,23 @@ of their backward use, following seed 001's window schedule. The scheduler (``pl
 
 from __future__ import annotations
 
+from .manager import SwapManager
+from .meter import LiveBytesMeter
+from .report import SwapReport
 from .scheduler import POLICIES, InfeasibleBudget, Schedule, plan
 from .sequence import Sequence
 from .simulator import SimResult, choose_window, simulate
 
-__all__ = ["POLICIES", "InfeasibleBudget", "Schedule", "Sequence", "SimResult", "choose_window", "plan", "simulate"]
+__all__ = [
+    "POLICIES",
+    "InfeasibleBudget",
+    "LiveBytesMeter",
+    "Schedule",
+    "Sequence",
+    "SimResult",
+    "SwapManager",
+    "SwapReport",
+    "choose_window",
+    "plan",
+    "simulate",
+]

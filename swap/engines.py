@@ -1,0 +1,148 @@
+"""Transfer engines: the D2H and H2D copy lanes, with completion tickets.
+
+``CudaEngine`` copies on one D2H and one H2D stream, each copy fenced by events: a D2H copy waits for the
+compute stream's work up to the save; the compute stream waits for an H2D copy only when it uses the
+variable. ``HostEngine`` has the same interface with one worker thread per direction and futures, so the
+executor's concurrency paths run in tests without a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+
+class Ticket:
+    """One copy in flight."""
+
+    def __init__(self, handle: Any, nbytes: int) -> None:
+        self.handle = handle
+        self.nbytes = nbytes
+
+
+class _Bandwidth:
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.seconds = 0.0
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.bytes += nbytes
+        self.seconds += seconds
+
+    def rate(self, default: float) -> float:
+        return self.bytes / self.seconds if self.seconds > 0 and self.bytes > 0 else default
+
+
+class HostEngine:
+    """Copies on worker threads (one per direction). Waiting blocks the calling thread."""
+
+    def __init__(self) -> None:
+        self._d2h = ThreadPoolExecutor(1, thread_name_prefix="swap-d2h")
+        self._h2d = ThreadPoolExecutor(1, thread_name_prefix="swap-h2d")
+        self.d2h_bw, self.h2d_bw = _Bandwidth(), _Bandwidth()
+
+    def _copy(self, pool: ThreadPoolExecutor, bw: _Bandwidth, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+        def run() -> None:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            bw.add(src.numel() * src.element_size(), time.perf_counter() - t0)
+
+        return Ticket(pool.submit(run), src.numel() * src.element_size())
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+        return self._copy(self._d2h, self.d2h_bw, dst, src)
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+        return self._copy(self._h2d, self.h2d_bw, dst, src)
+
+    def done(self, ticket: Ticket) -> bool:
+        return ticket.handle.done()
+
+    def wait_host(self, ticket: Ticket) -> float:
+        """Blocks until the copy is done; returns the seconds waited."""
+        f: Future = ticket.handle
+        if f.done():
+            f.result()
+            return 0.0
+        t0 = time.perf_counter()
+        f.result()
+        return time.perf_counter() - t0
+
+    def wait_compute(self, ticket: Ticket) -> float:
+        return self.wait_host(ticket)
+
+    def drain(self) -> None:
+        for pool in (self._d2h, self._h2d):
+            pool.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._d2h.shutdown(wait=True)
+        self._h2d.shutdown(wait=True)
+
+
+class CudaEngine:
+    """Copies on a D2H and an H2D stream of ``device``; completion is a CUDA event."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.d2h_stream = torch.cuda.Stream(device)
+        self.h2d_stream = torch.cuda.Stream(device)
+        self.d2h_bw, self.h2d_bw = _Bandwidth(), _Bandwidth()
+        self._timed: list[tuple[_Bandwidth, int, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def _copy(self, stream: torch.cuda.Stream, bw: _Bandwidth, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)  # the data (or, for H2D, the reused device memory) is ready
+            start.record(stream)
+            dst.copy_(src, non_blocking=True)
+            done.record(stream)
+        if dst.is_cuda:
+            dst.record_stream(stream)  # the allocator must not reuse dst before the copy is done
+        nbytes = src.numel() * src.element_size()
+        self._timed.append((bw, nbytes, start, done))
+        return Ticket(done, nbytes)
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+        return self._copy(self.d2h_stream, self.d2h_bw, dst, src)
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+        return self._copy(self.h2d_stream, self.h2d_bw, dst, src)
+
+    def done(self, ticket: Ticket) -> bool:
+        return ticket.handle.query()
+
+    def wait_host(self, ticket: Ticket) -> float:
+        if ticket.handle.query():
+            return 0.0
+        t0 = time.perf_counter()
+        ticket.handle.synchronize()
+        return time.perf_counter() - t0
+
+    def wait_compute(self, ticket: Ticket) -> float:
+        """The compute stream waits for the copy (no host wait); returns 0 (the stall is on the device)."""
+        torch.cuda.current_stream(self.device).wait_event(ticket.handle)
+        return 0.0
+
+    def measure(self) -> None:
+        """Folds finished copies' event timings into the bandwidth estimates."""
+        keep = []
+        for bw, nbytes, start, done in self._timed:
+            if done.query():
+                bw.add(nbytes, start.elapsed_time(done) / 1e3)
+            else:
+                keep.append((bw, nbytes, start, done))
+        self._timed = keep
+
+    def drain(self) -> None:
+        self.d2h_stream.synchronize()
+        self.h2d_stream.synchronize()
+        self.measure()
+
+    def close(self) -> None:
+        self.drain()

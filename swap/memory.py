@@ -1,0 +1,90 @@
+"""Device memory as the allocator sees it: what the budget is measured against.
+
+``window_peak()`` returns the highest allocated bytes since the previous call (the profiling iteration
+calls it at every access, to learn each step's peak); ``peak`` is the highest seen overall.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .meter import LiveBytesMeter
+
+
+class DeviceMemory:
+    name = "?"
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    def _window_peak(self) -> int:
+        raise NotImplementedError
+
+    def window_peak(self) -> int:
+        p = self._window_peak()
+        self.peak = max(self.peak, p)
+        return p
+
+    def close(self) -> None:
+        pass
+
+
+class MeterMemory(DeviceMemory):
+    """CPU runs: live tensor bytes on the compute device, counted by a LiveBytesMeter."""
+
+    name = "live tensor bytes (LiveBytesMeter)"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.meter = LiveBytesMeter(device).track_existing()
+        self.meter.__enter__()
+        self.meter.reset_window()
+
+    def _window_peak(self) -> int:
+        return self.meter.reset_window()
+
+    def close(self) -> None:
+        self.meter.__exit__(None, None, None)
+
+
+class TorchCudaMemory(DeviceMemory):
+    name = "torch.cuda.max_memory_allocated"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def _window_peak(self) -> int:
+        p = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return p
+
+
+class ArenaMemory(DeviceMemory):
+    """vmalloc is the allocator: its allocated bytes (whole chunks) are what the device holds for tensors."""
+
+    name = "vmalloc allocated_bytes"
+
+    def __init__(self, arena: Any) -> None:
+        super().__init__()
+        self.arena = arena
+        arena.reset_peak_stats()
+
+    def _window_peak(self) -> int:
+        p = self.arena.stats()["allocated_bytes.all.peak"]
+        self.arena.reset_peak_stats()
+        return p
+
+
+def vmalloc_arena(device: torch.device) -> Optional[Any]:
+    """vmalloc's global arena for ``device`` if vmalloc is serving torch's CUDA allocations, else None."""
+    if device.type != "cuda":
+        return None
+    try:
+        from vmalloc import _C
+    except ImportError:
+        return None
+    return _C.existing_global_arena(device.index or 0)
