@@ -3,10 +3,17 @@
 Each pack and unpack is one step. In a *planned* iteration, step i issues ``release[i]`` (wait for the D2H
 copy, drop the device copy), ``swap_in[i]`` (start H2D), the access (a use waits for its H2D copy, or
 fetches on demand if the plan missed: slower, never wrong), then ``swap_out[i]`` (start D2H). A *profiling*
-iteration (the first, and the one after the sequence changes) runs the conservative plan instead: every
+iteration runs the conservative plan instead: every
 variable's copy starts as soon as it is saved and it leaves the device at the next step; a use prefetches
 the variable saved just before it (backward mostly runs the forward in reverse). Meanwhile it records the
 sequence the scheduler plans the next iterations with.
+
+Note [Two profiling iterations]
+The first iteration is not representative: gradients and optimizer state (momentum, Adam moments) are made
+during it, so the memory that is not ours to move is larger in every later iteration. The executor
+therefore profiles two iterations, both with the conservative plan, and plans from the element-wise larger
+of the two. After the sequence changes, one profiling iteration suffices (the state exists by then). And if
+a planned iteration's measured peak ever exceeds the budget, the next iteration profiles again.
 
 Note [Iteration boundaries]
 An iteration ends when autograd finishes a backward pass: the first unpack queues an engine callback. The
@@ -54,6 +61,8 @@ class Executor:
         pool: HostPool,
         memory: DeviceMemory,
         planner: Callable[[Sequence], Optional[Schedule]],
+        budget: int,
+        profile_iterations: int = 2,
     ) -> None:
         import threading
 
@@ -62,6 +71,9 @@ class Executor:
         self.pool = pool
         self.memory = memory
         self.planner = planner  # sequence -> schedule, or None to decline
+        self.budget = budget
+        self.profiles_left = profile_iterations
+        self._previous: Optional[Sequence] = None  # the last profiling iteration's recording
         self.lock = threading.RLock()
         self.counters = Counters()
         self.mode = PROFILE
@@ -114,7 +126,14 @@ class Executor:
             if self.mode == PROFILE:
                 self._finish_profile()
             elif self.mode == FALLBACK:
-                self.mode = PROFILE
+                self.mode, self._previous, self.profiles_left = PROFILE, None, 1
+            elif self.mode == PLANNED and self.memory.window_peak() > self.budget:
+                log.warning(
+                    "swap: this iteration's peak exceeded the budget of %d bytes (planned %d): re-profiling",
+                    self.budget, self.schedule.peak,
+                )  # fmt: skip
+                self.counters.replans += 1
+                self.mode, self._previous, self.profiles_left = PROFILE, None, 1
             else:
                 self.memory.window_peak()
             if hasattr(self.engine, "measure"):
@@ -129,10 +148,17 @@ class Executor:
         seq = Sequence(
             self.rec_var, self.rec_kind, [v.nbytes for v in self.vars], self.rec_nonswap, self.rec_compute, swappable
         )
+        previous, self._previous = self._previous, seq
+        if previous is not None and previous.signature() == seq.signature():
+            seq.nonswap = [max(a, b) for a, b in zip(previous.nonswap, seq.nonswap)]
+            seq.swappable = [a and b for a, b in zip(previous.swappable, seq.swappable)]
+        self.profiles_left -= 1
+        if self.profiles_left > 0:
+            return  # profile once more (Note [Two profiling iterations])
         try:
             schedule = self.planner(seq)
         except InfeasibleBudget:
-            self.mode = PROFILE  # profile again next time (a later iteration may differ)
+            self.mode, self.profiles_left = PROFILE, 1  # profile again next time (a later one may differ)
             raise
         self.sequence = seq
         self.schedule = schedule
@@ -338,6 +364,8 @@ class Executor:
                     pass
             self.inflight = []
             self.closed = True
+            # Our references go; autograd's handles keep what a late unpack may still need.
+            self.vars, self.by_storage = [], {}
 
 
 __all__ = ["Executor", "PROFILE", "PLANNED", "FALLBACK", "DECLINED", "Ticket"]

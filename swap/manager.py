@@ -7,8 +7,8 @@
             opt.step(); opt.zero_grad()
     print(sm.report())
 
-The first iteration profiles (conservatively, within the budget); later ones follow the optimized schedule.
-If the run fits the budget without swapping, the manager declines after the first iteration and says so.
+The first two iterations profile (conservatively, within the budget); later ones follow the optimized
+schedule. If the run fits the budget without swapping, the manager declines after profiling and says so.
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ class SwapManager:
             engine = HostEngine()
         self.memory = memory
         pool = HostPool(pinned=cuda, limit=self.host_pool_limit)
-        self.executor = Executor(self.device, engine, pool, memory, self._plan)
+        self.executor = Executor(self.device, engine, pool, memory, self._plan, self.budget)
         if self.arena is not None:
             self.arena.set_oom_handler(self.executor.evict)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import warnings
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -59,7 +60,10 @@ class LiveBytesMeter(TorchDispatchMode):
 
     def track_existing(self) -> LiveBytesMeter:
         """Counts every tensor on the device that Python can reach now (parameters, optimizer state, data)."""
-        return self.track(o for o in gc.get_objects() if isinstance(o, torch.Tensor))
+        with warnings.catch_warnings():  # isinstance() pokes deprecated module attributes
+            warnings.simplefilter("ignore")
+            tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        return self.track(tensors)
 
     def reset_peak(self) -> None:
         with self._lock:

@@ -1,0 +1,125 @@
+"""Training with swapping is bitwise identical to training without it, and the device never holds more
+than the budget (measured by an independent LiveBytesMeter)."""
+
+import functools
+
+import pytest
+from training import KiB, assert_bitwise_equal, run
+
+import swap
+
+
+@functools.cache
+def reference(name: str, iterations: int = 4):
+    meter = swap.LiveBytesMeter("cpu")
+    result = run(name, iterations, meter=meter)
+    return result, meter.peak
+
+
+@functools.cache
+def budget_for(name: str) -> tuple[int, int]:
+    """A budget between the least any schedule needs and the no-swap peak (profiled by a run that fits)."""
+    probe = run(name, 3, manager=lambda: swap.SwapManager(budget="64GiB", device="cpu", min_bytes=16 * KiB))
+    seq = probe["manager"].sequence
+    floor = max(seq.nonswap[i] + seq.sizes[seq.var[i]] for i in range(len(seq)))
+    _, no_swap_peak = reference(name)
+    budget = floor + (no_swap_peak - floor) // 3
+    assert budget < no_swap_peak, "the test model must not fit the budget without swapping"
+    return budget, no_swap_peak
+
+
+@pytest.mark.parametrize("policy", ["window", "fixed_distance", "all"])
+@pytest.mark.parametrize("name", ["resnet", "unet", "gpt"])
+def test_bitwise_equal_gradients_under_the_budget(name, policy):
+    budget, no_swap_peak = budget_for(name)
+    ref, _ = reference(name)
+    meter = swap.LiveBytesMeter("cpu")
+    got = run(
+        name, 4, meter=meter,
+        manager=lambda: swap.SwapManager(budget=budget, device="cpu", policy=policy, min_bytes=16 * KiB),
+    )  # fmt: skip
+    assert_bitwise_equal(ref, got)
+    report = got["manager"].report()
+    assert meter.peak <= budget, f"independent peak {meter.peak} > budget {budget} (no-swap {no_swap_peak})"
+    assert report["peak_device_bytes"] <= budget
+    assert report["swapped_out_bytes"] > 0 and report["iterations"] == 4
+    assert report["replans"] == 0 and not report["declined"]
+    assert report["policy"] == policy
+
+
+def test_executor_issues_exactly_the_simulated_actions():
+    budget, _ = budget_for("resnet")
+    got = run("resnet", 4, manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB))
+    sm = got["manager"]
+    sim = swap.simulate(sm.sequence, sm.schedule, 1e9, 1e9)
+    assert sm.executor.last_actions == sim.actions
+
+
+def test_host_pool_stops_growing_after_the_second_iteration():
+    budget, _ = budget_for("resnet")
+    sizes = []
+
+    class Probe(swap.SwapManager):
+        pass
+
+    sm_holder = {}
+
+    def manager():
+        sm_holder["sm"] = swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB)
+        return sm_holder["sm"]
+
+    import torch
+
+    from bench import models
+
+    torch.manual_seed(0)
+    model = models.resnet((1, 1, 1, 1), width=8, num_classes=10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with manager() as sm:
+        for it in range(20):
+            x, y = models.example_batch(model, 8, 64, torch.Generator().manual_seed(it))
+            loss = models.loss_fn(model, model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sizes.append((sm.report()["host_pool_bytes"], sm.executor.pool.peak_used))
+    assert sizes[1] == sizes[-1], sizes
+    assert sm.report()["iterations"] == 20
+
+
+def test_replans_when_the_shapes_change():
+    ref = run("resnet", 6, batches=[8, 8, 8, 6, 6, 6])
+    budget, _ = budget_for("resnet")
+    got = run("resnet", 6, batches=[8, 8, 8, 6, 6, 6],
+              manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB))  # fmt: skip
+    assert_bitwise_equal(ref, got)
+    assert got["manager"].report()["replans"] == 1
+
+
+def test_declines_when_the_run_fits():
+    got = run("resnet", 4, manager=lambda: swap.SwapManager(budget="64GiB", device="cpu", min_bytes=16 * KiB))
+    r = got["manager"].report()
+    assert r["declined"] and any("fits the budget" in n for n in r["notes"])
+    first = run("resnet", 2, manager=lambda: swap.SwapManager(budget="64GiB", device="cpu", min_bytes=16 * KiB))
+    # Only the two profiling iterations copied anything.
+    assert r["swapped_out_bytes"] == first["manager"].report()["swapped_out_bytes"]
+    assert_bitwise_equal(run("resnet", 4), got)
+
+
+def test_policy_none_does_nothing():
+    got = run("resnet", 2, manager=lambda: swap.SwapManager(budget="1GiB", device="cpu", policy="none"))
+    r = got["manager"].report()
+    assert r["swapped_out_bytes"] == 0 and r["declined"] and "policy='none'" in r["notes"][0]
+
+
+def test_too_small_a_budget_names_the_step():
+    with pytest.raises(swap.InfeasibleBudget, match=r"step \d+ .* over"):
+        run("resnet", 2, manager=lambda: swap.SwapManager(budget="64KiB", device="cpu", min_bytes=16 * KiB))
+
+
+def test_report_prints_a_table():
+    budget, _ = budget_for("gpt")
+    got = run("gpt", 2, manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB))
+    text = str(got["manager"].report())
+    for label in ("policy", "iterations", "budget", "peak device memory", "swapped out", "stall", "re-plans"):
+        assert label in text
