@@ -19,11 +19,16 @@ from .host_pool import HostBlock
 
 
 def is_parameter_like(t: torch.Tensor) -> bool:
-    """Parameters and views of them (Linear saves ``weight.t()``), and leaves that require grad."""
-    if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
+    """Parameters, views of them (Linear saves ``weight.t()``), and genuine leaves that require grad.
+
+    A view is judged by its base: views made inside a custom Function's forward (grad mode off) are leaves
+    that require grad, yet their base is an ordinary activation."""
+    if isinstance(t, torch.nn.Parameter):
         return True
     base = t._base
-    return base is not None and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad))
+    if base is not None:
+        return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
+    return t.is_leaf and t.requires_grad
 
 
 class Exclusions:
