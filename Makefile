@@ -13,7 +13,7 @@ setup:
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
 demo: setup
-	$(PY) examples/fragmentation_demo.py
+	$(PY) examples/train_beyond_memory.py
 
 demo-allocator: setup
 	$(PY) examples/fragmentation_demo.py

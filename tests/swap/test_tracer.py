@@ -91,9 +91,7 @@ def test_parameters_small_expanded_and_excluded_tensors_stay():
         small = torch.randn(16, 1024, requires_grad=True) * 1
         wide = torch.randn(1, 1024, requires_grad=True).expand(512, 1024)
         other = torch.randn(700, 1024, requires_grad=True) * 1
-        out = (
-            lin(x * 1).sum() + (small * small).sum() + (wide * x).sum() + (keep * x).sum() + (other * other).sum()
-        )
+        out = lin(x * 1).sum() + (small * small).sum() + (wide * x).sum() + (keep * x).sum() + (other * other).sum()
         sizes = sorted(v.nbytes for v in sm.executor.vars)
         out.backward()
     # Only x * 1 (2 MiB, saved by the Linear) qualifies: the weight is a parameter, `small` is under
