@@ -9,7 +9,7 @@ ASAN_PKG := build/asan/pkg
 # project's CPU machines is a local CPU build.
 setup:
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q pybind11 numpy pytest hypothesis matplotlib ruff
+	$(PY) -m pip install -q "setuptools>=64" wheel pybind11 numpy pytest hypothesis matplotlib ruff
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
 demo: setup
