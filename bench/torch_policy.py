@@ -111,6 +111,10 @@ class _Stats:
     def get(self, name: str) -> int:
         return self.v.get(name, 0)
 
+    def reset_peak(self) -> None:
+        for key in [k for k in self.v if k.endswith(".all.peak")]:
+            self.v[key] = self.v.get(key[: -len(".all.peak")] + ".all.current", 0)
+
 
 class NativeCachingModel:
     """PyTorch's default caching allocator: cudaMalloc'ed segments split best-fit, per stream.
@@ -258,6 +262,9 @@ class NativeCachingModel:
     def empty_cache(self) -> None:
         self._release_cached_blocks()
 
+    def reset_peak_stats(self) -> None:
+        self.stats_.reset_peak()
+
     def stats(self) -> dict[str, int]:
         s = dict(self.stats_.v)
         s["capacity"] = self.capacity
@@ -390,6 +397,9 @@ class ExpandableSegmentsModel:
 
     def empty_cache(self) -> None:
         self._unmap_free_pages()
+
+    def reset_peak_stats(self) -> None:
+        self.stats_.reset_peak()
 
     def stats(self) -> dict[str, int]:
         s = dict(self.stats_.v)

@@ -30,7 +30,7 @@ std::size_t to_size(const py::handle& value, const char* what) {
 }
 
 Config make_config(const std::string& backend, const py::object& capacity, const py::object& chunk_size,
-                   const py::object& small_max, int device, const py::object& history) {
+                   const py::object& small_max, int device, const py::object& history, bool eager_growth = false) {
   Config c;
   c.backend = backend;
   c.capacity = to_size(capacity, "capacity");
@@ -39,6 +39,7 @@ Config make_config(const std::string& backend, const py::object& capacity, const
   c.small_max = to_size(small_max, "small_max");
   c.device = device;
   c.history = to_size(history, "history");
+  c.eager_growth = eager_growth;
   return c;
 }
 
@@ -50,6 +51,7 @@ py::dict config_dict(const Config& c) {
   d["small_max"] = c.small_max;
   d["device"] = c.device;
   d["history"] = c.history;
+  d["eager_growth"] = c.eager_growth;
   return d;
 }
 
@@ -77,11 +79,13 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Allocator, ArenaPtr>(m, "Arena")
       .def(py::init([](const std::string& backend, const py::object& capacity, const py::object& chunk_size,
-                       const py::object& small_max, int device, const py::object& history) {
-             return std::make_shared<Allocator>(make_config(backend, capacity, chunk_size, small_max, device, history));
+                       const py::object& small_max, int device, const py::object& history, bool eager_growth) {
+             return std::make_shared<Allocator>(
+                 make_config(backend, capacity, chunk_size, small_max, device, history, eager_growth));
            }),
            py::arg("backend") = "cuda", py::arg("capacity") = py::none(), py::arg("chunk_size") = "2MiB",
-           py::arg("small_max") = "1MiB", py::arg("device") = 0, py::arg("history") = 0)
+           py::arg("small_max") = "1MiB", py::arg("device") = 0, py::arg("history") = 0,
+           py::arg("eager_growth") = false)
       .def("malloc", &Allocator::malloc, py::arg("nbytes"), py::arg("stream") = 0,
            py::call_guard<py::gil_scoped_release>(), "Allocate nbytes on stream; returns the address.")
       .def("free", &Allocator::free, py::arg("addr"), py::call_guard<py::gil_scoped_release>(),
@@ -142,10 +146,11 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "configure",
       [](const std::string& backend, const py::object& capacity, const py::object& chunk_size,
-         const py::object& small_max, const py::object& history) {
+         const py::object& small_max, const py::object& history, const py::object& eager_growth) {
         // Start from VMALLOC_CONF so explicit options override the environment key by key.
         Config base = vmalloc::global::configuration();
-        Config c = make_config(backend.empty() ? base.backend : backend, capacity, chunk_size, small_max, 0, history);
+        Config c = make_config(backend.empty() ? base.backend : backend, capacity, chunk_size, small_max, 0, history,
+                               eager_growth.is_none() ? base.eager_growth : eager_growth.cast<bool>());
         if (capacity.is_none()) c.capacity = base.capacity;
         if (chunk_size.is_none()) c.chunk_size = base.chunk_size;
         if (small_max.is_none()) c.small_max = base.small_max;
@@ -153,7 +158,7 @@ PYBIND11_MODULE(_C, m) {
         vmalloc::global::configure(c);
       },
       py::arg("backend") = "", py::arg("capacity") = py::none(), py::arg("chunk_size") = py::none(),
-      py::arg("small_max") = py::none(), py::arg("history") = py::none());
+      py::arg("small_max") = py::none(), py::arg("history") = py::none(), py::arg("eager_growth") = py::none());
   m.def("global_configuration", [] { return config_dict(vmalloc::global::configuration()); });
   m.def("global_arena", &vmalloc::global::arena, py::arg("device") = 0);
   m.def("existing_global_arena", &vmalloc::global::existing, py::arg("device") = 0);

@@ -66,9 +66,10 @@ Config parse_conf(const std::string& text, Config c) {
     else if (key == "small_max") c.small_max = parse_size(value);
     else if (key == "history") c.history = parse_size(value);
     else if (key == "device") c.device = std::stoi(value);
+    else if (key == "eager_growth") c.eager_growth = (value == "1" || value == "true" || value == "True");
     else
       throw std::invalid_argument("unknown VMALLOC_CONF key '" + key +
-                                  "': known keys are backend, capacity, chunk_size, small_max, history, device");
+                                  "': known keys are backend, capacity, chunk_size, small_max, history, device, eager_growth");
   }
   return c;
 }

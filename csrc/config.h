@@ -14,6 +14,9 @@ struct Config {
   std::size_t small_max = std::size_t{1} << 20;
   int device = 0;
   std::size_t history = 0;  // trace entries kept for snapshot(); 0 records none
+  // Note [Reuse before growth]: false (default) reuses cached chunks (reclaim) before creating new ones;
+  // true creates new chunks while under capacity first, reclaiming only at the capacity.
+  bool eager_growth = false;
 };
 
 // Parses "123", "512KiB", "2MiB", "1.5GiB", "1TiB", "10MB" (SI units are decimal). Throws

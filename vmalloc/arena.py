@@ -21,6 +21,9 @@ class Arena(_C.Arena):
         small_max: requests up to this size are carved from one-chunk slabs in 512 B steps.
         device: CUDA device ordinal (cuda backend).
         history: how many trace entries ``snapshot()`` keeps (0: none).
+        eager_growth: on a cache miss, create new chunks (while under capacity) before reclaiming cached
+            ones. Default False: reuse cached chunks first, so reserved memory stays at the peak of
+            allocated memory, at the price of more unmap/map calls.
 
     ``malloc(nbytes, stream=0)`` returns an address and raises ``vmalloc.OutOfMemoryError`` when the
     request cannot be met within the capacity; ``free(addr)`` raises ``ValueError`` (changing nothing) for

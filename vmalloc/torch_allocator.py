@@ -27,15 +27,15 @@ _HOOKS = {
 
 
 def configure(**options: Any) -> None:
-    """Sets the global arenas' options (backend, capacity, chunk_size, small_max, history) before first use.
+    """Sets the global arenas' options (backend, capacity, chunk_size, small_max, history, eager_growth)
+    before first use.
 
     Options not given keep their ``VMALLOC_CONF`` value. Raises RuntimeError once an arena exists.
     """
-    unknown = set(options) - {"backend", "capacity", "chunk_size", "small_max", "history"}
+    known = {"backend", "capacity", "chunk_size", "small_max", "history", "eager_growth"}
+    unknown = set(options) - known
     if unknown:
-        raise TypeError(
-            f"unknown vmalloc option(s) {sorted(unknown)}: use backend, capacity, chunk_size, small_max, history"
-        )
+        raise TypeError(f"unknown vmalloc option(s) {sorted(unknown)}: use {', '.join(sorted(known))}")
     _C.configure(**options)
 
 
