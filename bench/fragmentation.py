@@ -1,0 +1,296 @@
+"""Fragmentation on training traces: vmalloc beside models of PyTorch's allocator policies.
+
+    python -m bench.fragmentation            # full: 5 workloads x 2 batches, with and without swapping
+    python -m bench.fragmentation --quick    # a smoke run (< 3 minutes)
+
+Each workload's training steps are captured on the meta device (bench.traces) and, for the swapped
+variant, rewritten with the swap runtime's schedule for a budget (bench.swap_trace). Every trace is then
+replayed on vmalloc (sim backend, 2 MiB chunks), PyTorch's native caching allocator and its
+expandable_segments mode (bench.torch_policy), with unlimited capacity, and measured (bench.replay). Also:
+a chunk-size sweep for vmalloc, the largest ResNet-50 batch that fits 16 GiB per allocator with and without
+swapping, and a host-backend replay that must give the sim backend's figures.
+
+Writes <out>/fragmentation.json, fragmentation.md and fragmentation_{timeline,utilization,max_batch}.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from bench.replay import ALLOCATORS, measure, requested_peak
+from bench.swap_trace import sequence_from_trace, swapped
+from bench.traces import Trace, capture
+from swap import InfeasibleBudget
+
+GiB = 1 << 30
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / "build" / "trace-cache"
+
+FULL = {
+    "resnet50": (256, 1440),
+    "densenet121": (64, 256),
+    "unet": (8, 32),
+    "gpt2": (4, 16),
+    "gpt2-bf16": (8, 32),
+}
+QUICK = {"resnet50": (32,), "unet": (2,)}
+SWAP_BUDGET = 16 * GiB  # seed 001's V100
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def get_trace(model: str, batch: int, steps: int) -> Trace:
+    """Captured once, then cached under build/trace-cache (traces are regenerated, never committed)."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    path = CACHE / f"{model}_b{batch}_s{steps}.npz"
+    if path.exists():
+        try:
+            return Trace.load(path)
+        except (ValueError, OSError):
+            pass
+    t0 = time.perf_counter()
+    trace = capture(model, batch, steps, progress=False)
+    trace.save(path)
+    log(f"  captured {model} batch {batch} ({len(trace)} events) in {time.perf_counter() - t0:.1f} s")
+    return trace
+
+
+def swap_budget(trace: Trace) -> Optional[int]:
+    """16 GiB, or half the no-swap peak when that is below 16 GiB; raised to what the plan can meet."""
+    seq = sequence_from_trace(trace)
+    floor = max(seq.nonswap[i] + seq.sizes[seq.var[i]] for i in range(len(seq)))
+    budget = min(SWAP_BUDGET, seq.no_swap_peak() // 2)
+    return max(budget, int(floor * 1.05))
+
+
+def run_trace(trace: Trace, label: dict[str, Any], chunk_sweep: list[str]) -> dict[str, Any]:
+    row = dict(label)
+    row["events"] = len(trace)
+    row["requested_peak"] = requested_peak(trace)
+    row["allocators"] = {}
+    for name in ALLOCATORS:
+        m = measure(trace, name, series_every=max(1, len(trace) // 400))
+        m["efficiency"] = row["requested_peak"] / m["peak_reserved"] if m["peak_reserved"] else 1.0
+        row["allocators"][name] = m
+    row["chunk_sweep"] = {}
+    for chunk in chunk_sweep:
+        m = measure(trace, "vmalloc", chunk_size=chunk)
+        m["efficiency"] = row["requested_peak"] / m["peak_reserved"]
+        m.pop("series")
+        row["chunk_sweep"][chunk] = m
+    return row
+
+
+def fits(model: str, batch: int, steps: int, allocator: str, capacity: int, use_swap: bool) -> bool:
+    trace = get_trace(model, batch, steps)
+    if use_swap:
+        try:
+            trace = swapped(trace, capacity)
+        except InfeasibleBudget:
+            return False
+    return measure(trace, allocator, capacity=capacity)["ok"]
+
+
+def max_batch(model: str, batches: list[int], steps: int, allocator: str, capacity: int, use_swap: bool) -> int:
+    """The largest of ``batches`` (ascending) that replays without OOM (binary search: fitting is monotone)."""
+    lo, hi, best = 0, len(batches) - 1, 0
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(model, batches[mid], steps, allocator, capacity, use_swap):
+            best, lo = batches[mid], mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def host_cross_check(steps: int) -> dict[str, Any]:
+    """The host backend (real memory) and the sim backend give the same figures on one trace."""
+    trace = get_trace("resnet50", 8, steps)
+    sim = measure(trace, "vmalloc")
+    host = measure(trace, "vmalloc-host", capacity=4 * GiB)
+    keys = ["peak_allocated", "peak_reserved", "num_maps", "num_unmaps", "num_reclaims"]
+    return {"trace": "resnet50 batch 8", "sim": {k: sim[k] for k in keys}, "host": {k: host[k] for k in keys},
+            "equal": all(sim[k] == host[k] for k in keys)}  # fmt: skip
+
+
+# -- output -------------------------------------------------------------------------------------------------
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = [
+        f"Command: `{results['meta']['command']}` ({results['meta']['date']}, torch {results['meta']['torch']}).",
+        "",
+        "Utilization = peak active / peak reserved (GMLake); efficiency = peak requested / peak reserved (counts "
+        "rounding as waste); steady = allocated / reserved per iteration after the first, averaged (STAlloc). "
+        "Unlimited capacity; reserved and requested in GiB.",
+        "",
+        "| trace | requested | allocator | reserved | utilization | efficiency | steady | maps / unmaps |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["traces"]:
+        name = f"{row['model']} b{row['batch']}" + (f" swap@{gib(row['budget'])}" if row["swapped"] else "")
+        for a, m in row["allocators"].items():
+            lines.append(
+                f"| {name} | {gib(row['requested_peak'])} | {a} | {gib(m['peak_reserved'])} | {m['utilization']:.3f} "
+                f"| {m['efficiency']:.3f} | {m['steady_utilization']:.3f} | {m['num_maps']} / {m['num_unmaps']} |"
+            )
+    lines += ["", "vmalloc chunk-size sweep (utilization / efficiency / maps):", ""]
+    chunks = list(results["traces"][0]["chunk_sweep"]) if results["traces"] else []
+    lines.append("| trace | " + " | ".join(["2MiB"] + chunks) + " |")
+    lines.append("|---|" + "---|" * (1 + len(chunks)))
+    for row in results["traces"]:
+        name = f"{row['model']} b{row['batch']}" + (" swap" if row["swapped"] else "")
+        v = row["allocators"]["vmalloc"]
+        cells = [f"{v['utilization']:.3f} / {v['efficiency']:.3f} / {v['num_maps']}"]
+        cells += [
+            f"{m['utilization']:.3f} / {m['efficiency']:.3f} / {m['num_maps']}" for m in row["chunk_sweep"].values()
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    mb = results.get("max_batch")
+    if mb:
+        lines += ["", f"Largest {mb['model']} batch whose trace replays within {gib(mb['capacity'])} GiB "
+                  f"(candidates {mb['batches']}):", "", "| allocator | no swap | with swap |", "|---|---|---|"]  # fmt: skip
+        for a in ALLOCATORS:
+            lines.append(f"| {a} | {mb['no_swap'][a]} | {mb['swap'][a]} |")
+    hc = results.get("host_check")
+    if hc:
+        lines += ["", f"Host backend vs sim backend on {hc['trace']}: identical figures: {hc['equal']}."]
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    swap_rows = [r for r in results["traces"] if r["swapped"]]
+    if swap_rows:
+        row = max(swap_rows, key=lambda r: r["requested_peak"])
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        first = True
+        for a, m in row["allocators"].items():
+            xs = [p[0] for p in m["series"]]
+            if first:
+                ax.plot(xs, [p[1] / GiB for p in m["series"]], color="black", lw=1, label="requested (live tensors)")
+                first = False
+            ax.plot(xs, [p[2] / GiB for p in m["series"]], lw=1.3, label=f"reserved: {a}")
+        ax.axhline(row["budget"] / GiB, color="grey", ls="--", lw=0.8, label="swap budget")
+        ax.set_xlabel("trace event")
+        ax.set_ylabel("GiB")
+        ax.set_title(f"{row['model']} batch {row['batch']} under swapping: reserved vs requested")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(out / "fragmentation_timeline.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    rows = results["traces"]
+    if rows:
+        fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.9), 4.5))
+        width = 0.8 / len(ALLOCATORS)
+        for j, a in enumerate(ALLOCATORS):
+            ax.bar([i + j * width for i in range(len(rows))], [r["allocators"][a]["utilization"] for r in rows],
+                   width, label=a)  # fmt: skip
+        ax.set_xticks([i + width for i in range(len(rows))])
+        ax.set_xticklabels([f"{r['model']}\nb{r['batch']}{' swap' if r['swapped'] else ''}" for r in rows], fontsize=7)
+        ax.set_ylim(0.5, 1.01)
+        ax.set_ylabel("peak active / peak reserved")
+        ax.set_title("Utilization per trace (GMLake's metric)")
+        ax.legend(fontsize=8, loc="lower left")
+        fig.tight_layout()
+        written.append(out / "fragmentation_utilization.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    mb = results.get("max_batch")
+    if mb:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        xs = range(len(ALLOCATORS))
+        ax.bar([x - 0.2 for x in xs], [mb["no_swap"][a] for a in ALLOCATORS], 0.4, label="no swap")
+        ax.bar([x + 0.2 for x in xs], [mb["swap"][a] for a in ALLOCATORS], 0.4, label="window swap")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(ALLOCATORS)
+        ax.set_ylabel("largest batch")
+        ax.set_title(f"{mb['model']}: largest batch within {mb['capacity'] / GiB:.0f} GiB")
+        ax.legend()
+        fig.tight_layout()
+        written.append(out / "fragmentation_max_batch.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    return written
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.fragmentation", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--quick", action="store_true", help="small workloads: a smoke run in under 3 minutes")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    workloads = QUICK if args.quick else FULL
+    steps = 2 if args.quick else 3
+    chunk_sweep = ["20MiB"] if args.quick else ["4MiB", "8MiB", "20MiB"]
+    t_start = time.perf_counter()
+    results: dict[str, Any] = {
+        "meta": {
+            "command": "python -m bench.fragmentation" + (" --quick" if args.quick else ""),
+            "date": time.strftime("%Y-%m-%d"),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "steps": steps,
+            "swap_budget_rule": "min(16 GiB, no-swap peak / 2)",
+        },  # fmt: skip
+        "traces": [],
+    }
+    for model, batches in workloads.items():
+        for batch in batches:
+            trace = get_trace(model, batch, steps)
+            base = {"model": model, "batch": batch, "dtype": trace.meta.get("dtype"), "size": trace.meta.get("size")}
+            results["traces"].append(run_trace(trace, {**base, "swapped": False, "budget": None}, chunk_sweep))
+            budget = swap_budget(trace)
+            st = swapped(trace, budget)
+            results["traces"].append(run_trace(st, {**base, "swapped": True, "budget": budget}, chunk_sweep))
+            v = results["traces"][-2]["allocators"]["vmalloc"]
+            w = results["traces"][-1]["allocators"]["vmalloc"]
+            log(f"{model} batch {batch}: vmalloc utilization {v['utilization']:.3f}, swapped (budget "
+                f"{budget / GiB:.1f} GiB) {w['utilization']:.3f}  [{time.perf_counter() - t_start:.0f} s]")  # fmt: skip
+    if args.quick:
+        mb_model, mb_batches, capacity = "resnet50", [16, 32, 64, 128], 4 * GiB
+    else:
+        mb_model, capacity = "resnet50", 16 * GiB
+        mb_batches = [64, 128, 190, 256, 384, 512, 640, 768, 928, 1120, 1248, 1440, 1600, 1800, 2048]
+    log(f"largest {mb_model} batch within {capacity / GiB:.0f} GiB ...")
+    results["max_batch"] = {"model": mb_model, "capacity": capacity, "batches": mb_batches, "no_swap": {}, "swap": {}}
+    for a in ALLOCATORS:
+        for use_swap, key in ((False, "no_swap"), (True, "swap")):
+            results["max_batch"][key][a] = max_batch(mb_model, mb_batches, 2, a, capacity, use_swap)
+        log(f"  {a}: {results['max_batch']['no_swap'][a]} without swapping, {results['max_batch']['swap'][a]} with")
+    results["host_check"] = host_cross_check(steps)
+    results["meta"]["seconds"] = round(time.perf_counter() - t_start, 1)
+    for row in results["traces"]:
+        for m in row["allocators"].values():
+            m["series"] = m["series"]  # kept: the timeline plot reads them back from the JSON
+    (out / "fragmentation.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "fragmentation.md").write_text(markdown(results))
+    written = plots(results, out)
+    log(f"wrote {out / 'fragmentation.json'}, {out / 'fragmentation.md'}, " + ", ".join(p.name for p in written))
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
