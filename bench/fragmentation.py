@@ -160,8 +160,14 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     mb = results.get("max_batch")
     if mb:
-        lines += ["", f"Largest {mb['model']} batch whose trace replays within {gib(mb['capacity'])} GiB "
-                  f"(candidates {mb['batches']}):", "", "| allocator | no swap | with swap |", "|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            f"Largest {mb['model']} batch whose trace replays within {gib(mb['capacity'])} GiB "
+            f"(candidates {mb['batches']}):",
+            "",
+            "| allocator | no swap | with swap |",
+            "|---|---|---|",
+        ]
         for a in ALLOCATORS:
             lines.append(f"| {a} | {mb['no_swap'][a]} | {mb['swap'][a]} |")
     hc = results.get("host_check")

@@ -248,8 +248,9 @@ def capture(model: str, batch: int, steps: int = 3, size: Optional[int] = None, 
                 del x, y, loss
                 b.add(ITER_END, it)
                 if progress:
-                    print(f"  captured {model} batch {batch}: step {it + 1}/{steps} "
-                          f"({len(b.rows)} events, {time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)  # fmt: skip
+                    elapsed = time.perf_counter() - t0
+                    print(f"  captured {model} batch {batch}: step {it + 1}/{steps} ({len(b.rows)} events, "
+                          f"{elapsed:.1f} s)", file=sys.stderr, flush=True)  # fmt: skip
     finally:
         if gc_was:
             gc.enable()
