@@ -37,42 +37,49 @@ def sequence_from_trace(trace: Trace, iteration: int = -1, cost: Optional[CostMo
             live -= alive.pop(ids[k])
     var_of: dict[int, int] = {}
     var, kind, nbytes, nonswap, compute = [], [], [], [], []
-    holdable = 0  # bytes of saved activations the forward no longer holds: ours to move
-    unref: set[int] = set()
-    interval_peak = live
+    saved_alive = 0  # bytes of saved activations alive: the scheduler accounts for them itself
+    unref_step: dict[int, int] = {}  # variable -> the first step after the forward dropped it
+    dropped: set[int] = set()
+    interval = live
     step_cost: list[tuple[float, float]] = []
     for k in range(begin, end + 1):
         o, i = ops[k], ids[k]
         if o == ALLOC:
             alive[i] = sizes[k]
             live += sizes[k]
-            interval_peak = max(interval_peak, live)
         elif o == FREE:
             if i in alive:
                 live -= alive.pop(i)
-            if i in unref:
-                unref.discard(i)
-                holdable -= sizes[k]
-        elif o == UNREF and i in var_of and i in alive:
-            unref.add(i)
-            holdable += sizes[k]
+                if i in var_of:
+                    saved_alive -= sizes[k]
+        elif o == UNREF:
+            dropped.add(i)
         elif o in (SAVE, USE):
             if var:
-                nonswap.append(max(0, interval_peak - holdable))
+                nonswap.append(max(0, interval))
             if i not in var_of:
                 var_of[i] = len(nbytes)
                 nbytes.append(sizes[k])
+                if i in alive:
+                    saved_alive += sizes[k]
+            for j in list(dropped):
+                if j in var_of:
+                    unref_step.setdefault(var_of[j], len(var))
+                dropped.discard(j)
             var.append(var_of[i])
             kind.append("save" if o == SAVE else "use")
             step_cost.append((flops[k], moved[k]))
-            interval_peak = live
+            interval = live - saved_alive
+            continue
+        interval = max(interval, live - saved_alive)
     if var:
-        nonswap.append(max(0, interval_peak - holdable))
+        nonswap.append(max(0, interval))
+    held_until = [unref_step.get(v, len(var)) for v in range(len(nbytes))]
     # The cost recorded at an access is the compute of the step before it.
     for j in range(len(var)):
         f, m = step_cost[j + 1] if j + 1 < len(var) else (0.0, 0.0)
         compute.append(cost(f, m) if cost else 0.0)
-    return Sequence(var, kind, nbytes, nonswap, compute)
+    return Sequence(var, kind, nbytes, nonswap, compute, held_until=held_until)
 
 
 def plan_for(trace: Trace, budget: int, policy: str = "window", window: Optional[int] = None,

@@ -232,17 +232,23 @@ class _Planner:
         self.release[self.i].append(v)
         self._drop(v)
 
+    def _releasable(self, v: int) -> bool:
+        return self.seq.held_until[v] <= self.i
+
     def _make_room(self, need: int, keep: set[int], forced: bool) -> bool:
         """Releases reserved swap-outs oldest first (and, if forced, any resident variable farthest next use
-        first) until ``need`` bytes are free. Variables in ``keep`` stay."""
+        first) until ``need`` bytes are free. Variables in ``keep``, and those the forward still holds
+        (``held_until``), stay."""
         for v in list(self.pending):
             if self._free() >= need:
                 return True
-            if v not in keep:
+            if v not in keep and self._releasable(v):
                 self._do_release(v)
         if self._free() >= need or not forced:
             return self._free() >= need
-        victims = sorted((v for v in self.resident if v not in keep), key=lambda v: -self._next_use_of(v))
+        victims = sorted(
+            (v for v in self.resident if v not in keep and self._releasable(v)), key=lambda v: -self._next_use_of(v)
+        )
         for v in victims:
             if self._free() >= need:
                 break
@@ -266,7 +272,10 @@ class _Planner:
                     self._drop(v)
             for v in self.eager[i]:
                 if v in self.resident and v in self.pending:
-                    self._do_release(v)
+                    if self._releasable(v):
+                        self._do_release(v)
+                    elif seq.held_until[v] < self.n:
+                        self.eager[seq.held_until[v]].append(v)  # as soon as the forward lets go
             for u in self.triggers[i]:
                 heapq.heappush(self.wanted, (u, seq.var[u]))
             v, size = seq.var[i], seq.sizes[seq.var[i]]
@@ -274,7 +283,12 @@ class _Planner:
             # Room for it, and for whatever the step's non-swappable memory took since the last step.
             need = size if seq.swappable[v] and v not in self.resident else 0
             if not self._make_room(need, {v}, forced=True):
-                raise AssertionError("unreachable: the feasibility check guarantees room")  # pragma: no cover
+                held = sum(b for u, b in self.resident.items() if u != v and not self._releasable(u))
+                raise InfeasibleBudget(
+                    i, seq.nonswap[i] + held + size, self.budget,
+                    f"{seq.kind[i]} of variable {v} ({_fmt(size)}) while the forward pass still holds "
+                    f"{_fmt(held)} of saved tensors, with {_fmt(seq.nonswap[i])} that is not swappable",
+                )  # fmt: skip
             if seq.swappable[v] and v not in self.resident:
                 self._add(v)
                 if seq.kind[i] != SAVE:

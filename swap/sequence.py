@@ -26,6 +26,10 @@ class Sequence:
         compute: seconds of compute in each step (until the next access).
         swappable: per variable; False keeps it resident (e.g. its storage outlives the iteration, so
             swapping it would free nothing).
+        held_until: per variable, the first step at which dropping our copy frees its memory: before it,
+            the forward pass itself still holds the tensor (a residual input waiting for its add), so a
+            release would free nothing. Default 0 (no constraint: a recorded run's ``nonswap`` already
+            counts what the forward held).
     """
 
     var: list[int]
@@ -34,6 +38,7 @@ class Sequence:
     nonswap: list[int]
     compute: list[float]
     swappable: list[bool] = field(default_factory=list)
+    held_until: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.var)
@@ -43,6 +48,10 @@ class Sequence:
             self.swappable = [True] * len(self.sizes)
         if len(self.swappable) != len(self.sizes):
             raise ValueError("swappable must have one entry per variable")
+        if not self.held_until:
+            self.held_until = [0] * len(self.sizes)
+        if len(self.held_until) != len(self.sizes):
+            raise ValueError("held_until must have one entry per variable")
         if any(v < 0 or v >= len(self.sizes) for v in self.var):
             raise ValueError("a step names a variable that has no size")
         seen: set[int] = set()
