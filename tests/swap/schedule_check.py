@@ -17,7 +17,8 @@ def check_schedule(seq: Sequence, s: Schedule) -> None:
         for v in s.release[i]:
             assert v in resident, f"step {i}: release of v{v}, which is not resident"
             assert v in host, f"step {i}: release of v{v}, whose copy was never started"
-            assert seq.held_until[v] <= i, f"step {i}: release of v{v}, which the forward holds until {seq.held_until[v]}"
+            held = seq.held_until[v]
+            assert held <= i, f"step {i}: release of v{v}, which the forward holds until step {held}"
             resident.discard(v)
         for v in s.swap_in[i]:
             assert v not in resident, f"step {i}: swap-in of resident v{v}"
