@@ -91,13 +91,28 @@ def run_trace(trace: Trace, label: dict[str, Any], chunk_sweep: list[str]) -> di
     return row
 
 
+# With swapping, the plan's budget must leave room for what the allocator holds beyond live tensors. A user
+# (or a runtime reading the allocator) lowers the budget until the run fits; how far it must go is the price
+# of the allocator's fragmentation.
+BUDGET_FRACTIONS = (1.0, 0.97, 0.94, 0.9, 0.85, 0.8, 0.7, 0.6)
+
+
+def fitting_budget(trace: Trace, allocator: str, capacity: int) -> Optional[int]:
+    """The largest plan budget (capacity x BUDGET_FRACTIONS) whose swapped trace replays within capacity."""
+    for f in BUDGET_FRACTIONS:
+        try:
+            st = swapped(trace, int(capacity * f))
+        except InfeasibleBudget:
+            return None  # lower budgets are infeasible too
+        if measure(st, allocator, capacity=capacity)["ok"]:
+            return int(capacity * f)
+    return None
+
+
 def fits(model: str, batch: int, steps: int, allocator: str, capacity: int, use_swap: bool) -> bool:
     trace = get_trace(model, batch, steps)
     if use_swap:
-        try:
-            trace = swapped(trace, capacity)
-        except InfeasibleBudget:
-            return False
+        return fitting_budget(trace, allocator, capacity) is not None
     return measure(trace, allocator, capacity=capacity)["ok"]
 
 
