@@ -75,9 +75,11 @@ def sequence_from_trace(trace: Trace, iteration: int = -1, cost: Optional[CostMo
     if var:
         nonswap.append(max(0, interval))
     held_until = [unref_step.get(v, len(var)) for v in range(len(nbytes))]
-    # The cost recorded at an access is the compute of the step before it.
+    # The cost recorded at an access is the compute of the step before it; the iteration's end carries the
+    # compute after the last access (the end of backward, the optimizer step).
+    step_cost.append((flops[end], moved[end]))
     for j in range(len(var)):
-        f, m = step_cost[j + 1] if j + 1 < len(var) else (0.0, 0.0)
+        f, m = step_cost[j + 1]
         compute.append(cost(f, m) if cost else 0.0)
     return Sequence(var, kind, nbytes, nonswap, compute, held_until=held_until)
 

@@ -23,7 +23,8 @@ A trace is one ``.npz`` (numpy, compressed) with parallel arrays, one entry per 
 - ``tag`` (uint8): what the allocation is (``TAGS``), on alloc and free.
 - ``stream`` (int64): the stream (0 for captured traces).
 - ``flops``, ``bytes`` (float64): on save/use events, the FLOPs and bytes moved by the operators since the
-  previous save/use event (the compute of the step that ends there).
+  previous save/use event (the compute of the step that ends there); on iteration end, those since the
+  last save/use (the end of backward and the optimizer step).
 
 and ``meta``, a JSON string: format version, model, batch, input size, dtype, steps, the command.
 """
@@ -52,7 +53,7 @@ from bench import models
 ALLOC, FREE, SAVE, USE, ITER_BEGIN, ITER_END, UNREF = range(7)
 TAGS = ("temporary", "activation", "weight", "grad", "optimizer_state", "input")
 TAG = {name: i for i, name in enumerate(TAGS)}
-FORMAT_VERSION = 1
+FORMAT_VERSION = 3
 
 MODELS = {
     "resnet50": (models.resnet50, 224),
@@ -158,12 +159,15 @@ class _Recorder(TorchDispatchMode):
         flop_fn = flop_registry.get(func._overloadpacket)
         if flop_fn is not None:
             self.flops += flop_fn(*args, **kwargs, out_val=out)
-        for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, torch.Tensor):
-                self.moved += t.numel() * t.element_size()
+        view = getattr(func, "is_view", False)  # views move no data
+        if not view:
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, torch.Tensor):
+                    self.moved += t.numel() * t.element_size()
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self.moved += t.numel() * t.element_size()
+                if not view:
+                    self.moved += t.numel() * t.element_size()
                 self.alloc_id(t.untyped_storage())
         self._check_unrefs()
         return out
@@ -246,7 +250,8 @@ def capture(model: str, batch: int, steps: int = 3, size: Optional[int] = None, 
                     if id(st.untyped_storage()) not in before or it == 0:
                         b.tags[rec.alloc_id(st.untyped_storage())] = TAG["optimizer_state"]
                 del x, y, loss
-                b.add(ITER_END, it)
+                f, m = rec.step_cost()  # the rest of backward and the optimizer step
+                b.add(ITER_END, it, 0, f, m)
                 if progress:
                     elapsed = time.perf_counter() - t0
                     print(f"  captured {model} batch {batch}: step {it + 1}/{steps} ({len(b.rows)} events, "

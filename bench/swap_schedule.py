@@ -1,0 +1,289 @@
+"""Swap schedules side by side, simulated on paper-scale workloads: seed 001's ResNet-50 table and more.
+
+    python -m bench.swap_schedule             # ResNet-50 batch 64..1440 on V100-16GB, plus DenseNet-121,
+                                              # U-Net and GPT-2 sweeps
+    python -m bench.swap_schedule --quick     # a smoke run
+
+For each workload and batch: the training steps are captured on the meta device (bench.traces), each
+step's compute time comes from its FLOPs and bytes on a device profile's roofline (swap.devices), and every
+policy's schedule is replayed on the event simulator (swap.simulator: a compute stream and independent H2D
+and D2H engines). Columns: no swap (OOM when PyTorch's native allocator cannot hold the run), fixed_distance
+with TFLMS's defaults and with its best setting from a small sweep, all (vDNN), window (auto window), window
+whose budget was lowered until vmalloc / PyTorch's best-fit policy holds the swapped trace within the device
+memory (the cost of their fragmentation), and the lower bound max(compute, H2D bytes / bw, D2H bytes / bw).
+
+Writes <out>/swap_schedule.json, swap_schedule.md and swap_schedule_{throughput,timeline}.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from bench.fragmentation import fitting_budget, get_trace
+from bench.replay import measure
+from bench.swap_trace import sequence_from_trace
+from bench.traces import Trace
+from swap import InfeasibleBudget, Sequence, choose_window, plan, simulate
+from swap.devices import DeviceProfile, profile
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 1 << 30
+
+# Seed 001 Table 1 (images/s, ResNet-50 224x224 fp32, V100 16 GB; LMS on P100). None: OOM or not reported.
+PAPER = {
+    "batches": [64, 128, 190, 256, 512, 928, 1120, 1248, 1440],
+    "baseline": [336, 492, 381, None, None, None, None, None, None],
+    "schedule": [320, 439, 533, 559, 457, 400, None, None, None],
+    "schedule+VA": [304, 389, 415, 424, 446, 409, 398, 347, 321],
+    "LMS": [235, 255, 241, 236, 209, 137, None, None, None],
+}
+TFLMS_DEFAULT = {"swapout_threshold": 1, "swapin_ahead": 1}  # n_tensors=-1 (all), lb=1 (as late as possible)
+FD_SWEEP = [(t, a) for t in (2, 4, 8, 16, 32, 64) for a in (1, 2, 4, 8, 16)]
+
+FULL = {
+    "resnet50": {"batches": PAPER["batches"], "size": None},
+    "densenet121": {"batches": [32, 64, 128, 256, 384], "size": None},
+    "unet": {"batches": [4, 8, 16, 32, 48], "size": None},
+    "gpt2": {"batches": [8], "sizes": [512, 1024, 2048, 4096]},
+}
+QUICK = {"resnet50": {"batches": [64, 256], "size": None}}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def sequence(trace: Trace, dev: DeviceProfile) -> Sequence:
+    lowp = trace.meta.get("dtype") == "bfloat16"
+    return sequence_from_trace(trace, cost=lambda f, m: dev.step_seconds(f, m, lowp))
+
+
+def run_policy(seq: Sequence, dev: DeviceProfile, budget: int, policy: str, **opts: Any) -> Optional[dict]:
+    """Plans and simulates; None when no schedule fits."""
+    try:
+        if policy == "window" and opts.get("window") is None:
+            window, sched, sim = choose_window(seq, budget, dev.h2d_bandwidth, dev.d2h_bandwidth)
+        else:
+            sched = plan(seq, budget, opts.pop("window", None), policy, **opts)
+            sim = simulate(seq, sched, dev.h2d_bandwidth, dev.d2h_bandwidth)
+    except InfeasibleBudget:
+        return None
+    return {"step_time": sim.step_time, "stall": sim.stall_time, "lower_bound": sim.lower_bound,
+            "peak": sched.peak, "h2d_bytes": sim.h2d_bytes, "d2h_bytes": sim.d2h_bytes, "window": sched.window,
+            "overhead": sim.overhead, "_schedule": sched}  # fmt: skip
+
+
+def evaluate(trace: Trace, dev: DeviceProfile, budget: int, batch: int, full: bool = True) -> dict[str, Any]:
+    """Every column for one (workload, batch)."""
+    seq = sequence(trace, dev)
+    compute = sum(seq.compute)
+    row: dict[str, Any] = {"batch": batch, "no_swap_peak": seq.no_swap_peak(), "compute_time": compute}
+    fits_native = measure(trace, "pytorch_native", capacity=budget)["ok"]
+    row["none"] = {"step_time": compute, "peak": seq.no_swap_peak()} if fits_native else None
+    row["fixed_distance"] = run_policy(seq, dev, budget, "fixed_distance", **TFLMS_DEFAULT)
+    best = None
+    if full:
+        for t, a in FD_SWEEP:
+            r = run_policy(seq, dev, budget, "fixed_distance", swapout_threshold=t, swapin_ahead=a)
+            if r and (best is None or r["step_time"] < best["step_time"]):
+                best = dict(r, swapout_threshold=t, swapin_ahead=a)
+    row["fixed_distance_best"] = best
+    row["all"] = run_policy(seq, dev, budget, "all")
+    row["window"] = run_policy(seq, dev, budget, "window")
+    for alloc, key in (("vmalloc", "window+vmalloc"), ("pytorch_native", "window+bestfit")):
+        b = fitting_budget(trace, alloc, budget)
+        row[key] = dict(run_policy(seq, dev, b, "window") or {}, plan_budget=b) if b else None
+    lb = [row[k]["lower_bound"] for k in ("window", "all") if row.get(k)]
+    row["lower_bound"] = min(lb) if lb else None
+    for k, v in row.items():
+        if isinstance(v, dict) and v.get("step_time"):
+            v["images_per_s"] = batch / v["step_time"]
+    return row
+
+
+COLUMNS = ["none", "fixed_distance", "fixed_distance_best", "all", "window", "window+vmalloc", "window+bestfit"]
+
+
+def fmt_cell(v: Optional[dict]) -> str:
+    return "OOM" if not v or "images_per_s" not in v else f"{v['images_per_s']:.0f}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    m = results["meta"]
+    lines = [f"Command: `{m['command']}` ({m['date']}); device profile: {m['device']}; budget {m['budget'] / GiB:.0f} GiB.",
+             "Simulated images/s (sequences/s for GPT-2); OOM: no schedule fits, or the allocator cannot hold it.", ""]  # fmt: skip
+    for name, rows in results["workloads"].items():
+        lines += [f"### {name}", "", "| batch | " + " | ".join(COLUMNS) + " | lower bound | window / bound |",
+                  "|---|" + "---|" * (len(COLUMNS) + 2)]  # fmt: skip
+        for r in rows:
+            bound = f"{r['batch'] / r['lower_bound']:.0f}" if r.get("lower_bound") else "-"
+            ratio = f"{r['window']['overhead']:.3f}" if r.get("window") else "-"
+            label = r.get("label", r["batch"])
+            lines.append(f"| {label} | " + " | ".join(fmt_cell(r.get(c)) for c in COLUMNS) + f" | {bound} | {ratio} |")
+        lines.append("")
+    lines += ["Seed 001 Table 1 (V100 16 GB; LMS on P100), images/s:", "",
+              "| batch | " + " | ".join(str(b) for b in PAPER["batches"]) + " |",
+              "|---|" + "---|" * len(PAPER["batches"])]  # fmt: skip
+    for k in ("baseline", "schedule", "schedule+VA", "LMS"):
+        lines.append(f"| {k} | " + " | ".join("OOM" if v is None else str(v) for v in PAPER[k]) + " |")
+    t = results.get("targets")
+    if t:
+        lines += ["", "Targets:", ""] + [f"- {k}: {v}" for k, v in t.items()]
+    return "\n".join(lines) + "\n"
+
+
+def targets(rows: list[dict]) -> dict[str, str]:
+    win = [r for r in rows if r.get("window")]
+    worst = max((r["window"]["overhead"] for r in win), default=None)
+    faster = all(
+        r["window"]["step_time"] <= min(r[k]["step_time"] for k in ("fixed_distance", "all") if r.get(k)) * 1.0001
+        for r in win if r.get("fixed_distance") or r.get("all")
+    )  # fmt: skip
+    no_swap = max((r["batch"] for r in rows if r.get("none")), default=0)
+    vm = max((r["batch"] for r in rows if r.get("window+vmalloc")), default=0)
+    ratio = vm / no_swap if no_swap else float("inf")
+    return {
+        "window step time <= 1.10x lower bound (ResNet-50, V100)": f"worst {worst:.3f}x -> {'met' if worst and worst <= 1.10 else 'MISSED'}",
+        "window at least as fast as fixed_distance and all at every batch": "met" if faster else "MISSED",
+        "largest batch with window + vmalloc >= 7.5x no-swap largest": f"{vm} vs {no_swap} = {ratio:.2f}x -> {'met' if ratio >= 7.5 else 'MISSED (among the batches swept)'}",
+    }  # fmt: skip
+
+
+def plots(results: dict[str, Any], out: Path, timeline: Optional[dict]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    rows = results["workloads"].get("resnet50")
+    if rows:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for c in COLUMNS:
+            pts = [(r["batch"], r[c]["images_per_s"]) for r in rows if r.get(c) and "images_per_s" in r[c]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=c)
+        ax.plot(PAPER["batches"], [v or float("nan") for v in PAPER["schedule+VA"]], "k--", marker="x",
+                label="paper: schedule+VA")  # fmt: skip
+        ax.set_xlabel("batch")
+        ax.set_ylabel("images/s (simulated)")
+        ax.set_title(f"ResNet-50 on {results['meta']['device']}, {results['meta']['budget'] / GiB:.0f} GiB")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(out / "swap_schedule_throughput.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    if timeline:
+        fig, axes = plt.subplots(len(timeline), 1, figsize=(10, 1.6 * len(timeline) + 0.6), sharex=True)
+        lanes = {"compute": 2, "h2d": 1, "d2h": 0, "stall": 2}
+        colors = {"compute": "tab:blue", "h2d": "tab:green", "d2h": "tab:orange", "stall": "tab:red"}
+        for ax, (name, lane_list) in zip(axes, timeline.items()):
+            for lane, s, e, _ in lane_list:
+                ax.broken_barh([(s, e - s)], (lanes[lane] - 0.4, 0.8), color=colors[lane])
+            ax.set_yticks([0, 1, 2])
+            ax.set_yticklabels(["D2H", "H2D", "compute"])
+            ax.set_title(name, fontsize=9)
+        axes[-1].set_xlabel("seconds (one training step, simulated; red: compute waits for a copy)")
+        fig.tight_layout()
+        written.append(out / "swap_schedule_timeline.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    return written
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.swap_schedule", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--device", default="v100", help="device profile (swap.devices): v100, p100, h100")
+    ap.add_argument("--budget", default=None, help="device memory for the run (default: the profile's)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args(argv)
+    dev = profile(args.device)
+    import vmalloc
+
+    budget = vmalloc.parse_size(args.budget) if args.budget else dev.memory
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    workloads = QUICK if args.quick else FULL
+    steps = 2
+    t0 = time.perf_counter()
+    results: dict[str, Any] = {
+        "meta": {
+            "command": "python -m bench.swap_schedule"
+            + (" --quick" if args.quick else "")
+            + (f" --device {args.device}" if args.device != "v100" else ""),
+            "date": time.strftime("%Y-%m-%d"),
+            "device": dev.name,
+            "budget": budget,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "efficiency": dev.efficiency,
+        },  # fmt: skip
+        "workloads": {},
+        "paper": PAPER,
+    }
+    timeline = None
+    for model, spec in workloads.items():
+        rows = []
+        for batch in spec["batches"]:
+            for size in spec.get("sizes", [spec.get("size")]):
+                trace = get_trace(model, batch, steps) if size is None else _trace_sized(model, batch, size, steps)
+                row = evaluate(trace, dev, budget, batch, full=not args.quick)
+                row["label"] = f"{batch}" if size is None else f"b{batch} seq {size}"
+                rows.append(row)
+                w = row.get("window")
+                bound = "" if not w else " ({:.3f}x bound)".format(w["overhead"])
+                log(f"{model} {row['label']}: window {fmt_cell(w)}/s{bound}, all {fmt_cell(row.get('all'))}/s, "
+                    f"no swap {fmt_cell(row.get('none'))}  [{time.perf_counter() - t0:.0f} s]")  # fmt: skip
+                if model == "resnet50" and timeline is None and row.get("window") and row.get("all") and batch >= 256:
+                    seq = sequence(trace, dev)
+                    timeline = {
+                        f"window (batch {batch})": simulate(seq, row["window"]["_schedule"], dev.h2d_bandwidth,
+                                                            dev.d2h_bandwidth, timeline=True).timeline,
+                        f"all / vDNN (batch {batch})": simulate(seq, row["all"]["_schedule"], dev.h2d_bandwidth,
+                                                                dev.d2h_bandwidth, timeline=True).timeline,
+                    }  # fmt: skip
+        results["workloads"][model] = rows
+    if "resnet50" in results["workloads"]:
+        results["targets"] = targets(results["workloads"]["resnet50"])
+    for rows in results["workloads"].values():
+        for r in rows:
+            for v in r.values():
+                if isinstance(v, dict):
+                    v.pop("_schedule", None)
+    results["meta"]["seconds"] = round(time.perf_counter() - t0, 1)
+    (out / "swap_schedule.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "swap_schedule.md").write_text(markdown(results))
+    written = plots(results, out, timeline)
+    log(f"wrote {out / 'swap_schedule.json'}, {out / 'swap_schedule.md'}, " + ", ".join(p.name for p in written))
+    print(markdown(results))
+    return 0
+
+
+def _trace_sized(model: str, batch: int, size: int, steps: int) -> Trace:
+    from bench.fragmentation import CACHE
+    from bench.traces import capture
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    path = CACHE / f"{model}_b{batch}_n{size}_s{steps}.npz"
+    if path.exists():
+        try:
+            return Trace.load(path)
+        except (ValueError, OSError):
+            pass
+    trace = capture(model, batch, steps, size=size, progress=False)
+    trace.save(path)
+    return trace
+
+
+if __name__ == "__main__":
+    sys.exit(main())
