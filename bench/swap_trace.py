@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from bench.traces import ALLOC, FREE, ITER_BEGIN, ITER_END, SAVE, TAG, UNREF, USE, Trace
-from swap import Schedule, Sequence, choose_window, plan
+from swap import Schedule, Sequence, choose_window, make_schedule
 
 CostModel = Callable[[float, float], float]  # (flops, bytes) -> seconds
 
@@ -90,7 +90,7 @@ def plan_for(trace: Trace, budget: int, policy: str = "window", window: Optional
     if policy == "window" and window is None:
         window, schedule, _ = choose_window(seq, budget, bandwidth, bandwidth)
         return seq, schedule
-    return seq, plan(seq, budget, window, policy)
+    return seq, make_schedule(seq, budget, window, policy)
 
 
 def swapped(trace: Trace, budget: int, policy: str = "window", window: Optional[int] = None,

@@ -6,8 +6,9 @@
     print(sm.report())
 
 Saved activations go to pinned host memory once the forward pass is done with them and come back ahead
-of their backward use, following seed 001's window schedule. The scheduler (``plan``) and the simulator
-(``simulate``) are pure functions, usable without a GPU.
+of their backward use, following seed 001's window schedule. The scheduler (``make_schedule``) and the
+simulator (``simulate``) are pure functions, usable without a GPU; ``python -m swap.plan`` predicts the
+largest batch that fits a budget.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from __future__ import annotations
 from .manager import SwapManager
 from .meter import LiveBytesMeter
 from .report import SwapReport
-from .scheduler import POLICIES, InfeasibleBudget, Schedule, plan
+from .scheduler import POLICIES, InfeasibleBudget, Schedule
+from .scheduler import plan as make_schedule
 from .sequence import Sequence
 from .simulator import SimResult, choose_window, simulate
 
@@ -29,6 +31,6 @@ __all__ = [
     "SwapManager",
     "SwapReport",
     "choose_window",
-    "plan",
+    "make_schedule",
     "simulate",
 ]

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from schedule_check import check_schedule
 
-from swap import InfeasibleBudget, Sequence, choose_window, plan, simulate
+from swap import InfeasibleBudget, Sequence, choose_window, make_schedule, simulate
 
 
 def chain(n_layers=4, size=100, nonswap=50):
@@ -18,7 +18,7 @@ def chain(n_layers=4, size=100, nonswap=50):
 
 def test_window_on_a_chain_matches_the_hand_worked_plan():
     seq = chain()
-    s = plan(seq, budget=300, window=200, policy="window")
+    s = make_schedule(seq, budget=300, window=200, policy="window")
     # v3 is used again inside the window: never swapped. v0..v2 reserved at their save; completed oldest
     # first when room is needed; v2 comes back for free (never completed); v1, v0 one step ahead.
     assert s.swap_out == [[0], [1], [2], [], [], [], [], []]
@@ -30,19 +30,19 @@ def test_window_on_a_chain_matches_the_hand_worked_plan():
 
 def test_window_that_covers_everything_swaps_in_nothing_it_kept():
     seq = chain()
-    s = plan(seq, budget=10_000, window=10_000, policy="window")
+    s = make_schedule(seq, budget=10_000, window=10_000, policy="window")
     assert s.release == [[]] * 8 and s.swap_in == [[]] * 8  # everything stays: nothing to bring back
 
 
 def test_no_swap_out_for_a_variable_never_used_again():
     seq = Sequence([0, 1, 1], ["save", "save", "use"], [100, 100], [0, 0, 0], [1, 1, 1])
     for policy in ("window", "all", "fixed_distance"):
-        s = plan(seq, 1000, 100 if policy == "window" else None, policy)
+        s = make_schedule(seq, 1000, 100 if policy == "window" else None, policy)
         assert 0 not in [v for step in s.swap_out for v in step], policy
 
 
 def test_all_releases_at_the_next_step_and_prefetches_one_ahead():
-    s = plan(chain(), budget=1000, policy="all")
+    s = make_schedule(chain(), budget=1000, policy="all")
     assert s.swap_out[:3] == [[0], [1], [2]]
     assert s.release[1:4] == [[0], [1], [2]]
     assert s.swap_in[4:7] == [[2], [1], [0]]  # each one step before its use
@@ -50,7 +50,7 @@ def test_all_releases_at_the_next_step_and_prefetches_one_ahead():
 
 def test_fixed_distance_threshold_and_ahead():
     seq = chain(6)
-    s = plan(seq, 10_000, policy="fixed_distance", swapout_threshold=5, swapin_ahead=2)
+    s = make_schedule(seq, 10_000, policy="fixed_distance", swapout_threshold=5, swapin_ahead=2)
     # Distances to the next use: v0 11, v1 9, v2 7, v3 5, v4 3, v5 1 -> v0..v3 go out.
     assert sorted(v for step in s.swap_out for v in step) == [0, 1, 2, 3]
     uses = {seq.var[i]: i for i in range(6, 12)}
@@ -63,7 +63,7 @@ def test_fixed_distance_threshold_and_ahead():
 def test_budget_guard_evicts_when_the_policy_would_not():
     # fixed_distance with a huge threshold swaps nothing by choice; the guard must still fit the budget.
     seq = chain(6)
-    s = plan(seq, 350, policy="fixed_distance", swapout_threshold=100)
+    s = make_schedule(seq, 350, policy="fixed_distance", swapout_threshold=100)
     assert s.peak <= 350
     assert any(s.release)
     check_schedule(seq, s)
@@ -72,7 +72,7 @@ def test_budget_guard_evicts_when_the_policy_would_not():
 def test_infeasible_budget_names_the_step_and_excess():
     seq = Sequence([0, 1, 1, 0], ["save", "save", "use", "use"], [100, 400], [50, 40, 90, 50], [1] * 4)
     with pytest.raises(InfeasibleBudget) as e:
-        plan(seq, 450, 100, "window")
+        make_schedule(seq, 450, 100, "window")
     assert e.value.step == 2 and e.value.excess == 90 + 400 - 450
     assert "step 2" in str(e.value) and "40 B over" in str(e.value)
 
@@ -81,19 +81,19 @@ def test_a_variable_the_forward_still_holds_is_not_released():
     # v0 is held by the forward until step 3 (a residual input): the guard must release v1 instead.
     seq = Sequence([0, 1, 2, 0, 2, 1, 0], ["save", "save", "save", "save", "use", "use", "use"],
                    [100, 100, 100], [0] * 7, [1.0] * 7, held_until=[3, 0, 0])  # fmt: skip
-    s = plan(seq, 250, policy="fixed_distance", swapout_threshold=100)
+    s = make_schedule(seq, 250, policy="fixed_distance", swapout_threshold=100)
     assert 1 in s.release[2] and all(0 not in s.release[i] for i in range(3))
     check_schedule(seq, s)
     with pytest.raises(InfeasibleBudget, match="still holds"):
-        plan(Sequence([0, 1, 0, 1], ["save", "save", "use", "use"], [100, 100], [0] * 4, [1.0] * 4,
+        make_schedule(Sequence([0, 1, 0, 1], ["save", "save", "use", "use"], [100, 100], [0] * 4, [1.0] * 4,
                       held_until=[4, 0]), 150, policy="all")  # fmt: skip
 
 
 def test_none_keeps_everything_and_says_when_it_cannot():
     seq = chain()
-    assert plan(seq, 450, policy="none").peak == 450
+    assert make_schedule(seq, 450, policy="none").peak == 450
     with pytest.raises(InfeasibleBudget, match="keeps every saved tensor"):
-        plan(seq, 449, policy="none")
+        make_schedule(seq, 449, policy="none")
 
 
 @pytest.mark.parametrize(
@@ -107,12 +107,12 @@ def test_none_keeps_everything_and_says_when_it_cannot():
 )
 def test_bad_arguments_fail_fast(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        plan(chain(), **kwargs)
+        make_schedule(chain(), **kwargs)
 
 
 def test_simulator_lower_bound_and_stalls():
     seq = chain(4, size=100)
-    s = plan(seq, 250, 100, "window")
+    s = make_schedule(seq, 250, 100, "window")
     fast = simulate(seq, s, 1e9, 1e9)
     assert fast.stall_time < 1e-6 and fast.step_time == pytest.approx(8.0)
     slow = simulate(seq, s, 10, 10)  # 10 s per copy: the copies dominate
@@ -125,7 +125,7 @@ def test_choose_window_prefers_the_fastest_smallest_window():
     w, s, sim = choose_window(seq, 500, 100, 100)
     assert s.window == w <= 500
     for other in (100, 200, 300, 500):
-        assert sim.step_time <= simulate(seq, plan(seq, 500, other, "window"), 100, 100).step_time * 1.01
+        assert sim.step_time <= simulate(seq, make_schedule(seq, 500, other, "window"), 100, 100).step_time * 1.01
 
 
 @st.composite
@@ -161,7 +161,7 @@ def sequences(draw):
 def test_no_policy_plans_above_the_budget(seq, budget, window, policy):
     window = min(window, budget)
     try:
-        s = plan(seq, budget, window, policy)
+        s = make_schedule(seq, budget, window, policy)
     except InfeasibleBudget as e:
         if policy == "none":
             assert seq.no_swap_peak() > budget

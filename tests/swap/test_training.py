@@ -47,9 +47,11 @@ def test_bitwise_equal_gradients_under_the_budget(name, policy):
     assert report["policy"] == policy
 
 
-def test_executor_issues_exactly_the_simulated_actions():
+@pytest.mark.parametrize("policy", ["window", "fixed_distance", "all"])
+def test_executor_issues_exactly_the_simulated_actions(policy):
     budget, _ = budget_for("resnet")
-    got = run("resnet", 4, manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB))
+    got = run("resnet", 4, manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB,
+                                                              policy=policy))  # fmt: skip
     sm = got["manager"]
     sim = swap.simulate(sm.sequence, sm.schedule, 1e9, 1e9)
     assert sm.executor.last_actions == sim.actions
