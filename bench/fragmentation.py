@@ -25,14 +25,13 @@ from typing import Any, Optional
 
 import torch
 
-from bench.replay import ALLOCATORS, measure, requested_peak
+from bench.replay import ALLOCATORS, measure
 from bench.swap_trace import sequence_from_trace, swapped
-from bench.traces import Trace, capture
+from bench.traces import Trace, cached_capture, live_peak
 from swap import InfeasibleBudget
 
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = ROOT / "build" / "trace-cache"
 
 FULL = {
     "resnet50": (256, 1440),
@@ -49,22 +48,6 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def get_trace(model: str, batch: int, steps: int) -> Trace:
-    """Captured once, then cached under build/trace-cache (traces are regenerated, never committed)."""
-    CACHE.mkdir(parents=True, exist_ok=True)
-    path = CACHE / f"{model}_b{batch}_s{steps}.npz"
-    if path.exists():
-        try:
-            return Trace.load(path)
-        except (ValueError, OSError):
-            pass
-    t0 = time.perf_counter()
-    trace = capture(model, batch, steps, progress=False)
-    trace.save(path)
-    log(f"  captured {model} batch {batch} ({len(trace)} events) in {time.perf_counter() - t0:.1f} s")
-    return trace
-
-
 def swap_budget(trace: Trace) -> Optional[int]:
     """16 GiB, or half the no-swap peak when that is below 16 GiB; raised to what the plan can meet."""
     seq = sequence_from_trace(trace)
@@ -76,7 +59,7 @@ def swap_budget(trace: Trace) -> Optional[int]:
 def run_trace(trace: Trace, label: dict[str, Any], chunk_sweep: list[str]) -> dict[str, Any]:
     row = dict(label)
     row["events"] = len(trace)
-    row["requested_peak"] = requested_peak(trace)
+    row["requested_peak"] = live_peak(trace)
     row["allocators"] = {}
     for name in ALLOCATORS:
         m = measure(trace, name, series_every=max(1, len(trace) // 400))
@@ -110,7 +93,7 @@ def fitting_budget(trace: Trace, allocator: str, capacity: int) -> Optional[int]
 
 
 def fits(model: str, batch: int, steps: int, allocator: str, capacity: int, use_swap: bool) -> bool:
-    trace = get_trace(model, batch, steps)
+    trace = cached_capture(model, batch, steps)
     if use_swap:
         return fitting_budget(trace, allocator, capacity) is not None
     return measure(trace, allocator, capacity=capacity)["ok"]
@@ -130,7 +113,7 @@ def max_batch(model: str, batches: list[int], steps: int, allocator: str, capaci
 
 def host_cross_check(steps: int) -> dict[str, Any]:
     """The host backend (real memory) and the sim backend give the same figures on one trace."""
-    trace = get_trace("resnet50", 8, steps)
+    trace = cached_capture("resnet50", 8, steps)
     sim = measure(trace, "vmalloc")
     host = measure(trace, "vmalloc-host", capacity=4 * GiB)
     keys = ["peak_allocated", "peak_reserved", "num_maps", "num_unmaps", "num_reclaims"]
@@ -279,7 +262,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     }
     for model, batches in workloads.items():
         for batch in batches:
-            trace = get_trace(model, batch, steps)
+            trace = cached_capture(model, batch, steps)
             base = {"model": model, "batch": batch, "dtype": trace.meta.get("dtype"), "size": trace.meta.get("size")}
             results["traces"].append(run_trace(trace, {**base, "swapped": False, "budget": None}, chunk_sweep))
             budget = swap_budget(trace)

@@ -108,14 +108,3 @@ def measure(trace: Trace, allocator_name: str, capacity: Optional[int] = None, c
     }
     out["fragmentation"] = 1 - out["utilization"]
     return out
-
-
-def requested_peak(trace: Trace) -> int:
-    live = peak = 0
-    for o, s in zip(trace.op.tolist(), trace.size.tolist()):
-        if o == ALLOC:
-            live += s
-            peak = max(peak, live)
-        elif o == FREE:
-            live -= s
-    return peak

@@ -27,10 +27,10 @@ from typing import Any, Optional
 
 import torch
 
-from bench.fragmentation import fitting_budget, get_trace
+from bench.fragmentation import fitting_budget
 from bench.replay import measure
 from bench.swap_trace import sequence_from_trace
-from bench.traces import Trace
+from bench.traces import Trace, cached_capture
 from swap import InfeasibleBudget, Sequence, choose_window, make_schedule, simulate
 from swap.devices import DeviceProfile, profile
 
@@ -246,7 +246,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows = []
         for batch in spec["batches"]:
             for size in spec.get("sizes", [spec.get("size")]):
-                trace = get_trace(model, batch, steps) if size is None else _trace_sized(model, batch, size, steps)
+                trace = cached_capture(model, batch, steps, size)
                 row = evaluate(trace, dev, budget, batch, full=not args.quick)
                 row["label"] = f"{batch}" if size is None else f"b{batch} seq {size}"
                 rows.append(row)
@@ -277,22 +277,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     log(f"wrote {out / 'swap_schedule.json'}, {out / 'swap_schedule.md'}, " + ", ".join(p.name for p in written))
     print(markdown(results))
     return 0
-
-
-def _trace_sized(model: str, batch: int, size: int, steps: int) -> Trace:
-    from bench.fragmentation import CACHE
-    from bench.traces import capture
-
-    CACHE.mkdir(parents=True, exist_ok=True)
-    path = CACHE / f"{model}_b{batch}_n{size}_s{steps}.npz"
-    if path.exists():
-        try:
-            return Trace.load(path)
-        except (ValueError, OSError):
-            pass
-    trace = capture(model, batch, steps, size=size, progress=False)
-    trace.save(path)
-    return trace
 
 
 if __name__ == "__main__":

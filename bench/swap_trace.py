@@ -185,14 +185,3 @@ def swapped(trace: Trace, budget: int, policy: str = "window", window: Optional[
                     "planned_peak": schedule.peak, "no_swap_peak": seq.no_swap_peak()}  # fmt: skip
     return Trace(a[:, 0].astype(np.uint8), a[:, 1].astype(np.int64), a[:, 2].astype(np.int64),
                  a[:, 3].astype(np.uint8), a[:, 4].astype(np.int64), a[:, 5], a[:, 6], meta)  # fmt: skip
-
-
-def live_peak(trace: Trace) -> int:
-    live = peak = 0
-    for o, s in zip(trace.op.tolist(), trace.size.tolist()):
-        if o == ALLOC:
-            live += s
-            peak = max(peak, live)
-        elif o == FREE:
-            live -= s
-    return peak

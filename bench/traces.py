@@ -345,14 +345,40 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-def summary(t: Trace) -> str:
+def live_peak(trace: Trace) -> int:
+    """The most bytes of tensors alive at once: the trace's peak requested memory."""
     live = peak = 0
-    for o, s in zip(t.op.tolist(), t.size.tolist()):
+    for o, s in zip(trace.op.tolist(), trace.size.tolist()):
         if o == ALLOC:
             live += s
             peak = max(peak, live)
         elif o == FREE:
             live -= s
+    return peak
+
+
+CACHE = Path(__file__).resolve().parents[1] / "build" / "trace-cache"
+
+
+def cached_capture(model: str, batch: int, steps: int, size: Optional[int] = None) -> Trace:
+    """``capture``, kept under build/trace-cache (traces are regenerated on demand, never committed)."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    path = CACHE / f"{model}_b{batch}{'' if size is None else f'_n{size}'}_s{steps}.npz"
+    if path.exists():
+        try:
+            return Trace.load(path)
+        except (ValueError, OSError):
+            pass  # an older format: capture again
+    t0 = time.perf_counter()
+    trace = capture(model, batch, steps, size, progress=False)
+    trace.save(path)
+    print(f"  captured {model} batch {batch} ({len(trace)} events) in {time.perf_counter() - t0:.1f} s",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return trace
+
+
+def summary(t: Trace) -> str:
+    peak = live_peak(t)
     m = t.meta
     what = f"{m.get('model', m.get('source'))} batch {m.get('batch', '?')}" + (" (swapped)" if "swap" in m else "")
     return f"{what}: {len(t)} events, {t.allocations()} allocations, peak live {peak / 2**30:.2f} GiB"

@@ -20,15 +20,16 @@ BATCHES = [16, 32, 64, 96, 128, 190, 256, 384, 512, 640, 768, 928, 1024, 1120, 1
 
 def predict(model: str, budget: int, device: str, policy: str, allocator: Optional[str], batches: list[int]):
     """Binary search over ``batches`` for the largest that fits; returns (batch, images/s) or (0, None)."""
-    from bench.fragmentation import fitting_budget, get_trace
+    from bench.fragmentation import fitting_budget
     from bench.replay import measure
     from bench.swap_schedule import run_policy, sequence
+    from bench.traces import cached_capture
     from swap.devices import profile
 
     dev = profile(device)
 
     def attempt(batch: int):
-        trace = get_trace(model, batch, 2)
+        trace = cached_capture(model, batch, 2)
         seq = sequence(trace, dev)
         if policy == "none":
             if seq.no_swap_peak() > budget:
