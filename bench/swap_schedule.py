@@ -81,13 +81,17 @@ def run_policy(seq: Sequence, dev: DeviceProfile, budget: int, policy: str, **op
             "overhead": sim.overhead, "_schedule": sched}  # fmt: skip
 
 
-def evaluate(trace: Trace, dev: DeviceProfile, budget: int, batch: int, full: bool = True) -> dict[str, Any]:
-    """Every column for one (workload, batch)."""
-    seq = sequence(trace, dev)
+def evaluate(trace: Optional[Trace], dev: DeviceProfile, budget: int, batch: int, full: bool = True,
+             seq: Optional[Sequence] = None) -> dict[str, Any]:  # fmt: skip
+    """Every column for one (workload, batch). Without a trace (a measured profile), the allocator columns
+    are left out and "none" fits when the sequence's own no-swap peak does."""
+    seq = seq or sequence(trace, dev)
     compute = sum(seq.compute)
     row: dict[str, Any] = {"batch": batch, "no_swap_peak": seq.no_swap_peak(), "compute_time": compute}
-    fits_native = measure(trace, "pytorch_native", capacity=budget)["ok"]
-    row["none"] = {"step_time": compute, "peak": seq.no_swap_peak()} if fits_native else None
+    fits = (
+        measure(trace, "pytorch_native", capacity=budget)["ok"] if trace is not None else seq.no_swap_peak() <= budget
+    )
+    row["none"] = {"step_time": compute, "peak": seq.no_swap_peak()} if fits else None
     row["fixed_distance"] = run_policy(seq, dev, budget, "fixed_distance", **TFLMS_DEFAULT)
     best = None
     if full:
@@ -99,6 +103,9 @@ def evaluate(trace: Trace, dev: DeviceProfile, budget: int, batch: int, full: bo
     row["all"] = run_policy(seq, dev, budget, "all")
     row["window"] = run_policy(seq, dev, budget, "window")
     for alloc, key in (("vmalloc", "window+vmalloc"), ("pytorch_native", "window+bestfit")):
+        if trace is None:
+            row[key] = "skipped"
+            continue
         b = fitting_budget(trace, alloc, budget)
         row[key] = dict(run_policy(seq, dev, b, "window") or {}, plan_budget=b) if b else None
     lb = [row[k]["lower_bound"] for k in ("window", "all") if row.get(k)]
@@ -216,9 +223,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--device", default="v100", help="device profile (swap.devices): v100, p100, h100")
     ap.add_argument("--budget", default=None, help="device memory for the run (default: the profile's)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument(
+        "--profile", default=None, help="a measured sequence (SwapManager.save_profile) to simulate, not the models"
+    )
     args = ap.parse_args(argv)
     dev = profile(args.device)
     import vmalloc
+
+    if args.profile:
+        return simulate_profile(args.profile, dev, vmalloc.parse_size(args.budget) if args.budget else None)
 
     budget = vmalloc.parse_size(args.budget) if args.budget else dev.memory
     out = Path(args.out)
@@ -276,6 +289,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     written = plots(results, out, timeline)
     log(f"wrote {out / 'swap_schedule.json'}, {out / 'swap_schedule.md'}, " + ", ".join(p.name for p in written))
     print(markdown(results))
+    return 0
+
+
+def simulate_profile(path: str, dev: DeviceProfile, budget: Optional[int]) -> int:
+    """Every policy on a measured profile: its per-step times and link bandwidths, the device's otherwise."""
+    import dataclasses
+
+    seq, meta = Sequence.load(path)
+    dev = dataclasses.replace(
+        dev, name=meta.get("device", dev.name),
+        h2d_bandwidth=meta.get("h2d_bandwidth", dev.h2d_bandwidth),
+        d2h_bandwidth=meta.get("d2h_bandwidth", dev.d2h_bandwidth),
+    )  # fmt: skip
+    budget = budget or meta.get("budget") or dev.memory
+    row = evaluate(None, dev, budget, 1, seq=seq)
+    print(f"{path}: {len(seq)} steps measured on {dev.name}, budget {budget / GiB:.2f} GiB, "
+          f"H2D {dev.h2d_bandwidth / 1e9:.1f} GB/s, D2H {dev.d2h_bandwidth / 1e9:.1f} GB/s")  # fmt: skip
+    for c in COLUMNS:
+        v = row.get(c)
+        if isinstance(v, dict) and v.get("step_time"):
+            print(f"  {c:<22} {v['step_time'] * 1e3:9.1f} ms per iteration, peak {v['peak'] / GiB:.2f} GiB")
+        else:
+            print(f"  {c:<22} {'-' if v == 'skipped' else 'does not fit'}")
+    if row.get("lower_bound"):
+        print(f"  {'lower bound':<22} {row['lower_bound'] * 1e3:9.1f} ms")
     return 0
 
 

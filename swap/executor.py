@@ -42,6 +42,42 @@ log = logging.getLogger("swap")
 PROFILE, PLANNED, FALLBACK, DECLINED = "profile", "planned", "fallback", "declined"
 
 
+class HostStepTimer:
+    """Wall-clock time between our hooks (the compute the profiled step did)."""
+
+    def start(self) -> None:
+        self.t = time.perf_counter()
+
+    def stop(self) -> Any:
+        return time.perf_counter() - self.t
+
+    def resolve(self, mark: Any) -> float:
+        return mark
+
+
+class CudaStepTimer:
+    """CUDA events on the compute stream: the device time between our hooks, read at iteration end."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def _event(self) -> Any:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(torch.cuda.current_stream(self.device))
+        return e
+
+    def start(self) -> None:
+        self.begin = self._event()
+
+    def stop(self) -> Any:
+        return (self.begin, self._event())
+
+    def resolve(self, mark: Any) -> float:
+        begin, end = mark
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
+
+
 class Counters:
     def __init__(self) -> None:
         self.iterations = 0
@@ -72,6 +108,7 @@ class Executor:
         self.memory = memory
         self.planner = planner  # sequence -> schedule, or None to decline
         self.budget = budget
+        self.timer: Any = CudaStepTimer(device) if device.type == "cuda" else HostStepTimer()
         self.profiles_left = profile_iterations
         self._previous: Optional[Sequence] = None  # the last profiling iteration's recording
         self.lock = threading.RLock()
@@ -99,7 +136,7 @@ class Executor:
         self.rec_nonswap: list[int] = []
         self.rec_compute: list[float] = []
         self._resident_now = 0
-        self._t_last = time.perf_counter()
+        self.timer.start()
         self._next_access: list[int] = self.sequence.next_access() if self.sequence is not None else []
 
     def _maybe_start_iteration(self) -> None:
@@ -145,9 +182,8 @@ class Executor:
             # Still alive although we dropped our copy: someone else holds it, swapping it frees nothing.
             if v.storage_ref() is not None:
                 swappable[v.id] = False
-        seq = Sequence(
-            self.rec_var, self.rec_kind, [v.nbytes for v in self.vars], self.rec_nonswap, self.rec_compute, swappable
-        )
+        compute = [self.timer.resolve(mark) for mark in self.rec_compute]
+        seq = Sequence(self.rec_var, self.rec_kind, [v.nbytes for v in self.vars], self.rec_nonswap, compute, swappable)
         previous, self._previous = self._previous, seq
         if previous is not None and previous.signature() == seq.signature():
             seq.nonswap = [max(a, b) for a, b in zip(previous.nonswap, seq.nonswap)]
@@ -214,7 +250,7 @@ class Executor:
                 self.rec_var.append(var.id)
                 self.rec_kind.append(kind)
                 self._resident_now = sum(v.nbytes for v in self.vars if v.dev is not None)
-                self._t_last = time.perf_counter()
+                self.timer.start()
 
     def _matches(self, var: Variable, kind: str, i: int) -> bool:
         seq = self.sequence
@@ -236,7 +272,7 @@ class Executor:
             return
         if len(self.rec_nonswap) < len(self.rec_var):
             self.rec_nonswap.append(max(0, self.memory.window_peak() - self._resident_now))
-            self.rec_compute.append(time.perf_counter() - self._t_last)
+            self.rec_compute.append(self.timer.stop())
 
     def _conservative_step(self, var: Variable, kind: str, storage: Optional[torch.UntypedStorage], i: int) -> None:
         for v in self.inflight:

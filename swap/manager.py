@@ -275,6 +275,22 @@ class SwapManager:
         data["notes"] = list(self._notes)
         return SwapReport(data)
 
+    def save_profile(self, path: Any) -> Any:
+        """Writes the profiled sequence, with measured per-step times (CUDA events on a GPU) and link
+        bandwidths, for ``python -m bench.swap_schedule --profile FILE`` to simulate every policy on."""
+        seq = self.sequence
+        if seq is None:
+            raise RuntimeError("nothing profiled yet: run at least two training iterations inside the manager")
+        engine = self.executor.engine
+        meta = {
+            "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+            "h2d_bandwidth": engine.h2d_bw.rate(DEFAULT_BANDWIDTH),
+            "d2h_bandwidth": engine.d2h_bw.rate(DEFAULT_BANDWIDTH),
+            "budget": self.budget,
+            "torch": torch.__version__,
+        }
+        return seq.save(path, meta)
+
     @property
     def schedule(self) -> Optional[Schedule]:
         return self.executor.schedule if self.executor else None

@@ -8,7 +8,10 @@ device is folded into ``nonswap[i]``, the measured bytes that are not ours to mo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
 
 SAVE, USE = "save", "use"
 
@@ -64,6 +67,21 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.var)
+
+    def save(self, path: Union[str, Path], meta: Optional[dict[str, Any]] = None) -> Path:
+        """Writes the sequence (and ``meta``: device, measured bandwidths, ...) as JSON."""
+        path = Path(path)
+        path.write_text(json.dumps({"format": "swap.sequence/1", "meta": meta or {}, **asdict(self)}) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> tuple[Sequence, dict[str, Any]]:
+        """Reads a file written by ``save`` (e.g. ``SwapManager.save_profile``): (sequence, meta)."""
+        data = json.loads(Path(path).read_text())
+        if data.pop("format", None) != "swap.sequence/1":
+            raise ValueError(f"{path} is not a swap sequence profile (written by SwapManager.save_profile)")
+        meta = data.pop("meta", {})
+        return cls(**data), meta
 
     def next_access(self) -> list[int]:
         """For each step, the next step that accesses the same variable (len(self) if none)."""

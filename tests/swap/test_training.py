@@ -125,3 +125,17 @@ def test_report_prints_a_table():
     text = str(got["manager"].report())
     for label in ("policy", "iterations", "budget", "peak device memory", "swapped out", "stall", "re-plans"):
         assert label in text
+
+
+def test_profile_file_round_trips_into_the_simulator(tmp_path, capsys):
+    from bench import swap_schedule
+
+    budget, _ = budget_for("resnet")
+    got = run("resnet", 3, manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB))
+    path = got["manager"].save_profile(tmp_path / "profile.json")
+    seq, meta = swap.Sequence.load(path)
+    assert seq.signature() == got["manager"].sequence.signature() and sum(seq.compute) > 0
+    assert meta["budget"] == budget and meta["h2d_bandwidth"] > 0
+    assert swap_schedule.main(["--profile", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "window" in out and "ms per iteration" in out
