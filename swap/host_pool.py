@@ -54,10 +54,11 @@ class HostPool:
     def reserved(self) -> int:
         return sum(b.size if isinstance(b, np.ndarray) else b.numel() for b in self._blocks)
 
-    def _new_block(self, size: int) -> int:
-        size = max(self.block_size, -(-size // ALIGN) * ALIGN)
+    def _new_block(self, request: int) -> int:
+        need = -(-request // ALIGN) * ALIGN
+        size = max(self.block_size, need)
         if self.limit is not None and self.reserved + size > self.limit:
-            size = max(-(-size // ALIGN) * ALIGN, min(size, self.limit - self.reserved))
+            size = max(need, (self.limit - self.reserved) // ALIGN * ALIGN)  # a smaller last block
             if self.reserved + size > self.limit:
                 raise HostPoolExhausted(
                     f"swap host pool: {self.reserved + size} bytes would exceed host_pool_limit={self.limit} "
