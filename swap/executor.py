@@ -25,6 +25,7 @@ rest of the iteration to the conservative plan and makes the next one a profilin
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -100,8 +101,6 @@ class Executor:
         budget: int,
         profile_iterations: int = 2,
     ) -> None:
-        import threading
-
         self.device = device
         self.engine = engine
         self.pool = pool
@@ -359,8 +358,8 @@ class Executor:
     def _fetch_now(self, var: Variable) -> torch.Tensor:
         """A synchronous copy back, for unpacks outside the plan."""
         if var.dev is not None:
-            if var.h2d is not None:
-                self.engine.wait_compute(var.h2d) if not self.closed else None
+            if var.h2d is not None and not self.closed:
+                self.engine.wait_compute(var.h2d)
             return var.dev
         if var.d2h is not None and not self.closed:
             self.engine.wait_host(var.d2h)

@@ -58,23 +58,25 @@ def simulate(
                 lanes.append(("stall", t, until, f"step {i}"))
             t = until
 
+    def copy(v: int, lane_free: float, bandwidth: float, lane: str) -> float:
+        """Queues variable v's copy on a lane that is free from ``lane_free``; returns when it is done."""
+        start = max(t, lane_free)
+        end = start + seq.sizes[v] / bandwidth
+        if timeline:
+            lanes.append((lane, start, end, f"v{v}"))
+        return end
+
     for i in range(len(seq)):
         for v in schedule.release[i]:
             wait(d2h_done.get(v, 0.0), i)
         for v in schedule.swap_in[i]:
-            start = max(t, h2d_free)
-            h2d_free = h2d_done[v] = start + seq.sizes[v] / h2d_bandwidth
+            h2d_free = h2d_done[v] = copy(v, h2d_free, h2d_bandwidth, "h2d")
             h2d_bytes += seq.sizes[v]
-            if timeline:
-                lanes.append(("h2d", start, h2d_free, f"v{v}"))
         if seq.kind[i] != "save":
             wait(h2d_done.get(seq.var[i], 0.0), i)
         for v in schedule.swap_out[i]:
-            start = max(t, d2h_free)
-            d2h_free = d2h_done[v] = start + seq.sizes[v] / d2h_bandwidth
+            d2h_free = d2h_done[v] = copy(v, d2h_free, d2h_bandwidth, "d2h")
             d2h_bytes += seq.sizes[v]
-            if timeline:
-                lanes.append(("d2h", start, d2h_free, f"v{v}"))
         if timeline and seq.compute[i] > 0:
             lanes.append(("compute", t, t + seq.compute[i], f"step {i}"))
         t += seq.compute[i]
