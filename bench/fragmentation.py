@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 
+from bench.plotting import pyplot, save
 from bench.replay import ALLOCATORS, measure
 from bench.swap_trace import sequence_from_trace, swapped
 from bench.traces import Trace, cached_capture, live_peak
@@ -175,10 +176,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def plots(results: dict[str, Any], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     written = []
     swap_rows = [r for r in results["traces"] if r["swapped"]]
@@ -197,10 +195,7 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
         ax.set_ylabel("GiB")
         ax.set_title(f"{row['model']} batch {row['batch']} under swapping: reserved vs requested")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        written.append(out / "fragmentation_timeline.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        written.append(save(fig, out / "fragmentation_timeline.png"))
     rows = results["traces"]
     if rows:
         fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.9), 4.5))
@@ -214,10 +209,7 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
         ax.set_ylabel("peak active / peak reserved")
         ax.set_title("Utilization per trace (GMLake's metric)")
         ax.legend(fontsize=8, loc="lower left")
-        fig.tight_layout()
-        written.append(out / "fragmentation_utilization.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        written.append(save(fig, out / "fragmentation_utilization.png"))
     mb = results.get("max_batch")
     if mb:
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -229,10 +221,7 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
         ax.set_ylabel("largest batch")
         ax.set_title(f"{mb['model']}: largest batch within {mb['capacity'] / GiB:.0f} GiB")
         ax.legend()
-        fig.tight_layout()
-        written.append(out / "fragmentation_max_batch.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        written.append(save(fig, out / "fragmentation_max_batch.png"))
     return written
 
 
@@ -285,9 +274,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         log(f"  {a}: {results['max_batch']['no_swap'][a]} without swapping, {results['max_batch']['swap'][a]} with")
     results["host_check"] = host_cross_check(steps)
     results["meta"]["seconds"] = round(time.perf_counter() - t_start, 1)
-    for row in results["traces"]:
-        for m in row["allocators"].values():
-            m["series"] = m["series"]  # kept: the timeline plot reads them back from the JSON
     (out / "fragmentation.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "fragmentation.md").write_text(markdown(results))
     written = plots(results, out)

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 
 from bench.fragmentation import fitting_budget
+from bench.plotting import pyplot, save
 from bench.replay import measure
 from bench.swap_trace import sequence_from_trace
 from bench.traces import Trace, cached_capture
@@ -175,10 +176,7 @@ def targets(rows: list[dict]) -> dict[str, str]:
 
 
 def plots(results: dict[str, Any], out: Path, timeline: Optional[dict]) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     written = []
     rows = results["workloads"].get("resnet50")
@@ -194,10 +192,7 @@ def plots(results: dict[str, Any], out: Path, timeline: Optional[dict]) -> list[
         ax.set_ylabel("images/s (simulated)")
         ax.set_title(f"ResNet-50 on {results['meta']['device']}, {results['meta']['budget'] / GiB:.0f} GiB")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(out / "swap_schedule_throughput.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        written.append(save(fig, out / "swap_schedule_throughput.png"))
     if timeline:
         fig, axes = plt.subplots(len(timeline), 1, figsize=(10, 1.6 * len(timeline) + 0.6), sharex=True)
         lanes = {"compute": 2, "h2d": 1, "d2h": 0, "stall": 2}
@@ -209,10 +204,7 @@ def plots(results: dict[str, Any], out: Path, timeline: Optional[dict]) -> list[
             ax.set_yticklabels(["D2H", "H2D", "compute"])
             ax.set_title(name, fontsize=9)
         axes[-1].set_xlabel("seconds (one training step, simulated; red: compute waits for a copy)")
-        fig.tight_layout()
-        written.append(out / "swap_schedule_timeline.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        written.append(save(fig, out / "swap_schedule_timeline.png"))
     return written
 
 

@@ -31,7 +31,6 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .engines import Ticket
 from .host_pool import HostPool
 from .memory import DeviceMemory
 from .scheduler import InfeasibleBudget, Schedule
@@ -172,8 +171,7 @@ class Executor:
                 self.mode, self._previous, self.profiles_left = PROFILE, None, 1
             else:
                 self.memory.window_peak()
-            if hasattr(self.engine, "measure"):
-                self.engine.measure()
+            self.engine.measure()
 
     def _finish_profile(self) -> None:
         swappable = [True] * len(self.vars)
@@ -403,4 +401,4 @@ class Executor:
             self.vars, self.by_storage = [], {}
 
 
-__all__ = ["Executor", "PROFILE", "PLANNED", "FALLBACK", "DECLINED", "Ticket"]
+__all__ = ["Executor", "PROFILE", "PLANNED", "FALLBACK", "DECLINED"]

@@ -21,7 +21,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .engines import CudaEngine, HostEngine
-from .executor import DECLINED, Executor
+from .executor import DECLINED, Counters, Executor
 from .host_pool import HostPool
 from .memory import ArenaMemory, DeviceMemory, MeterMemory, TorchCudaMemory, vmalloc_arena
 from .report import SwapReport
@@ -237,6 +237,10 @@ class SwapManager:
     # -- results ----------------------------------------------------------------------------------------
     def _snapshot(self) -> dict[str, Any]:
         ex = self.executor
+        if ex is None:  # policy 'none': nothing ran
+            c = Counters()
+            return {"policy": self.policy, "device": str(self.device), **vars(c), "peak_device_bytes": None,
+                    "budget_bytes": self.budget, "window_bytes": self.window, "declined": True}  # fmt: skip
         c = ex.counters
         return {
             "policy": self.policy,
@@ -262,16 +266,9 @@ class SwapManager:
 
     def report(self) -> SwapReport:
         """Counters of the run so far (or of the whole run, after exit); ``print`` it for a table."""
-        if self.executor is None:
-            data = {"policy": self.policy, "device": str(self.device), "iterations": 0, "swapped_out_bytes": 0,
-                    "swapped_in_bytes": 0, "demand_fetches": 0, "stall_seconds": 0.0, "peak_device_bytes": None,
-                    "budget_bytes": self.budget, "window_bytes": self.window, "replans": 0, "evictions": 0,
-                    "declined": True}  # fmt: skip
-        elif self._active:
+        if self._active and self.memory is not None:
             self.memory.window_peak()
-            data = self._snapshot()
-        else:
-            data = dict(self._final)
+        data = self._snapshot() if self._active or self.executor is None else dict(self._final)
         data["notes"] = list(self._notes)
         return SwapReport(data)
 

@@ -73,12 +73,6 @@ class VaSpace {
     for (auto& r : reservations_) n += r.bytes;
     return n;
   }
-  std::size_t free_bytes() const {
-    std::size_t n = 0;
-    for (auto& r : reservations_)
-      for (auto& [a, s] : r.free) n += s;
-    return n;
-  }
 
  private:
   struct Reservation {

@@ -61,15 +61,6 @@ def test_host_pool_stops_growing_after_the_second_iteration():
     budget, _ = budget_for("resnet")
     sizes = []
 
-    class Probe(swap.SwapManager):
-        pass
-
-    sm_holder = {}
-
-    def manager():
-        sm_holder["sm"] = swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB)
-        return sm_holder["sm"]
-
     import torch
 
     from bench import models
@@ -77,7 +68,7 @@ def test_host_pool_stops_growing_after_the_second_iteration():
     torch.manual_seed(0)
     model = models.resnet((1, 1, 1, 1), width=8, num_classes=10)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with manager() as sm:
+    with swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB) as sm:
         for it in range(20):
             x, y = models.example_batch(model, 8, 64, torch.Generator().manual_seed(it))
             loss = models.loss_fn(model, model(x), y)
