@@ -202,6 +202,10 @@ std::uintptr_t Allocator::malloc(std::size_t nbytes, Stream stream, bool call_oo
             settle_frees(/*wait=*/true);
             if (std::uintptr_t p = try_malloc(nbytes, stream, false)) return p;
           }
+          if (device_full_) {  // the device refused chunks earlier; others may have freed memory since
+            device_full_ = false;
+            if (std::uintptr_t p = try_malloc(nbytes, stream, false)) return p;
+          }
           if (call_oom_handler && !t_oom_handler_suppressed) handler = oom_handler_;
         }
       }
@@ -551,12 +555,17 @@ void Allocator::free(std::uintptr_t addr) {
     complete_free(addr, freed, seq);
   }
   if (fence_event) prune_fences(freed.stream);
-  if (num_chunks_ > capacity_chunks_) {
-    try {  // a follow-up the caller did not ask for: a failure here is counted, not thrown
-      shrink_to_capacity();
-    } catch (const std::exception& e) {
-      note_backend_error(e);
-    }
+  shrink_if_over_capacity();
+}
+
+// After memory returns to the cache above a lowered capacity. A follow-up the caller did not ask for: a
+// failure is counted, not thrown.
+void Allocator::shrink_if_over_capacity() noexcept {
+  if (num_chunks_ <= capacity_chunks_) return;
+  try {
+    shrink_to_capacity();
+  } catch (const std::exception& e) {
+    note_backend_error(e);
   }
 }
 
@@ -627,6 +636,7 @@ void Allocator::settle_frees(bool wait) {
     complete_free(p->second.addr, p->second.a, p->first);
     p = pending_.erase(p);
   }
+  shrink_if_over_capacity();
 }
 
 void Allocator::free_small(std::uintptr_t addr, std::uint64_t seq) {
@@ -786,28 +796,57 @@ void Allocator::retry_quarantine() noexcept {
   }
 }
 
+// Note [Empty cache]
+// empty_cache keeps going past a range it fails to unmap (the chunk is quarantined) and then retries: at the
+// host's mapping limit, unmapping other ranges is what makes the failing one possible again. It throws the
+// first backend error only if it could not empty the cache in the end; errors it got past are counted.
 void Allocator::empty_cache() {
   std::lock_guard<std::mutex> lock(mu_);
-  try {
-    settle_frees(/*wait=*/true);
-    retire_empty_slabs();
-    CaptureCache capturing;
+  std::exception_ptr first;
+  auto attempt = [&](auto&& fn) {
+    try {
+      fn();
+    } catch (const BackendError& e) {
+      ++stats_.num_backend_errors;
+      if (!first) first = std::current_exception();
+      try {
+        last_backend_error_ = e.what();
+      } catch (...) {
+      }
+    }
+  };
+  attempt([&] { settle_frees(/*wait=*/true); });
+  retire_empty_slabs();
+  CaptureCache capturing;
+  auto remaining = [&] {
+    std::size_t n = pool_.size() + quarantine_.size();
+    for (const auto& [seq, addr] : lru_) {
+      const Range& r = ranges_.at(addr);
+      if (!is_capturing(r.stream, capturing)) n += r.nchunks;
+    }
+    return n;
+  };
+  for (std::size_t left = remaining(), before = left + 1; left > 0 && left < before; before = left, left = remaining()) {
     for (auto it = lru_.begin(); it != lru_.end();) {
       const auto [seq, addr] = *it;
-      ++it;
-      const Range& r = ranges_.at(addr);
-      if (is_capturing(r.stream, capturing)) continue;
-      fence(r.stream, seq);
-      unmap_tail(addr, r.nchunks);
+      ++it;  // unmap_tail erases this entry (and re-inserts it only after a failure)
+      const Stream stream = ranges_.at(addr).stream;
+      if (is_capturing(stream, capturing)) continue;
+      attempt([&] {
+        fence(stream, seq);
+        unmap_tail(addr, ranges_.at(addr).nchunks);
+      });
     }
-    release_pool_chunks(0);
-  } catch (const BackendError&) {
-    ++stats_.num_backend_errors;
-    throw;
+    attempt([&] { release_pool_chunks(0); });
+    retry_quarantine();
   }
-  retry_quarantine();
-  // Ranges of capturing streams may remain; above a lowered capacity they are released after the capture.
-  shrink_blocked_ = num_chunks_ > capacity_chunks_ && cached_chunks_ > 0;
+  // Ranges of capturing streams (or chunks whose release failed) may remain above a lowered capacity.
+  shrink_blocked_ = over_capacity_with_cache();
+  if (first && remaining() > 0) std::rethrow_exception(first);
+}
+
+bool Allocator::over_capacity_with_cache() const {
+  return num_chunks_ > capacity_chunks_ && (cached_chunks_ > 0 || !pool_.empty() || !empty_slabs_.empty());
 }
 
 void Allocator::shrink_to_capacity() {
@@ -821,7 +860,7 @@ void Allocator::shrink_to_capacity() {
     release_pool_chunks(pool_.size() - std::min(pool_.size(), excess()));
   }
   // Cached ranges of capturing streams may remain above the capacity: released when the capture ends.
-  shrink_blocked_ = excess() > 0 && (cached_chunks_ > 0 || !pool_.empty() || !empty_slabs_.empty());
+  shrink_blocked_ = over_capacity_with_cache();
 }
 
 void Allocator::set_capacity(std::size_t bytes) {
@@ -1152,8 +1191,7 @@ void Allocator::check_invariants() const {
   require(static_cast<std::int64_t>(ranges_.size()) == stats_.segment.current, "segment count != recount");
   require(num_chunks_ == pool_.size() + mapped + quarantine_.size(), "chunks held != pool + mapped + quarantined");
   require(static_cast<std::int64_t>(num_chunks_ * chunk_) == stats_.reserved_bytes.current, "reserved_bytes != recount");
-  require(num_chunks_ <= capacity_chunks_ || shrink_blocked_ ||
-              (pool_.empty() && cached_chunks_ == 0 && empty_slabs_.empty()),
+  require(!over_capacity_with_cache() || shrink_blocked_,
           "reserved bytes exceed the capacity while cached memory could be released");
   for (const auto& [s, events] : fences_) {
     require(!events.empty(), "an empty fence list");

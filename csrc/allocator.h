@@ -168,6 +168,8 @@ class VMALLOC_API Allocator {
   bool reclaim(std::size_t nchunks, CaptureCache& capturing);
   void retire_empty_slabs();
   void shrink_to_capacity();
+  void shrink_if_over_capacity() noexcept;
+  bool over_capacity_with_cache() const;
   void free_small(std::uintptr_t addr, std::uint64_t seq);
   void cache_range(std::uintptr_t addr, std::uint64_t seq);
   void complete_free(std::uintptr_t addr, const Allocation& a, std::uint64_t seq);

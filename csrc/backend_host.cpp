@@ -10,18 +10,19 @@
 // Every mapped chunk whose neighbours are not the next slots of the memfd is a mapping of its own, and the
 // kernel caps a process's mappings (vm.max_map_count, 65530 by default). Stitching scattered chunks into one
 // range therefore costs one mapping per chunk: 4 GiB of 64 KiB chunks stitched needs more mappings than the
-// default allows. The kernel merges neighbouring mappings of consecutive slots by itself, so there is nothing
-// to gain by merging here. What the backend does: it says so when the limit is the cause of an ENOMEM,
-// naming the count, the limit and the two ways out (a larger chunk_size, or a higher vm.max_map_count); and
-// it can still unmap at the limit (see unmap), so an arena that hit the limit frees its way back below it.
+// default allows, and cannot succeed. The kernel merges neighbouring mappings of consecutive slots by itself,
+// so merging here gains nothing. What the backend does instead (detail/map_budget.h):
+//   - it never takes the process into the last mappings (1/16 of the limit): a map or a splitting unmap
+//     there fails with an error that names the count, the limit and the ways out (a larger chunk_size, a
+//     higher vm.max_map_count), so the interpreter and libraries can still mmap after the failure;
+//   - unmapping a chunk that is a whole mapping by itself is always allowed (and at the kernel's limit
+//     done by munmap first, see unmap): an arena that met the limit frees its way back below it.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <chrono>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <mutex>
 #include <set>
@@ -29,6 +30,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "detail/map_budget.h"
 
 namespace vmalloc {
 namespace {
@@ -52,51 +54,11 @@ const char* errno_name(int e) {
   }
 }
 
-std::size_t count_mappings() {
-  std::ifstream maps("/proc/self/maps");
-  std::size_t n = 0;
-  std::string line;
-  while (std::getline(maps, line)) ++n;
-  return n;
-}
-
-// Counting mappings reads all of /proc/self/maps (milliseconds at the limit); a burst of failures (the
-// destructor releasing thousands of chunks) reuses one count per second.
-std::size_t recent_mapping_count() {
-  static std::mutex mu;
-  static std::chrono::steady_clock::time_point when{};
-  static std::size_t count = 0;
-  std::lock_guard<std::mutex> lock(mu);
-  const auto now = std::chrono::steady_clock::now();
-  if (count == 0 || now - when > std::chrono::seconds(1)) {
-    count = count_mappings();
-    when = now;
-  }
-  return count;
-}
-
-long max_map_count() {
-  std::ifstream f("/proc/sys/vm/max_map_count");
-  long v = -1;
-  f >> v;
-  return f ? v : -1;
-}
-
-// Throws BackendError for the system call `call` (doing `what`) that failed with errno `err`.
-[[noreturn]] void fail(const char* call, const char* what, int err) {
-  std::string msg = std::string("vmalloc host backend: ") + call + " (" + what + ") failed: " + std::strerror(err) +
-                    " (" + errno_name(err) + " " + std::to_string(err) + ")";
-  if (err == ENOMEM) {
-    const long limit = max_map_count();
-    const std::size_t count = recent_mapping_count();
-    if (limit > 0 && count + 16 >= static_cast<std::size_t>(limit)) {
-      msg += "; the process has " + std::to_string(count) + " memory mappings and the kernel allows " +
-             std::to_string(limit) +
-             " (vm.max_map_count): every stitched host chunk is a mapping of its own, so use a larger "
-             "chunk_size (fewer chunks) or raise the limit (sysctl -w vm.max_map_count=262144)";
-    }
-  }
-  throw BackendError(call, msg);
+// Throws BackendError for the system call `call` (doing `what`) that failed with errno `err`; `extra` explains
+// an ENOMEM further (the mapping limit).
+[[noreturn]] void fail(const char* call, const std::string& what, int err, const std::string& extra = "") {
+  throw BackendError(call, std::string("vmalloc host backend: ") + call + " (" + what + ") failed: " +
+                               std::strerror(err) + " (" + errno_name(err) + " " + std::to_string(err) + ")" + extra);
 }
 
 class HostBackend final : public Backend {
@@ -116,7 +78,7 @@ class HostBackend final : public Backend {
 
   std::uintptr_t reserve(std::size_t bytes) override {
     void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) fail("mmap", ("reserving " + std::to_string(bytes) + " bytes of address space").c_str(), errno);
+    if (p == MAP_FAILED) fail("mmap", "reserving " + std::to_string(bytes) + " bytes of address space", errno);
     return reinterpret_cast<std::uintptr_t>(p);
   }
   void release_reservation(std::uintptr_t base, std::size_t bytes) override {
@@ -168,13 +130,14 @@ class HostBackend final : public Backend {
   }
 
   void map(std::uintptr_t addr, std::size_t bytes, ChunkHandle chunk) override {
+    budget_.before_map("mapping a chunk");
     void* p = mmap(reinterpret_cast<void*>(addr), bytes, PROT_NONE, MAP_SHARED | MAP_FIXED, fd_,
                    static_cast<off_t>(chunk));
     if (p == MAP_FAILED) {
       const int err = errno;
       // A failed MAP_FIXED may have dropped the reservation there: put it back, so the range stays ours.
       reserve_at(addr, bytes);
-      fail("mmap", "mapping a chunk", err);
+      fail("mmap", "mapping a chunk", err, err == ENOMEM ? budget_.diagnose() : "");
     }
   }
 
@@ -182,6 +145,7 @@ class HostBackend final : public Backend {
     if (is_lost(addr, bytes))
       throw BackendError("mmap", "vmalloc host backend: unmap failed: the address was taken by another mapping "
                                  "after an earlier unmap at the mapping limit; it stays out of use");
+    budget_.before_unmap(addr, bytes);
     // Put the PROT_NONE reservation back rather than munmap, which would open a hole another mmap could take.
     if (reserve_at(addr, bytes)) return;
     const int err = errno;
@@ -189,7 +153,8 @@ class HostBackend final : public Backend {
     // merge away mappings; munmap still works when it frees a whole mapping. Unmap, then reserve the hole
     // again without replacing anything: if another thread's mmap took it meanwhile, the address is lost to
     // us (remembered, never touched again) rather than clobbered.
-    if (err != ENOMEM || munmap(reinterpret_cast<void*>(addr), bytes) != 0) fail("mmap", "unmapping a chunk (PROT_NONE over it)", err);
+    if (err != ENOMEM || munmap(reinterpret_cast<void*>(addr), bytes) != 0)
+      fail("mmap", "unmapping a chunk (PROT_NONE over it)", err, err == ENOMEM ? budget_.diagnose() : "");
     void* p = mmap(reinterpret_cast<void*>(addr), bytes, PROT_NONE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
     if (p == reinterpret_cast<void*>(addr)) return;
@@ -203,8 +168,10 @@ class HostBackend final : public Backend {
   }
 
   void set_access(std::uintptr_t addr, std::size_t bytes) override {
-    if (mprotect(reinterpret_cast<void*>(addr), bytes, PROT_READ | PROT_WRITE) != 0)
-      fail("mprotect", "set_access (read/write)", errno);
+    if (mprotect(reinterpret_cast<void*>(addr), bytes, PROT_READ | PROT_WRITE) != 0) {
+      const int err = errno;
+      fail("mprotect", "set_access (read/write)", err, err == ENOMEM ? budget_.diagnose() : "");
+    }
   }
 
  private:
@@ -219,6 +186,7 @@ class HostBackend final : public Backend {
   }
 
   int fd_ = -1;
+  detail::MapBudget budget_;
   std::mutex mu_;
   off_t end_ = 0;
   std::map<std::size_t, std::vector<off_t>> free_slots_;
