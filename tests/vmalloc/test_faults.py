@@ -9,11 +9,11 @@ import sys
 import textwrap
 
 import pytest
+from arena_workload import Workload, intact, write
 
 import vmalloc
 
 from tests_support import SANITIZED_RUN
-from arena_workload import Workload, intact, write
 
 KiB, MiB = 1024, 1024 * 1024
 CHUNK = 64 * KiB
