@@ -1,0 +1,1 @@
+from fakecuda.fixtures import fakecuda  # noqa: F401
