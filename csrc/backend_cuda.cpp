@@ -8,6 +8,7 @@
 #include <cuda.h>
 #include <dlfcn.h>
 
+#include <cstdlib>
 #include <mutex>
 #include <vector>
 
@@ -52,9 +53,12 @@ const Driver& driver() {
   static std::once_flag once;
   static std::string error;
   std::call_once(once, [] {
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    // VMALLOC_LIBCUDA: another driver library, such as the emulated one the tests use (tests/fakecuda).
+    const char* override_path = std::getenv("VMALLOC_LIBCUDA");
+    const std::string path = override_path && *override_path ? override_path : "libcuda.so.1";
+    void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
-      error = std::string("cannot load libcuda.so.1 (is an NVIDIA driver installed?): ") + dlerror();
+      error = "cannot load " + path + " (is an NVIDIA driver installed?): " + dlerror();
       return;
     }
     auto v2 = reinterpret_cast<GetProcAddressV2>(dlsym(lib, "cuGetProcAddress_v2"));
