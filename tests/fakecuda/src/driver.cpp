@@ -106,10 +106,17 @@ Status Driver::destroy_stream(CUstream handle) {
   return success();
 }
 
+bool Driver::retired(const Stream& s) const {
+  return s.destroyed && s.completed == s.enqueued && race.host().at(static_cast<std::size_t>(s.id)) >= s.enqueued;
+}
+
 void Driver::join_exited_streams() {
   // A worker sets exited() under the lock and then takes it no more, so joining it here cannot deadlock.
-  for (auto& s : streams_)
+  for (auto& s : streams_) {
     if (s->exited()) s->join();
+    // Its clock adds nothing to the host's any more; free it (clocks grow with the number of streams).
+    if (retired(*s)) s->clock = VectorClock{};
+  }
 }
 
 Event* Driver::find_event(CUevent e) {
@@ -138,7 +145,7 @@ std::uint64_t Driver::enqueue(Stream& s, Work w) {
   if (s.capture.status == CU_STREAM_CAPTURE_STATUS_ACTIVE) return 0;
   if (s.kind == Stream::Kind::kLegacy) {
     for (Stream* b : streams_of(s.device)) {
-      if (b->kind != Stream::Kind::kBlocking) continue;
+      if (b->kind != Stream::Kind::kBlocking || retired(*b)) continue;
       if (b->completed < b->enqueued) w.deps.push_back({b, b->enqueued});
       s.clock.join(b->clock);
     }

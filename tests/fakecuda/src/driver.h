@@ -92,6 +92,8 @@ class Driver {
   Driver();
   void execute(Stream& s, const Work& w);
   void join_exited_streams();
+  // Destroyed, drained, and the host is ordered after all its work: it can order nothing any more.
+  bool retired(const Stream& s) const;
 
   std::vector<std::string> misuses_;
   std::vector<std::unique_ptr<Stream>> streams_;       // every stream ever created (ids index this)
