@@ -277,13 +277,15 @@ class FakeCuda:
     def synchronize(self, stream: int) -> None:
         self.check("cuStreamSynchronize", stream)
 
+    def _query(self, name: str, handle: int) -> bool:
+        """True when the work is done, False while it is pending (CUDA_ERROR_NOT_READY); raises otherwise."""
+        code = self.call(name, handle)
+        if code not in (CUDA_SUCCESS, CUDA_ERROR_NOT_READY):
+            raise CudaError(name, code, self.error_name(code))
+        return code == CUDA_SUCCESS
+
     def stream_done(self, stream: int) -> bool:
-        code = self.call("cuStreamQuery", stream)
-        if code == CUDA_ERROR_NOT_READY:
-            return False
-        if code != CUDA_SUCCESS:
-            raise CudaError("cuStreamQuery", code, self.error_name(code))
-        return True
+        return self._query("cuStreamQuery", stream)
 
     def event(self) -> int:
         e = c_void_p()
@@ -297,12 +299,7 @@ class FakeCuda:
         self.check("cuEventRecord", event, stream)
 
     def event_done(self, event: int) -> bool:
-        code = self.call("cuEventQuery", event)
-        if code == CUDA_ERROR_NOT_READY:
-            return False
-        if code != CUDA_SUCCESS:
-            raise CudaError("cuEventQuery", code, self.error_name(code))
-        return True
+        return self._query("cuEventQuery", event)
 
     def event_synchronize(self, event: int) -> None:
         self.check("cuEventSynchronize", event)

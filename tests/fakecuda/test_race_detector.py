@@ -11,19 +11,6 @@ def g(fakecuda):
     return fakecuda.granularity()
 
 
-@pytest.fixture
-def streams(fakecuda):
-    made = []
-
-    def make(nonblocking=False):
-        made.append(fakecuda.stream(nonblocking))
-        return made[-1]
-
-    yield make
-    for s in made:
-        fakecuda.destroy_stream(s)
-
-
 def test_unmap_with_pending_work_is_a_violation_with_context(fakecuda, g, streams):
     s = streams()
     ptr, handle = fakecuda.map_new(2 * g)

@@ -37,19 +37,6 @@ def mem(fakecuda):
     fakecuda.unmap_free(ptr, g, handle)
 
 
-@pytest.fixture
-def streams(fakecuda):
-    made = []
-
-    def make(nonblocking=False):
-        made.append(fakecuda.stream(nonblocking))
-        return made[-1]
-
-    yield make
-    for s in made:
-        fakecuda.destroy_stream(s)
-
-
 def test_work_runs_later_and_in_order(fakecuda, mem, streams):
     s = streams()
     fakecuda.fill(s, mem, 4096, 0x11, SLOW)

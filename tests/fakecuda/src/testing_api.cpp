@@ -23,6 +23,14 @@ const char* hand_out(const std::string& s) {
   return buffer.c_str();
 }
 
+// Runs f(driver) under the driver's lock.
+template <class F>
+auto locked(F&& f) {
+  Driver& drv = Driver::get();
+  std::lock_guard<std::mutex> lock(drv.mu);
+  return f(drv);
+}
+
 std::mutex g_fault_error_mu;
 std::string g_fault_error;
 
@@ -122,21 +130,15 @@ CUresult fakecuda_check_reuse(CUstream stream, CUdeviceptr addr, size_t size) {
 }
 
 size_t fakecuda_violations(void) {
-  Driver& drv = Driver::get();
-  std::lock_guard<std::mutex> lock(drv.mu);
-  return drv.race.count();
+  return locked([](Driver& d) { return d.race.count(); });
 }
 
 const char* fakecuda_violation_text(size_t i) {
-  Driver& drv = Driver::get();
-  std::lock_guard<std::mutex> lock(drv.mu);
-  return i < drv.race.stored() ? hand_out(drv.race.at(i).text) : nullptr;
+  return locked([&](Driver& d) { return i < d.race.stored() ? hand_out(d.race.at(i).text) : nullptr; });
 }
 
 const char* fakecuda_violation_kind(size_t i) {
-  Driver& drv = Driver::get();
-  std::lock_guard<std::mutex> lock(drv.mu);
-  return i < drv.race.stored() ? hand_out(drv.race.at(i).kind) : nullptr;
+  return locked([&](Driver& d) { return i < d.race.stored() ? hand_out(d.race.at(i).kind) : nullptr; });
 }
 
 size_t fakecuda_dump_violations(void) {
@@ -148,15 +150,11 @@ size_t fakecuda_dump_violations(void) {
 }
 
 size_t fakecuda_misuses(void) {
-  Driver& drv = Driver::get();
-  std::lock_guard<std::mutex> lock(drv.mu);
-  return drv.misuses();
+  return locked([](Driver& d) { return d.misuses(); });
 }
 
 const char* fakecuda_misuse_text(size_t i) {
-  Driver& drv = Driver::get();
-  std::lock_guard<std::mutex> lock(drv.mu);
-  return i < drv.misuses() ? hand_out(drv.misuse(i)) : nullptr;
+  return locked([&](Driver& d) { return i < d.misuses() ? hand_out(d.misuse(i)) : nullptr; });
 }
 
 void fakecuda_reset(void) {
@@ -221,47 +219,33 @@ CUresult fakecuda_end_capture(CUstream stream) {
 }
 
 size_t fakecuda_live_allocations(void) {
-  Driver& drv = Driver::get();
-  std::lock_guard<std::mutex> lock(drv.mu);
-  return drv.memory.live_allocations();
+  return locked([](Driver& d) { return d.memory.live_allocations(); });
 }
 
 size_t fakecuda_live_mappings(void) {
-  Driver& drv = Driver::get();
-  std::lock_guard<std::mutex> lock(drv.mu);
-  return drv.memory.live_mappings();
+  return locked([](Driver& d) { return d.memory.live_mappings(); });
 }
 
 size_t fakecuda_live_reservations(void) {
-  Driver& drv = Driver::get();
-  std::lock_guard<std::mutex> lock(drv.mu);
-  return drv.memory.live_reservations();
+  return locked([](Driver& d) { return d.memory.live_reservations(); });
 }
 
 size_t fakecuda_live_streams(void) {
-  Driver& drv = Driver::get();
-  std::lock_guard<std::mutex> lock(drv.mu);
-  return drv.live_streams();
+  return locked([](Driver& d) { return d.live_streams(); });
 }
 
 size_t fakecuda_live_events(void) {
-  Driver& drv = Driver::get();
-  std::lock_guard<std::mutex> lock(drv.mu);
-  return drv.live_events();
+  return locked([](Driver& d) { return d.live_events(); });
 }
 
 size_t fakecuda_used_bytes(int device) {
-  Driver& drv = Driver::get();
-  std::lock_guard<std::mutex> lock(drv.mu);
   if (device < 0 || device >= fakecuda::config().devices) return 0;
-  return drv.memory.used(device);
+  return locked([&](Driver& d) { return d.memory.used(device); });
 }
 
 int fakecuda_primary_retains(int device) {
-  Driver& drv = Driver::get();
-  std::lock_guard<std::mutex> lock(drv.mu);
   if (device < 0 || device >= fakecuda::config().devices) return -1;
-  return drv.contexts[static_cast<std::size_t>(device)].retains;
+  return locked([&](Driver& d) { return d.contexts[static_cast<std::size_t>(device)].retains; });
 }
 
 }  // extern "C"
