@@ -163,12 +163,15 @@ std::size_t Allocator::creatable_chunks() const {
   return capacity_chunks_ - num_chunks_;
 }
 
-bool Allocator::is_capturing(Stream stream, CaptureCache& cache) {
-  auto it = cache.find(stream);
-  if (it != cache.end()) return it->second;
-  const bool c = backend_->capturing(stream);
-  cache.emplace(stream, c);
-  return c;
+void Allocator::capture_begin() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++announced_captures_;
+}
+
+void Allocator::capture_end() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (announced_captures_ == 0) throw std::logic_error("vmalloc: capture_end() without capture_begin()");
+  --announced_captures_;
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -302,18 +305,17 @@ std::uintptr_t Allocator::malloc_large(std::size_t k, Stream stream, bool cached
   }
   if (pool_.size() + idle + creatable_chunks() < k) return 0;
   // 4. reclaim chunks of cached ranges (any stream) and empty slabs; create only what is still missing
-  CaptureCache capturing;
-  if (pool_.size() < k) {
+  if (pool_.size() < k && !quiet()) {
     retire_empty_slabs();
     const std::size_t want = k - pool_.size();
     const std::size_t from_cache = config_.eager_growth ? want - std::min(want, creatable_chunks())
                                                         : std::min(want, cached_chunks_);
-    if (!reclaim(from_cache, capturing)) return 0;
+    if (!reclaim(from_cache)) return 0;
   }
   if (std::uintptr_t p = map_fresh(k, stream)) return p;
   // The device refused chunks below the capacity (map_fresh set device_full_): stitch what is cached.
   if (pool_.size() + cached_chunks_ < k) return 0;
-  if (!reclaim(k - pool_.size(), capturing)) return 0;
+  if (quiet() || !reclaim(k - pool_.size())) return 0;
   return map_fresh(k, stream);
 }
 
@@ -411,16 +413,16 @@ std::uintptr_t Allocator::map_fresh(std::size_t k, Stream stream) {
 // ranges, least recently freed first, and mapped into the new range. Because a chunk is interchangeable,
 // this stitches scattered free memory into one contiguous allocation: a request succeeds whenever enough
 // chunks are free in total. Each range gives up its tail, so what is left keeps its address and can still
-// serve its stream. Ranges of streams being captured are left alone (Note [Graph capture]).
-bool Allocator::reclaim(std::size_t need, CaptureCache& capturing) {
+// serve its stream. Nothing is reclaimed while a capture is announced (Note [Graph capture]).
+bool Allocator::reclaim(std::size_t need) {
   if (need == 0) return true;
+  if (quiet()) return false;
   ++stats_.num_reclaims;
   auto it = lru_.begin();
   while (need > 0 && it != lru_.end()) {
     const auto [seq, addr] = *it;
     ++it;  // unmap_tail erases (and may re-insert) this entry; the next one stays valid
     const Range& r = ranges_.at(addr);
-    if (is_capturing(r.stream, capturing)) continue;
     const std::size_t take = std::min(need, r.nchunks);
     fence(r.stream, seq);
     const std::size_t pooled = pool_.size();
@@ -578,14 +580,13 @@ void Allocator::complete_free(std::uintptr_t addr, const Allocation& a, std::uin
 }
 
 // Moves frees whose other streams have finished (or, with wait, after waiting for them on the host) to the
-// cache, and frees deferred by a capture that has ended to pending_. Events of streams that are being
-// captured are neither queried nor waited for.
+// cache, and frees deferred by a capture that has ended to pending_. Nothing is queried or waited for while
+// a capture is announced.
 void Allocator::settle_frees(bool wait) {
-  if (pending_.empty() && deferred_.empty()) return;
-  CaptureCache capturing;
+  if ((pending_.empty() && deferred_.empty()) || quiet()) return;
   for (auto d = deferred_.begin(); d != deferred_.end();) {
-    bool still = is_capturing(d->a.stream, capturing);
-    for (Stream s : d->a.other_streams) still = still || is_capturing(s, capturing);
+    bool still = backend_->capturing(d->a.stream);
+    for (Stream s : d->a.other_streams) still = still || backend_->capturing(s);
     if (still) {
       ++d;
       continue;
@@ -615,7 +616,7 @@ void Allocator::settle_frees(bool wait) {
   for (auto p = pending_.begin(); p != pending_.end();) {
     bool ready = true;
     for (auto& [s, e] : p->second.events) {
-      if (is_capturing(s, capturing) || busy[s]) {
+      if (busy[s]) {
         ready = false;
         break;
       }
@@ -741,7 +742,7 @@ void Allocator::fence(Stream stream, std::uint64_t seq) {
 // Drops fences that have completed, so that the list stays short on a stream that is never reclaimed.
 void Allocator::prune_fences(Stream stream) noexcept {
   auto it = fences_.find(stream);
-  if (it == fences_.end()) return;
+  if (it == fences_.end() || quiet()) return;
   auto& events = it->second;
   try {
     while (events.size() > 64 && backend_->event_done(events.front().second)) {
@@ -816,22 +817,19 @@ void Allocator::empty_cache() {
     }
   };
   attempt([&] { settle_frees(/*wait=*/true); });
+  if (quiet()) {  // a capture is announced: no waiting and no unmapping; the pool can go
+    attempt([&] { release_pool_chunks(0); });
+    shrink_blocked_ = over_capacity_with_cache();
+    if (first && !pool_.empty()) std::rethrow_exception(first);
+    return;
+  }
   retire_empty_slabs();
-  CaptureCache capturing;
-  auto remaining = [&] {
-    std::size_t n = pool_.size() + quarantine_.size();
-    for (const auto& [seq, addr] : lru_) {
-      const Range& r = ranges_.at(addr);
-      if (!is_capturing(r.stream, capturing)) n += r.nchunks;
-    }
-    return n;
-  };
+  auto remaining = [&] { return pool_.size() + quarantine_.size() + cached_chunks_; };
   for (std::size_t left = remaining(), before = left + 1; left > 0 && left < before; before = left, left = remaining()) {
     for (auto it = lru_.begin(); it != lru_.end();) {
       const auto [seq, addr] = *it;
       ++it;  // unmap_tail erases this entry (and re-inserts it only after a failure)
       const Stream stream = ranges_.at(addr).stream;
-      if (is_capturing(stream, capturing)) continue;
       attempt([&] {
         fence(stream, seq);
         unmap_tail(addr, ranges_.at(addr).nchunks);
@@ -840,7 +838,7 @@ void Allocator::empty_cache() {
     attempt([&] { release_pool_chunks(0); });
     retry_quarantine();
   }
-  // Ranges of capturing streams (or chunks whose release failed) may remain above a lowered capacity.
+  // Chunks whose release failed may remain above a lowered capacity.
   shrink_blocked_ = over_capacity_with_cache();
   if (first && remaining() > 0) std::rethrow_exception(first);
 }
@@ -855,11 +853,10 @@ void Allocator::shrink_to_capacity() {
   release_pool_chunks(pool_.size() - std::min(pool_.size(), excess()));
   if (excess() > 0) {
     retire_empty_slabs();
-    CaptureCache capturing;
-    reclaim(std::min(excess(), cached_chunks_), capturing);
+    reclaim(std::min(excess(), cached_chunks_));
     release_pool_chunks(pool_.size() - std::min(pool_.size(), excess()));
   }
-  // Cached ranges of capturing streams may remain above the capacity: released when the capture ends.
+  // While a capture is announced cached ranges stay (no unmapping): released when it ends.
   shrink_blocked_ = over_capacity_with_cache();
 }
 
@@ -945,17 +942,25 @@ std::string Allocator::oom_message(std::size_t nbytes) const {
 
 // Note [Graph capture]
 // While a stream is being captured into a CUDA graph, work submitted to it is recorded, not run, and driver
-// calls that would synchronize with it or observe it (event record/query/synchronize on it, memory mapping
-// and unmapping under it) either fail or invalidate the capture. The core therefore:
+// calls that would synchronize with it or observe it (event record/query/synchronize on it, and in the
+// default global capture mode any event query or synchronization in the process) fail and invalidate the
+// capture. The core therefore:
+//   - asks the backend (cuStreamIsCapturing) about the stream of each malloc and free, and only about
+//     those: the stream of the call is alive, an old stream of a cached range may not be (a destroyed
+//     stream's handle must not reach the driver);
 //   - malloc on a capturing stream serves only memory already cached for that stream (a cached range, a
-//     slab block), with no backend call besides the capture query; when that does not suffice it throws
-//     CaptureError (counted in num_capture_errors) rather than map, reclaim or call the OOM handler;
+//     slab block), with no other backend call; when that does not suffice it throws CaptureError (counted in
+//     num_capture_errors) rather than map, reclaim or call the OOM handler;
 //   - free of an allocation whose stream (or a record_stream stream) is capturing records no event: the
 //     block is deferred (num_deferred_frees) until a later malloc/free/empty_cache finds the capture over;
-//   - reclaim, empty_cache and shrinking skip cached ranges of capturing streams, and pending frees'
-//     events on them are neither queried nor waited for.
-// Memory a graph uses must outlive the graph's replays; that is the owner's business (PyTorch gives each
-// graph a private pool). The torch adapter decides whether to offer capture at all.
+//   - while a capture is announced (capture_begin()/capture_end(), by whoever starts captures: the torch
+//     adapter), no event is queried or waited for and nothing is unmapped, on any stream: settling frees,
+//     reclaim, shrinking and empty_cache's unmapping wait for the end. Mallocs on other streams may still map
+//     fresh chunks (not a stream operation).
+// A capture nobody announced is thus safe on its own stream; another stream's reclaim may still wait for an
+// event during it, which the driver refuses (the capture fails at its end with an error, memory is never
+// corrupted). Memory a graph uses must outlive the graph's replays; that is the owner's business (PyTorch
+// gives each graph a private pool). The torch adapter decides whether to offer capture at all.
 std::string Allocator::capture_message(std::size_t nbytes, Stream stream) const {
   return "vmalloc: cannot allocate " + format_size(nbytes) + " (" + std::to_string(nbytes) + " bytes) on stream " +
          hex(stream) +

@@ -106,6 +106,11 @@ class VMALLOC_API Allocator {
   void set_oom_handler(OomHandler handler);
   void set_history(std::size_t entries);
   void reset_peak_stats();
+  // A CUDA graph capture begins / ends somewhere in the process (Note [Graph capture]): until the matching
+  // end, nothing is waited for or unmapped, on any stream. Nests. capture_end throws std::logic_error
+  // without a matching begin.
+  void capture_begin();
+  void capture_end();
 
   std::vector<std::pair<std::string, std::int64_t>> stats() const;
   std::vector<SegmentInfo> segments() const;
@@ -157,7 +162,6 @@ class VMALLOC_API Allocator {
     std::uint32_t reservation;
   };
   using SizeSet = std::set<std::pair<std::size_t, std::uintptr_t>>;  // (size, address): best fit
-  using CaptureCache = std::unordered_map<Stream, bool>;
 
   std::uintptr_t try_malloc(std::size_t nbytes, Stream stream, bool cached_only);
   std::uintptr_t malloc_small(std::size_t size, Stream stream, bool cached_only);
@@ -165,7 +169,7 @@ class VMALLOC_API Allocator {
   std::uintptr_t take_cached(std::uintptr_t addr, std::size_t nchunks);
   std::uintptr_t map_fresh(std::size_t nchunks, Stream stream);
   void unmap_for_rollback(std::uintptr_t addr, ChunkHandle chunk, std::uint32_t reservation);
-  bool reclaim(std::size_t nchunks, CaptureCache& capturing);
+  bool reclaim(std::size_t nchunks);
   void retire_empty_slabs();
   void shrink_to_capacity();
   void shrink_if_over_capacity() noexcept;
@@ -181,7 +185,7 @@ class VMALLOC_API Allocator {
   void prune_fences(Stream stream) noexcept;
   void insert_cached(std::uintptr_t addr, const Range& r);
   void erase_cached(std::uintptr_t addr, const Range& r);
-  bool is_capturing(Stream stream, CaptureCache& cache);
+  bool quiet() const { return announced_captures_ > 0; }
   void note_backend_error(const std::exception& e) noexcept;
   std::size_t creatable_chunks() const;
   std::string oom_message(std::size_t nbytes) const;
@@ -201,6 +205,7 @@ class VMALLOC_API Allocator {
   std::set<std::uintptr_t> empty_slabs_;                      // slabs with no block in use
   bool device_full_ = false;                                  // the backend refused a chunk below capacity
   bool shrink_blocked_ = false;                               // the last shrink could not release everything
+  std::size_t announced_captures_ = 0;                        // capture_begin() calls not yet ended
   std::size_t num_chunks_ = 0;                                // created and not released
   std::size_t cached_chunks_ = 0;                             // chunks in kCached ranges
   std::map<std::uintptr_t, Range> ranges_;                    // every mapped range, by address

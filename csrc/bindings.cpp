@@ -190,6 +190,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("fn"))
       .def("set_history", [](Allocator& a, const py::object& n) { a.set_history(to_size(n, "history")); })
       .def("reset_peak_stats", &Allocator::reset_peak_stats)
+      .def("capture_begin", &Allocator::capture_begin,
+           "A CUDA graph capture begins: until capture_end(), nothing is waited for or unmapped, on any stream.")
+      .def("capture_end", &Allocator::capture_end)
       .def("stats",
            [](const Allocator& a) {
              py::dict d;

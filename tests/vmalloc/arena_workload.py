@@ -1,64 +1,54 @@
-"""A random allocator workload that writes a pattern into every allocation and checks every live pattern
-after each step, through ctypes at the allocation's address (host memory on the host backend, the emulated
-driver's host-backed device memory on the cuda backend). Used by the fault sweeps and the backend-
-parametrized tests."""
+"""A random allocator workload that writes a pattern into every allocation and checks every live pattern,
+on either backend (backends.py): the host writes and reads host memory; on the emulated driver stream work
+writes and checks, and every hand-out is checked against pending work by the race detector. Used by the
+fault sweeps and the backend-parametrized tests."""
 
 from __future__ import annotations
 
-import ctypes
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import vmalloc
 
-KiB = 1024
-
 
 @dataclass
 class Tally:
-    """What a run did: operations attempted, backend errors survived, and the calls they named."""
+    """What a run did: operations attempted and backend errors survived."""
 
     ops: int = 0
     errors: int = 0
-    calls_named: set[str] = field(default_factory=set)
-
-
-def write(addr: int, size: int, tag: int) -> None:
-    ctypes.memset(addr, tag, size)
-
-
-def intact(addr: int, size: int, tag: int) -> bool:
-    return ctypes.string_at(addr, size) == bytes([tag]) * size
 
 
 class Workload:
     """Drives ``arena`` with seeded random malloc / free / record_stream / empty_cache / set_capacity.
 
-    ``on_error(exc)`` is called for every ``vmalloc.BackendError`` (after which the workload checks the
-    invariants and every live pattern, and goes on); OOM is an allowed outcome. ``streams`` are the stream
-    handles to use (0 and fake values on the host backend; real emulator streams on cuda).
+    ``memory`` is a backends.HostMemory or FakeCudaMemory. ``on_error(exc)`` is called for every
+    ``vmalloc.BackendError``, after which the workload checks the invariants and every live pattern and goes
+    on; OOM is an allowed outcome. ``tick(rng)`` runs after every step.
     """
 
     def __init__(
         self,
         arena: Any,
+        memory: Any,
         seed: int,
-        streams: tuple[int, ...] = (0, 1, 2),
         max_large: int = 6,
         on_error: Optional[Callable[[BaseException], None]] = None,
         tick: Optional[Callable[[random.Random], None]] = None,
+        check_every: int = 1,
     ) -> None:
         self.arena = arena
+        self.memory = memory
         self.rng = random.Random(seed)
-        self.streams = streams
         self.chunk = arena.chunk_size
         self.small_max = arena.stats()["small_max"]
         self.max_large = max_large
         self.capacity = arena.capacity
-        self.live: dict[int, tuple[int, int]] = {}  # addr -> (size, tag)
+        self.live: dict[int, tuple[int, int, int]] = {}  # addr -> (size, stream, tag)
         self.on_error = on_error
         self.tick = tick
+        self.check_every = check_every
         self.tally = Tally()
         self.serial = 0
 
@@ -67,28 +57,38 @@ class Workload:
             return self.rng.randint(1, max(1, self.small_max))
         return self.rng.randint(self.small_max + 1, self.max_large * self.chunk)
 
+    def malloc(self) -> None:
+        rng, streams = self.rng, self.memory.streams
+        size, stream = self.size(), rng.choice(streams)
+        try:
+            addr = self.arena.malloc(size, stream)
+        except vmalloc.OutOfMemoryError:
+            return
+        self.memory.handed_out(stream, addr, size)
+        self.serial += 1
+        tag = self.serial % 251 + 1
+        self.memory.write(stream, addr, size, tag, rng)
+        self.live[addr] = (size, stream, tag)
+        if len(streams) > 1 and rng.random() < 0.2:
+            other = rng.choice([s for s in streams if s != stream])
+            self.memory.use_on(stream, other, addr, size, tag)
+            self.arena.record_stream(addr, other)
+
+    def free(self, addr: int) -> None:
+        size, stream, tag = self.live[addr]
+        self.memory.check(stream, addr, size, tag)
+        self.arena.free(addr)
+        del self.live[addr]
+
     def step(self) -> None:
         rng = self.rng
         r = rng.random()
         self.tally.ops += 1
         try:
             if r < 0.5 or not self.live:
-                size = self.size()
-                stream = rng.choice(self.streams)
-                try:
-                    addr = self.arena.malloc(size, stream)
-                except vmalloc.OutOfMemoryError:
-                    return
-                self.serial += 1
-                tag = self.serial % 251 + 1
-                write(addr, size, tag)
-                self.live[addr] = (size, tag)
-                if len(self.streams) > 1 and rng.random() < 0.2:
-                    self.arena.record_stream(addr, rng.choice([s for s in self.streams if s != stream]))
+                self.malloc()
             elif r < 0.9:
-                addr = rng.choice(sorted(self.live))
-                self.arena.free(addr)
-                del self.live[addr]
+                self.free(rng.choice(sorted(self.live)))
             elif r < 0.95:
                 self.arena.empty_cache()
             else:
@@ -99,12 +99,13 @@ class Workload:
                 self.on_error(e)
         if self.tick is not None:
             self.tick(rng)
-        self.check()
+        if self.tally.ops % self.check_every == 0:
+            self.check()
 
     def check(self) -> None:
         self.arena.check_invariants()
-        for addr, (size, tag) in self.live.items():
-            assert intact(addr, size, tag), f"allocation at {addr:#x} ({size} bytes) lost its data"
+        for addr, (size, stream, tag) in self.live.items():
+            self.memory.check(stream, addr, size, tag)
 
     def run(self, steps: int) -> Tally:
         for _ in range(steps):
@@ -112,9 +113,8 @@ class Workload:
         return self.tally
 
     def drain(self) -> None:
-        """Frees everything left (retrying frees a backend fault refused) and empties the cache."""
+        """Frees everything left and empties the cache."""
         for addr in sorted(self.live):
-            self.arena.free(addr)
-        self.live.clear()
+            self.free(addr)
         self.arena.empty_cache()
         self.arena.check_invariants()

@@ -4,12 +4,14 @@ allocation keeps its data, and the error names the backend call. Faults are inje
 decorator (Arena(..., _test_backend=True)) around real host memory; the cuda backend gets the same sweep
 against the emulated driver (test_cuda_fake.py)."""
 
+import ctypes
 import subprocess
 import sys
 import textwrap
 
 import pytest
-from arena_workload import Workload, intact, write
+from arena_workload import Workload
+from backends import HostMemory
 
 import vmalloc
 
@@ -19,6 +21,14 @@ KiB, MiB = 1024, 1024 * 1024
 CHUNK = 64 * KiB
 OPS = ["reserve", "create_chunk", "map", "set_access", "unmap", "release_chunk", "record_event", "event_done",
        "event_synchronize", "capturing"]
+
+
+def write(addr, size, tag):
+    ctypes.memset(addr, tag, size)
+
+
+def intact(addr, size, tag):
+    return ctypes.string_at(addr, size) == bytes([tag]) * size
 
 
 def faulty_arena(**kw):
@@ -201,7 +211,8 @@ def test_fault_sweep(op, fault_summary):
         def on_error(e, named=named):
             named.append(str(e))
 
-        w = Workload(a, seed=nth, on_error=on_error, tick=lambda rng, a=a: rng.random() < 0.3 and a._complete_events())
+        w = Workload(a, HostMemory(), seed=nth, on_error=on_error,
+                     tick=lambda rng, a=a: rng.random() < 0.3 and a._complete_events())
         a._inject_fault(op, nth=nth, once=nth % 8 != 0, out_of_memory=nth % 2 == 0)
         tally = w.run(150)
         a._clear_faults()
