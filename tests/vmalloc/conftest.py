@@ -7,9 +7,9 @@ import tempfile
 from collections import Counter
 
 import pytest
+from backends import in_fake_driver_process
 
 import vmalloc
-from backends import in_fake_driver_process
 
 KiB, MiB = 1024, 1024 * 1024
 

@@ -5,12 +5,12 @@ overlap; every live allocation keeps its own written pattern (across reclaims); 
 request succeeds whenever enough chunks are free; every statistic equals a recount."""
 
 import pytest
+from backends import FakeCudaMemory, HostMemory
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import vmalloc
-from backends import FakeCudaMemory, HostMemory
 
 CHUNKS = 32
 

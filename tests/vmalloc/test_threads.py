@@ -6,9 +6,9 @@ import random
 import threading
 
 import pytest
+from backends import memory_for
 
 import vmalloc
-from backends import memory_for
 
 KiB = 1024
 
