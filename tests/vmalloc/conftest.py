@@ -89,7 +89,9 @@ def pytest_sessionfinish(session):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "cuda_fake: runs on the cuda backend against the emulated driver, in a child process")
+    config.addinivalue_line(
+        "markers", "cuda_fake: runs on the cuda backend against the emulated driver, in a child process"
+    )
 
 
 def _needs_child(item) -> bool:
