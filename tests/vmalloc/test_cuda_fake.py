@@ -122,7 +122,7 @@ def test_destroying_the_arena_waits_for_work_on_freed_memory(mem):
 def test_capture_serves_the_cache_defers_frees_and_refuses_the_rest(mem):
     """Issue 8 item 6, core side: during capture nothing is mapped, unmapped or synchronized on the
     capturing stream; what needs it fails with CaptureError; frees are deferred until the capture ends."""
-    fc, (a, b) = mem.fc, mem.own
+    fc, (a, _) = mem.fc, mem.own
     ar = arena()
     ar.free(ar.malloc(4 * CHUNK, a))  # warm-up: a's cache holds 4 chunks
     ar.free(ar.malloc(1000, a))  # and a slab
