@@ -80,6 +80,27 @@ def test_a_split_range_renders_across_its_history():
     assert check_renders(mid) > 15 and check_renders(end) > 20
 
 
+@pytest.mark.skipif(SANITIZED_RUN, reason="torch is not loaded under the sanitizer run")
+def test_memory_viz_trace_reads_oom_entries():
+    from torch.cuda import _memory_viz
+
+    a = vmalloc.Arena("host", capacity="4MiB", history=100)
+    with pytest.raises(vmalloc.OutOfMemoryError):
+        a.malloc(8 * MiB)
+    text = _memory_viz.trace(a.snapshot())  # was: KeyError: 'device_free'
+    assert "raise OutOfMemoryError # 8.0MiB requested, 4.0MiB free in CUDA" in text
+
+
+def test_split_range_renders():
+    chunk = 64 * KiB
+    a = vmalloc.Arena("host", capacity=16 * chunk, chunk_size=chunk, small_max=16 * KiB, history=100)
+    a.free(a.malloc(6 * chunk))
+    x = a.malloc(2 * chunk)  # split
+    a.malloc(3 * chunk)  # split again
+    a.free(x)
+    assert check_renders(a.snapshot()) == 6  # frees elided: map, alloc, free, alloc, alloc, free
+
+
 def test_one_segment_per_range_would_not_render():
     """The viewer check can fail: the old layout (a segment per range) breaks once a range is split."""
     chunk = 64 * KiB
