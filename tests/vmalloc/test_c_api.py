@@ -18,15 +18,21 @@ CSRC = Path(__file__).resolve().parents[2] / "csrc"
 PRELUDE = """
 import ctypes, vmalloc
 lib = ctypes.CDLL(vmalloc._C.library_path())
-lib.vmalloc_try_malloc.restype = ctypes.c_void_p
-lib.vmalloc_try_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-lib.vmalloc_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-lib.vmalloc_try_free.argtypes = [ctypes.c_void_p, ctypes.c_int]
-lib.vmalloc_try_init.argtypes = [ctypes.c_int]
-lib.vmalloc_init.argtypes = [ctypes.c_int]
-lib.vmalloc_try_set_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
-lib.vmalloc_try_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-lib.vmalloc_last_error.restype = ctypes.c_char_p
+signatures = {
+    "vmalloc_malloc": (ctypes.c_void_p, [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]),
+    "vmalloc_try_malloc": (ctypes.c_void_p, [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]),
+    "vmalloc_free": (None, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]),
+    "vmalloc_try_free": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int]),
+    "vmalloc_init": (None, [ctypes.c_int]),
+    "vmalloc_try_init": (ctypes.c_int, [ctypes.c_int]),
+    "vmalloc_try_set_memory_fraction": (ctypes.c_int, [ctypes.c_double, ctypes.c_int]),
+    "vmalloc_try_record_stream": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p]),
+    "vmalloc_last_error": (ctypes.c_char_p, []),
+}
+for name, (restype, argtypes) in signatures.items():
+    if hasattr(lib, name):  # (an older library lacks the try-API; its own tests then fail where they use it)
+        getattr(lib, name).restype = restype
+        getattr(lib, name).argtypes = argtypes
 def last_error():
     return lib.vmalloc_last_error().decode()
 """
