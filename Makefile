@@ -25,7 +25,9 @@ test-python: fakecuda
 
 # The allocator's tests again, against a build with AddressSanitizer + UndefinedBehaviorSanitizer.
 # Python itself is not instrumented, so libasan is preloaded and leak checking (Python's own) is off.
-test-sanitize:
+# The cuda backend's tests (tests/vmalloc/test_cuda_fake.py and the backend-parametrized ones) run here too,
+# in child processes on the emulated driver (Note [cuda tests in a child process], tests/vmalloc/backends.py).
+test-sanitize: fakecuda
 	VMALLOC_SANITIZE=1 VMALLOC_BUILD_DIR=build/asan/cmake $(PY) setup.py -q build_ext --build-lib $(ASAN_PKG)
 	cp vmalloc/*.py $(ASAN_PKG)/vmalloc/
 	cd $(ASAN_PKG) && VMALLOC_EXPECT_SANITIZED=1 ASAN_OPTIONS=detect_leaks=0 \
