@@ -23,7 +23,9 @@ namespace {
 
 using ArenaPtr = std::shared_ptr<Allocator>;
 
-// A non-negative byte count from an int or a size string; None -> 0.
+std::size_t index_to_size(const py::int_& value, const char* what);
+
+// A non-negative byte count from an int (or anything with __index__) or a size string; None -> 0.
 std::size_t to_size(const py::handle& value, const char* what) {
   if (value.is_none()) return 0;
   if (py::isinstance<py::str>(value)) {
@@ -33,9 +35,15 @@ std::size_t to_size(const py::handle& value, const char* what) {
       throw py::value_error(std::string(what) + ": " + e.what());
     }
   }
-  if (py::isinstance<py::bool_>(value) || !py::isinstance<py::int_>(value))
+  if (py::isinstance<py::bool_>(value) || !PyIndex_Check(value.ptr()))  // ints, and numpy's integers
     throw py::type_error(std::string(what) + " must be an int or a string such as \"512MiB\", not " +
                          std::string(py::str(py::type::of(value).attr("__name__"))));
+  const py::int_ index = py::reinterpret_steal<py::int_>(PyNumber_Index(value.ptr()));
+  if (!index) throw py::error_already_set();
+  return index_to_size(index, what);
+}
+
+std::size_t index_to_size(const py::int_& value, const char* what) {
   const int negative = PyObject_RichCompareBool(value.ptr(), py::int_(0).ptr(), Py_LT);
   if (negative < 0) throw py::error_already_set();
   if (negative)
