@@ -4,10 +4,10 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections import Counter
 
 import pytest
 from backends import in_fake_driver_process
+from run_summary import SUMMARY
 
 import vmalloc
 
@@ -33,56 +33,16 @@ def make_arena():
         a.check_invariants()
 
 
-class FaultSummary:
-    """Operations run and backend faults survived by the fault sweeps, per backend call; printed at the end
-    of the session (the figures the issue asks to report per CI run)."""
-
-    def __init__(self) -> None:
-        self.ops = Counter()
-        self.faults = Counter()
-        self.errors = Counter()
-
-    def add(self, call: str, ops: int, faults: int, errors: int) -> None:
-        self.ops[call] += ops
-        self.faults[call] += faults
-        self.errors[call] += errors
-
-    def to_json(self) -> str:
-        return json.dumps({"ops": self.ops, "faults": self.faults, "errors": self.errors})
-
-    def merge_json(self, text: str) -> None:
-        d = json.loads(text)
-        for name in ("ops", "faults", "errors"):
-            getattr(self, name).update(d[name])
-
-    def lines(self) -> list[str]:
-        if not self.ops:
-            return []
-        per_call = ", ".join(f"{c} {self.faults[c]}" for c in sorted(self.faults))
-        return [
-            f"vmalloc fault sweeps: {sum(self.ops.values())} operations, {sum(self.faults.values())} injected "
-            f"faults survived ({sum(self.errors.values())} surfaced as BackendError); faults per call: {per_call}"
-        ]
-
-
-_SUMMARY = FaultSummary()
-
-
-@pytest.fixture(scope="session")
-def fault_summary() -> FaultSummary:
-    return _SUMMARY
-
-
 def pytest_terminal_summary(terminalreporter):
-    for line in _SUMMARY.lines():
+    for line in SUMMARY.lines():
         terminalreporter.write_line(line)
 
 
 def pytest_sessionfinish(session):
-    out = os.environ.get("VMALLOC_FAULT_SUMMARY_OUT")
+    out = os.environ.get("VMALLOC_RUN_SUMMARY_OUT")
     if out and in_fake_driver_process():
         with open(out, "w") as f:
-            f.write(_SUMMARY.to_json())
+            f.write(SUMMARY.to_json())
     results = os.environ.get("VMALLOC_CHILD_RESULTS")
     if results and in_fake_driver_process():
         with open(results, "w") as f:
@@ -131,7 +91,7 @@ def _run_module_in_child(path: str, items: list) -> dict[str, dict[str, str]]:
     nodes = [path + item.nodeid[item.nodeid.index("::"):] for item in items]
     with tempfile.TemporaryDirectory() as tmp:
         summary, results = os.path.join(tmp, "summary.json"), os.path.join(tmp, "results.json")
-        env = {**os.environ, "VMALLOC_LIBCUDA": str(library), "VMALLOC_FAULT_SUMMARY_OUT": summary,
+        env = {**os.environ, "VMALLOC_LIBCUDA": str(library), "VMALLOC_RUN_SUMMARY_OUT": summary,
                "VMALLOC_CHILD_RESULTS": results}
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--rootdir={items[0].config.rootpath}",
@@ -140,7 +100,7 @@ def _run_module_in_child(path: str, items: list) -> dict[str, dict[str, str]]:
         )
         if os.path.exists(summary):
             with open(summary) as f:
-                _SUMMARY.merge_json(f.read())
+                SUMMARY.merge_json(f.read())
         if not os.path.exists(results):
             raise AssertionError(f"the child pytest on the emulated driver died (rc {proc.returncode}):\n"
                                  f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}")

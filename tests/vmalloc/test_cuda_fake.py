@@ -8,6 +8,7 @@ import gc
 import pytest
 from arena_workload import Workload
 from backends import FakeCudaMemory
+from run_summary import SUMMARY
 
 import vmalloc
 
@@ -233,7 +234,7 @@ def run_workload(mem, seed, on_error=None):
 
 
 @pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
-def test_fault_sweep_over_every_driver_call(mem, entry, fault_summary):
+def test_fault_sweep_over_every_driver_call(mem, entry):
     """Counts the entry point's calls in a clean run, then fails each call in turn (once), re-running the
     same seeded workload: every failure names the entry point, leaves the arena consistent and usable with
     all data intact (checked by stream work), and nothing leaks once the arena is gone."""
@@ -263,7 +264,8 @@ def test_fault_sweep_over_every_driver_call(mem, entry, fault_summary):
         w.drain()
         assert all(entry in m for m in named), named
         assert ar.stats()["num_quarantined_chunks"] == 0
-        fault_summary.add(entry, ops=w.tally.ops, faults=int(fired), errors=w.tally.errors)
+        SUMMARY.count_ops("cuda", w.tally.ops)
+        SUMMARY.count_faults(entry, int(fired), w.tally.errors)
         survived += fired
         del ar, w
         gc.collect()

@@ -9,6 +9,7 @@ from backends import FakeCudaMemory, HostMemory
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from run_summary import SUMMARY
 
 import vmalloc
 
@@ -26,6 +27,7 @@ class ArenaMachine(RuleBasedStateMachine):
         self.small_max = self.arena.stats()["small_max"]
         self.live: dict[int, tuple[int, int, int]] = {}  # addr -> (size, stream, tag)
         self.serial = 0
+        self.ops = 0
 
     def chunk_size(self) -> int:
         return 64 * 1024 if self.memory_type is HostMemory else 2 * 1024 * 1024
@@ -44,6 +46,7 @@ class ArenaMachine(RuleBasedStateMachine):
         size = (data.draw(st.integers(self.small_max + 1, 10 * self.chunk)) if large
                 else data.draw(st.integers(1, self.small_max)))
         stream = self.memory.streams[stream_index]
+        self.ops += 1
         free_chunks = CHUNKS - self.used_chunks()
         need = 1 if size <= self.small_max else -(-size // self.chunk)
         try:
@@ -65,12 +68,14 @@ class ArenaMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data):
         addr = data.draw(st.sampled_from(sorted(self.live)))
+        self.ops += 1
         size, stream, tag = self.live.pop(addr)
         self.memory.check(stream, addr, size, tag)
         self.arena.free(addr)
 
     @rule()
     def empty_cache(self):
+        self.ops += 1
         self.arena.empty_cache()
         s = self.arena.stats()
         assert s["num_cached_chunks"] == s["num_pool_chunks"] == s["num_empty_slabs"] == 0
@@ -112,6 +117,7 @@ class ArenaMachine(RuleBasedStateMachine):
         self.arena.check_invariants()
         del self.arena
         self.memory.finish()
+        SUMMARY.count_ops(self.memory.name, self.ops)
 
 
 class CudaArenaMachine(ArenaMachine):

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 from backends import memory_for
+from run_summary import SUMMARY
 
 import vmalloc
 
@@ -64,3 +65,4 @@ def test_concurrent_alloc_free_keeps_data_and_books(backend):
     arena.empty_cache()
     arena = None  # destroyed (its fences waited for) before the emulator checks for races
     memory.finish()
+    SUMMARY.count_ops(backend, s["num_alloc"] + s["num_free"])
