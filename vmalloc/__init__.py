@@ -17,13 +17,15 @@ The same core runs on host memory (``Arena(backend="host")``) and as a bookkeepi
 
 from __future__ import annotations
 
-from ._C import OutOfMemoryError, parse_size
+from ._C import BackendError, CaptureError, OutOfMemoryError, parse_size
 from .arena import Arena
 from .snapshot import dump_snapshot, snapshot_dict
 from .torch_allocator import allocator, configure, mem_pool, set_oom_handler, snapshot, stats
 
 __all__ = [
     "Arena",
+    "BackendError",
+    "CaptureError",
     "OutOfMemoryError",
     "allocator",
     "configure",
