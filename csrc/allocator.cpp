@@ -95,7 +95,7 @@ std::size_t Allocator::creatable_chunks() const {
 // ---------------------------------------------------------------------------------------------------------
 // malloc
 
-std::uintptr_t Allocator::malloc(std::size_t nbytes, Stream stream) {
+std::uintptr_t Allocator::malloc(std::size_t nbytes, Stream stream, bool call_handler) {
   if (nbytes == 0) return 0;
   const bool small = nbytes <= small_max_;
   std::shared_ptr<OomHandler> handler;
@@ -103,7 +103,7 @@ std::uintptr_t Allocator::malloc(std::size_t nbytes, Stream stream) {
     std::lock_guard<std::mutex> lock(mu_);
     if (nbytes <= capacity_chunks_ * chunk_) {
       if (std::uintptr_t p = try_malloc(nbytes, stream)) return p;
-      handler = oom_handler_;
+      if (call_handler) handler = oom_handler_;
     }
     if (handler) ++stats_.num_oom_handler_calls;
   }

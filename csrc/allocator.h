@@ -64,8 +64,9 @@ class Allocator {
   Allocator(const Allocator&) = delete;
   Allocator& operator=(const Allocator&) = delete;
 
-  // Returns 0 for nbytes == 0. Throws OutOfMemory.
-  std::uintptr_t malloc(std::size_t nbytes, Stream stream);
+  // Returns 0 for nbytes == 0. Throws OutOfMemory. call_handler=false skips the OOM handler (callers that
+  // hold a lock the handler may need, e.g. torch's caching allocator serving a MemPool).
+  std::uintptr_t malloc(std::size_t nbytes, Stream stream, bool call_handler = true);
   // Throws std::invalid_argument, changing nothing, if addr is not a live allocation. free(0) does nothing.
   void free(std::uintptr_t addr);
   // The allocation is also used on `stream`: its memory is not reused before that stream's work so far.

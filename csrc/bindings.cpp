@@ -75,7 +75,10 @@ using ArenaPtr = std::shared_ptr<Allocator>;
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "vmalloc core: a chunked virtual-address caching allocator (see vmalloc/__init__.py)";
-  py::register_exception<vmalloc::OutOfMemory>(m, "OutOfMemoryError", PyExc_MemoryError);
+  // Both a MemoryError and a RuntimeError, the base of torch.cuda.OutOfMemoryError: code that catches either
+  // (e.g. accelerate's should_reduce_batch_size) sees vmalloc's out-of-memory.
+  py::tuple oom_bases = py::make_tuple(py::handle(PyExc_RuntimeError), py::handle(PyExc_MemoryError));
+  py::register_exception<vmalloc::OutOfMemory>(m, "OutOfMemoryError", oom_bases);
 
   py::class_<Allocator, ArenaPtr>(m, "Arena")
       .def(py::init([](const std::string& backend, const py::object& capacity, const py::object& chunk_size,
@@ -86,8 +89,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("backend") = "cuda", py::arg("capacity") = py::none(), py::arg("chunk_size") = "2MiB",
            py::arg("small_max") = "1MiB", py::arg("device") = 0, py::arg("history") = 0,
            py::arg("eager_growth") = false)
-      .def("malloc", &Allocator::malloc, py::arg("nbytes"), py::arg("stream") = 0,
-           py::call_guard<py::gil_scoped_release>(), "Allocate nbytes on stream; returns the address.")
+      .def("malloc", &Allocator::malloc, py::arg("nbytes"), py::arg("stream") = 0, py::arg("call_handler") = true,
+           py::call_guard<py::gil_scoped_release>(),
+           "Allocate nbytes on stream; returns the address. call_handler=False skips the OOM handler.")
       .def("free", &Allocator::free, py::arg("addr"), py::call_guard<py::gil_scoped_release>(),
            "Free an address returned by malloc. ValueError, changing nothing, if it is not live.")
       .def("record_stream", &Allocator::record_stream, py::arg("addr"), py::arg("stream"))
