@@ -62,7 +62,7 @@ gpu-check:
 # The core in place, then the torch adapter for the installed torch (cached per torch version).
 gpu-build: gpu-check
 	$(PY) setup.py -q build_ext --inplace
-	$(PY) -m vmalloc.torch_adapter
+	$(PY) -m vmalloc.torch_adapter || echo "gpu-build: continuing without the torch adapter (see above; tests/gpu reports it)"
 
 gpu-test: gpu-build
 	@mkdir -p $(GPU_LOGS)

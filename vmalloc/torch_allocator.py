@@ -35,9 +35,9 @@ _ALLOCATOR: Any = None  # the global-mode allocator (a torch.cuda.memory._CUDAAl
 _POOL_ALLOCATOR: Any = None  # the allocator MemPools are made with
 _ADAPTER: Any = None  # the adapter module, when in use
 
-# torch hook setter -> our C entry point; wired where the installed torch has the setter (plain mode).
+# torch hook setter -> our C entry point; wired where the installed torch has the setter (plain mode). No init
+# hook: each device's arena is made by its first allocation, as in the adapter.
 _HOOKS = {
-    "set_init_fn": "vmalloc_init",
     "set_reset_fn": "vmalloc_empty_cache",
     "set_memory_fraction_fn": "vmalloc_set_memory_fraction",
     "set_record_stream_fn": "vmalloc_record_stream",
