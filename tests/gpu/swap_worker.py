@@ -75,7 +75,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from cuda_oracle import UsedMemoryPoller, make_context_current
 
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=True)  # see torch_worker.deterministic
+    torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     out: dict[str, Any] = {"allocator": args.allocator, "model": args.model, "policy": args.policy}
     if args.allocator == "vmalloc":
