@@ -4,7 +4,7 @@ Note [Building the adapter]
 The adapter subclasses torch's C++ ``CUDAPluggableAllocator``, so its vtable must match the torch that loads
 it exactly: a copy built for another torch release would call the wrong virtual methods. It is therefore
 built on first use (``vmalloc.allocator()``), against the installed torch, with
-``torch.utils.cpp_extension.load`` (ninja; about 20 s once), and cached per torch version and source hash
+``torch.utils.cpp_extension.load`` (ninja; once), and cached per torch version and source hash
 under ``$VMALLOC_CACHE`` (default ``~/.cache/vmalloc``): upgrading torch builds a new one. Building at install
 time instead would tie the package to the torch present then (with build isolation, not even the user's);
 ``python -m vmalloc.torch_adapter`` builds it ahead of time (``make gpu`` does).
@@ -30,7 +30,7 @@ from . import cuda_paths
 log = logging.getLogger("vmalloc")
 
 _PACKAGE = Path(__file__).resolve().parent
-_SOURCE_FILES = ("adapter.cpp", "vmalloc_c.h")
+_SOURCE_FILES = ("adapter.cpp", "core_api.h")
 _loaded: Optional[ModuleType] = None
 _reason: Optional[str] = None
 _tried = False

@@ -45,7 +45,7 @@
 #include <string>
 #include <unordered_map>
 
-#include "vmalloc_c.h"
+#include "core_api.h"
 
 #define VMALLOC_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
