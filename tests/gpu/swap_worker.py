@@ -115,7 +115,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         out["allocator_peak_allocated"] = s["allocated_bytes.all.peak"]
         out["allocator_peak_reserved"] = s["reserved_bytes.all.peak"]
     else:
-        out["allocator_peak_allocated"] = torch.cuda.max_memory_allocated(0)
+        # The manager reads torch's peak per step and resets it (TorchCudaMemory): its maximum is the peak.
+        out["allocator_peak_allocated"] = report["peak_device_bytes"]
         out["allocator_peak_reserved"] = torch.cuda.max_memory_reserved(0)
     # The oracle: device memory the driver reports in use, relative to before the swapped run, plus what the
     # allocator already held then. It counts everything (workspaces, other allocations), so it bounds the
