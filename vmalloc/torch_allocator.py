@@ -35,7 +35,8 @@ _ALLOCATOR: Any = None  # the global-mode allocator (a torch.cuda.memory._CUDAAl
 _POOL_ALLOCATOR: Any = None  # the allocator MemPools are made with
 _ADAPTER: Any = None  # the adapter module, when in use
 
-# torch hook setter -> our C entry point; wired where the installed torch has the setter (plain mode). No init
+# torch hook setter -> our C entry point, wired in plain mode where the installed torch exposes the setter to
+# Python (torch 2.4 to 2.14 expose none: their hooks are reached only from C++, hence the adapter). No init
 # hook: each device's arena is made by its first allocation, as in the adapter.
 _HOOKS = {
     "set_reset_fn": "vmalloc_empty_cache",
@@ -94,8 +95,9 @@ def _make_allocators() -> None:
     warnings.warn(
         f"vmalloc: torch's allocator API is limited without vmalloc's torch adapter ({torch_adapter.reason()}): "
         "out-of-memory raises RuntimeError instead of torch.cuda.OutOfMemoryError, torch.cuda.memory_stats() and "
-        "cudnn.benchmark=True fail. Use vmalloc.stats() and vmalloc.snapshot(); fix the cause above to get the "
-        "adapter.",
+        "cudnn.benchmark=True fail, and torch.cuda.empty_cache() / set_per_process_memory_fraction() do not reach "
+        "vmalloc. Use vmalloc.stats(), vmalloc.snapshot() and vmalloc.global_arena(); fix the cause above to get "
+        "the adapter.",
         RuntimeWarning,
         stacklevel=3,
     )
