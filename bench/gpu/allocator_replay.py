@@ -28,7 +28,7 @@ ALLOCATORS = {  # name -> PYTORCH_CUDA_ALLOC_CONF (None: vmalloc as torch's allo
     "vmalloc": None,
 }
 MODEL_OF = {"native": "pytorch_native", "expandable": "pytorch_expandable", "vmalloc": "vmalloc"}
-DEFAULT_TRACES = ["resnet50:128", "densenet121:64", "unet:16", "gpt2:8", "resnet50:128:swap", "gpt2:8:swap"]
+DEFAULT_TRACES = ["resnet50:128", "resnet50:128:swap", "gpt2:8", "gpt2:8:swap", "unet:16:swap"]
 
 
 def parse_trace_spec(spec: str) -> tuple[str, int, bool]:

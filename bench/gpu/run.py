@@ -21,8 +21,8 @@ from bench.gpu import common
 PARTS = {
     "vmm": ("bench.gpu.vmm_latency", 45),
     "pinned": ("bench.gpu.pinned_bandwidth", 60),
-    "replay": ("bench.gpu.allocator_replay", 150),
-    "training": ("bench.gpu.training", 390),
+    "replay": ("bench.gpu.allocator_replay", 180),
+    "training": ("bench.gpu.training", 360),
 }
 MARGIN_S = 60  # for start-up and writing, beyond a part's own time box
 
