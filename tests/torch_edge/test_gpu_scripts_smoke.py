@@ -143,4 +143,4 @@ def test_bench_run_commands_and_parts():
     assert set(run.PARTS) == {"vmm", "pinned", "replay", "training"}
     assert sum(s for _, s in run.PARTS.values()) <= 11 * 60
     cmd = run.command("training", 0.5)
-    assert cmd[1:4] == ["-m", "bench.gpu.training", "--seconds"] and cmd[4] == "195"
+    assert cmd[1:4] == ["-m", "bench.gpu.training", "--seconds"] and cmd[4] == "180"
