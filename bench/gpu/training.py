@@ -7,11 +7,12 @@ checkpointing. Beside each measurement, the simulator's prediction from the prof
 
 The limit plays a smaller GPU: torch's allocator is capped with set_per_process_memory_fraction, vmalloc
 with its capacity. Swap budgets: vmalloc's capacity (the whole limit: its chunks do not fragment); 90% of the
-limit with torch's allocator, whose cached blocks need the headroom. Each (model, allocator, batch) runs in its own process. Predictions: swap runs simulate
-their own schedule (swap.simulate) on the sequence they profiled (per-step times from CUDA events) and the
-copy bandwidths they measured; no swap is the profiled compute time; save_on_cpu copies every saved tensor on
-the compute stream (compute + bytes / bandwidth each way); checkpointing recomputes the forward (compute +
-forward compute). Those three take the profile of the window-swap run of the same batch.
+limit with torch's allocator, whose cached blocks need the headroom. Each (model, allocator, batch) runs in
+its own process. Predictions: swap runs simulate their own schedule (swap.simulate) on the sequence they
+profiled (per-step times from CUDA events) and the copy bandwidths they measured; no swap is the profiled
+compute time; save_on_cpu copies every saved tensor on the compute stream (compute + bytes / bandwidth each
+way); checkpointing recomputes the forward (compute + forward compute). Those three take the profile of the
+window-swap run of the same batch.
 """
 
 from __future__ import annotations
