@@ -69,3 +69,42 @@ bench-latency: setup
 
 clean:
 	rm -rf build vmalloc/*.so
+
+# --- GPU: `make gpu` proves the project on a machine with an NVIDIA GPU and a CUDA build of torch (offline).
+# gpu-test (tests/gpu, <= 8 min on an H100) then gpu-bench (bench/gpu, ~11 min, results under
+# bench/results/gpu/<device>/). GPU_OUT=DIR also copies the logs and a tarball of the results there (the
+# device tool's $OUT); GPU_BENCH_PARTS picks benchmark parts (vmm pinned replay training), so the bench can
+# be split over two commands of at most 10 minutes. Without a GPU every gpu target stops at once, saying so.
+GPU_OUT ?=
+GPU_BENCH_PARTS ?= vmm pinned replay training
+GPU_LOGS := build/gpu-logs
+
+.PHONY: gpu gpu-check gpu-build gpu-test gpu-sanitize gpu-bench
+gpu-check gpu-build gpu-test gpu-sanitize gpu-bench: SHELL := /bin/bash
+
+gpu: gpu-test gpu-bench
+
+gpu-check:
+	@$(PY) -m bench.gpu.run --check
+
+# The core in place, then the torch adapter for the installed torch (cached per torch version).
+gpu-build: gpu-check
+	$(PY) setup.py -q build_ext --inplace
+	$(PY) -m vmalloc.torch_adapter || echo "gpu-build: continuing without the torch adapter (see above; tests/gpu reports it)"
+
+gpu-test: gpu-build
+	@mkdir -p $(GPU_LOGS)
+	set -o pipefail; PYTHONUNBUFFERED=1 $(PY) -m pytest -q -rs --durations=15 tests/gpu \
+	  --junitxml=$(GPU_LOGS)/gpu-test.xml 2>&1 | tee $(GPU_LOGS)/gpu-test.log; rc=$$?; \
+	  if [ -n "$(GPU_OUT)" ]; then cp $(GPU_LOGS)/gpu-test.log $(GPU_LOGS)/gpu-test.xml $(GPU_OUT)/; fi; exit $$rc
+
+# The cuda-backend allocator tests under compute-sanitizer's memcheck (also part of tests/gpu).
+gpu-sanitize: gpu-build
+	PYTHONUNBUFFERED=1 $(PY) -m pytest -q -rs tests/gpu/test_sanitizer.py
+
+gpu-bench: gpu-build
+	@mkdir -p $(GPU_LOGS)
+	set -o pipefail; PYTHONUNBUFFERED=1 $(PY) -m bench.gpu.run --parts $(GPU_BENCH_PARTS) 2>&1 \
+	  | tee $(GPU_LOGS)/gpu-bench-$(word 1,$(GPU_BENCH_PARTS)).log; rc=$$?; \
+	  if [ -n "$(GPU_OUT)" ]; then cp $(GPU_LOGS)/gpu-bench-$(word 1,$(GPU_BENCH_PARTS)).log $(GPU_OUT)/; \
+	    tar czf $(GPU_OUT)/gpu-results-$(word 1,$(GPU_BENCH_PARTS)).tar.gz bench/results/gpu; fi; exit $$rc

@@ -155,7 +155,10 @@ TestBackend& test_backend(Allocator& a) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "vmalloc core: a chunked virtual-address caching allocator (see vmalloc/__init__.py)";
-  py::register_exception<vmalloc::OutOfMemory>(m, "OutOfMemoryError", PyExc_MemoryError);
+  // Both a MemoryError and a RuntimeError, the base of torch.cuda.OutOfMemoryError: code that catches either
+  // (e.g. accelerate's should_reduce_batch_size) sees vmalloc's out-of-memory.
+  py::tuple oom_bases = py::make_tuple(py::handle(PyExc_RuntimeError), py::handle(PyExc_MemoryError));
+  py::register_exception<vmalloc::OutOfMemory>(m, "OutOfMemoryError", oom_bases);
   py::register_exception<vmalloc::CaptureError>(m, "CaptureError", PyExc_RuntimeError);
   py::register_exception<vmalloc::BackendError>(m, "BackendError", PyExc_RuntimeError);
 
