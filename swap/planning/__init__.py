@@ -1,0 +1,9 @@
+"""``swap.plan(model_fn, batch_fn, ...) -> swap.Plan``: how large a batch of your model fits your GPU with
+swapping, and how fast it runs; ``python -m swap.plan`` is its command line (``swap.planning.cli``)."""
+
+from __future__ import annotations
+
+from .planner import plan
+from .result import Plan, PolicyResult
+
+__all__ = ["Plan", "PolicyResult", "plan"]
