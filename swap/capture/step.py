@@ -240,7 +240,7 @@ class _Where:
         self.names = {id(m): name or type(model).__name__ for name, m in model.named_modules()}
         self.types = {id(m): type(m).__name__ for m in model.modules()}
         self.stack: list[int] = []
-        self.phase = "building the model"
+        self.phase = "model construction"
         self.handles: list[Any] = []
 
     def __enter__(self) -> _Where:
@@ -262,7 +262,7 @@ class _Where:
     def module(self) -> Optional[str]:
         for key in reversed(self.stack):
             if key in self.names:
-                return f"{self.names[key]} ({self.types[key]})"
+                return f"module `{self.names[key]}` ({self.types[key]})"
         node = torch._C._current_autograd_node() if self.phase == "backward" else None
         return f"autograd node {node.name()}" if node is not None else None
 
@@ -364,7 +364,7 @@ def capture(
     label = name or getattr(model_fn, "__name__", "model")
     b = TraceBuilder()
     rec = _Recorder(b)
-    net = _guarded(lambda: build_model(model_fn, dtype), label, None, "building the model")
+    net = _guarded(lambda: build_model(model_fn, dtype), label, None, "model construction")
     where = _Where(net)
     opt = optimizer(net.parameters())
     for p in list(net.parameters()) + list(net.buffers()):
@@ -397,7 +397,7 @@ def capture(
         return h.alias
 
     def one_step(it: int) -> None:
-        where.phase = "making the batch"
+        where.phase = "batch creation"
         data = make_batch(batch_fn, batch, dtype)
         for t in tree_flatten(data)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == "meta":
@@ -468,7 +468,7 @@ def _guarded(fn: Callable[[], Any], label: str, where: Optional[_Where], phase: 
         at = f" in {module}" if module else ""
         what = f"{op} failed" if op else f"{type(e).__name__}"
         raise CaptureError(
-            f"cannot capture a training step of {label} on the meta device: {what}{at} while {phase}: {e}\n"
+            f"cannot capture a training step of {label} on the meta device: {what}{at} during {phase}: {e}\n"
             f"What to do: {_advice(op, e)}",
             op, module, phase,
         ) from e  # fmt: skip

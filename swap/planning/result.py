@@ -9,6 +9,12 @@ from typing import Any, Optional, Union
 from ..devices import DeviceProfile
 
 
+def fmt_seconds(t: Optional[float]) -> str:
+    if t is None:
+        return "-"
+    return f"{t:.2f} s" if t >= 1 else f"{t * 1e3:.1f} ms" if t >= 1e-3 else f"{t * 1e6:.0f} us"
+
+
 def fmt_bytes(n: Optional[float]) -> str:
     if n is None:
         return "-"
@@ -76,9 +82,8 @@ class Plan:
             f"{'planned peak':>14}{'swapped/step':>15}",
         ]
         for p, r in self.policies.items():
-            speed = f"{r.samples_per_s:.1f}" if r.samples_per_s else "-"
-            step = f"{r.step_time * 1e3:.1f} ms" if r.step_time else "-"
-            stall = f"{r.stall_time * 1e3:.1f} ms" if r.stall_time is not None else "-"
+            speed = f"{r.samples_per_s:.4g}" if r.samples_per_s else "-"
+            step, stall = fmt_seconds(r.step_time), fmt_seconds(r.stall_time)
             swapped = fmt_bytes(r.swapped_bytes) if r.swapped_bytes else "-"
             lines.append(
                 f"{p:<16}{r.max_batch or 'none fits':>14}{speed:>12}{step:>12}{stall:>10}{fmt_bytes(r.peak):>14}"
