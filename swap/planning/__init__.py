@@ -4,6 +4,7 @@ swapping, and how fast it runs; ``python -m swap.plan`` is its command line (``s
 from __future__ import annotations
 
 from .planner import plan
+from .predict import PeakPrediction, predict_peak
 from .result import Plan, PolicyResult
 
-__all__ = ["Plan", "PolicyResult", "plan"]
+__all__ = ["PeakPrediction", "Plan", "PolicyResult", "plan", "predict_peak"]
