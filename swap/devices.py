@@ -64,8 +64,17 @@ class DeviceProfile:
         return max(flops / (peak * self.efficiency), nbytes / (self.mem_bandwidth * self.efficiency))
 
 
+class _Profiles(dict):
+    """The profiles by name; an old short name (``ALIASES``) still indexes its profile, without being listed."""
+
+    def __missing__(self, key: str) -> DeviceProfile:
+        if key in ALIASES:
+            return self[ALIASES[key]]
+        raise KeyError(key)
+
+
 PCIE4, PCIE5 = 25 * GB, 55 * GB
-PROFILES = {
+PROFILES = _Profiles({
     "v100-16gb": DeviceProfile(
         "V100-16GB, NVLink 2x50 GB/s (seed 001)", 15.7e12, 125e12, 900 * GB, 50 * GB, 50 * GB, 16 << 30,
         source="NVIDIA Tesla V100 datasheet; seed 001 Section 5 (IBM POWER9, NVLink 2.0 to the CPU)",
@@ -98,7 +107,7 @@ PROFILES = {
         "GeForce RTX 4090-24GB, PCIe Gen4 x16", 82.6e12, 165.2e12, 1008 * GB, PCIE4, PCIE4, 24 << 30,
         tf32_flops=82.6e12, source="NVIDIA Ada Lovelace GPU architecture whitepaper, appendix A (RTX 4090)",
     ),
-}  # fmt: skip
+})  # fmt: skip
 ALIASES = {"v100": "v100-16gb", "p100": "p100-16gb", "h100": "h100-sxm"}
 
 

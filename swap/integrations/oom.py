@@ -1,12 +1,13 @@
 """Out-of-memory as trainers recognize it.
 
-``accelerate.find_executable_batch_size`` retries with a smaller batch only on a ``RuntimeError`` whose single
-argument contains " out of memory." (``accelerate.utils.memory.should_reduce_batch_size``). Two errors mean exactly that here
-and are neither: ``swap.InfeasibleBudget`` (a ValueError: no schedule holds this batch within the budget)
-and ``vmalloc.OutOfMemoryError`` as ``vmalloc.Arena`` raises it (a MemoryError). ``torch_oom`` re-raises
-both as ``torch.OutOfMemoryError("CUDA out of memory. ...")``, the error PyTorch itself raises when CUDA
-memory runs out, chained to the original. It must sit inside the function accelerate retries, so Hugging Face
-``Trainer(auto_find_batch_size=True)``, which retries its own inner loop, does not see the conversion.
+``accelerate.find_executable_batch_size`` retries with a smaller batch only on a ``RuntimeError`` whose
+single argument contains " out of memory." (``accelerate.utils.memory.should_reduce_batch_size``). Two
+errors mean exactly that here and are neither: ``swap.InfeasibleBudget`` (a ValueError: no schedule holds
+this batch within the budget) and ``vmalloc.OutOfMemoryError`` as ``vmalloc.Arena`` raises it (a
+MemoryError). ``torch_oom`` re-raises both as ``torch.OutOfMemoryError("CUDA out of memory. ...")``, the
+error PyTorch itself raises when CUDA memory runs out, chained to the original. It must sit inside the
+function accelerate retries, so Hugging Face ``Trainer(auto_find_batch_size=True)``, which retries its own
+inner loop, does not see the conversion.
 """
 
 from __future__ import annotations

@@ -6,7 +6,21 @@ import torch
 from tiny_models import Attention, Contrastive, TinyCNN, attention_batch, cnn_batch, contrastive_batch, contrastive_loss
 from torch import nn
 
-from swap.capture import ALLOC, FREE, SAVE, TAGS, USE, CaptureError, LinearTrace, capture, default_loss, live_peak
+from swap import make_schedule
+from swap.capture import (
+    ALLOC,
+    FREE,
+    SAVE,
+    TAGS,
+    USE,
+    CaptureError,
+    LinearTrace,
+    capture,
+    default_loss,
+    live_peak,
+    sequence_from_trace,
+    swapped,
+)
 
 
 def test_a_training_step_is_balanced_and_tagged():
@@ -143,3 +157,22 @@ def test_default_loss():
         default_loss(lambda **kw: {"logits": 1}, {"x": x})
     with pytest.raises(ValueError, match="pass loss_fn"):
         default_loss(lm, x)
+
+
+def test_small_saves_stay_and_the_swapped_trace_keeps_the_budget():
+    t = capture(TinyCNN, cnn_batch, 16)
+    everything, big = sequence_from_trace(t), sequence_from_trace(t, min_bytes=16 * 1024)
+    assert len(big.sizes) < len(everything.sizes) and min(big.sizes) >= 16 * 1024
+    assert big.no_swap_peak() == everything.no_swap_peak()  # small saves count as memory that is not swappable
+    assert sum(big.compute) == sum(everything.compute) == 0.0  # no cost model: no time
+    budget = (max(big.nonswap[i] + big.sizes[big.var[i]] for i in range(len(big))) + big.no_swap_peak()) // 2
+    schedule = make_schedule(big, budget, None, "all")
+    s = swapped(t, budget, schedule=schedule, min_bytes=16 * 1024)
+    assert live_peak(s) <= budget < live_peak(t)
+    alive = set()
+    for o, i in zip(s.op.tolist(), s.id.tolist()):
+        if o == ALLOC:
+            assert i not in alive
+            alive.add(i)
+        elif o == FREE:
+            alive.remove(i)

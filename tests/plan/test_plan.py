@@ -97,6 +97,7 @@ def test_device_profiles():
         assert p.fp32_flops > 1e12 and p.lowp_flops > p.fp32_flops and p.mem_bandwidth > 1e11
         assert p.h2d_bandwidth > 1e10 and p.memory >= 16 << 30 and p.source
     assert profile("v100") is PROFILES["v100-16gb"] and profile("H100") is PROFILES["h100-sxm"]
+    assert PROFILES["p100"] is PROFILES["p100-16gb"] and "p100" not in PROFILES  # old names index, not listed
     assert set(ALIASES) == {"v100", "p100", "h100"}
     assert profile("v100-16gb").h2d_bandwidth == 50e9  # seed 001's NVLink to the POWER9
     with pytest.raises(ValueError, match="unknown device profile"):
