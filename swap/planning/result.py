@@ -7,21 +7,13 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from ..devices import DeviceProfile
+from ..report import _bytes as fmt_bytes  # one byte formatter for the tables
 
 
 def fmt_seconds(t: Optional[float]) -> str:
     if t is None:
         return "-"
     return f"{t:.2f} s" if t >= 1 else f"{t * 1e3:.1f} ms" if t >= 1e-3 else f"{t * 1e6:.0f} us"
-
-
-def fmt_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "-"
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 @dataclass

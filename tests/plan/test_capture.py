@@ -3,13 +3,21 @@ kernels, scaling with the batch, and what it cannot capture."""
 
 import pytest
 import torch
-from tiny_models import Attention, Contrastive, TinyCNN, attention_batch, cnn_batch, contrastive_batch, contrastive_loss
+from tiny_models import (
+    Attention,
+    Contrastive,
+    TinyCNN,
+    assert_balanced,
+    attention_batch,
+    cnn_batch,
+    contrastive_batch,
+    contrastive_loss,
+)
 from torch import nn
 
 from swap import make_schedule
 from swap.capture import (
     ALLOC,
-    FREE,
     SAVE,
     TAGS,
     USE,
@@ -26,13 +34,7 @@ from swap.capture import (
 def test_a_training_step_is_balanced_and_tagged():
     t = capture(TinyCNN, cnn_batch, 4)
     assert len(t.iterations()) == 2 and t.meta["batch"] == 4 and t.meta["target"] == "cuda"
-    alive = {}
-    for o, i, s in zip(t.op.tolist(), t.id.tolist(), t.size.tolist()):
-        if o == ALLOC:
-            assert i not in alive
-            alive[i] = s
-        elif o == FREE:
-            assert alive.pop(i) == s
+    alive = assert_balanced(t)
     assert {TAGS[k] for k in t.tag[t.op == ALLOC].tolist()} == set(TAGS)
     # After the run: weights (and BN buffers), their gradients, AdamW's two moments each, the last batch.
     params = list(TinyCNN().parameters())
@@ -169,10 +171,4 @@ def test_small_saves_stay_and_the_swapped_trace_keeps_the_budget():
     schedule = make_schedule(big, budget, None, "all")
     s = swapped(t, budget, schedule=schedule, min_bytes=16 * 1024)
     assert live_peak(s) <= budget < live_peak(t)
-    alive = set()
-    for o, i in zip(s.op.tolist(), s.id.tolist()):
-        if o == ALLOC:
-            assert i not in alive
-            alive.add(i)
-        elif o == FREE:
-            alive.remove(i)
+    assert_balanced(s)

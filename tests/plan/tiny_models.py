@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swap.capture import ALLOC, FREE, Trace
+
 SIDE = 16  # image side
 
 
@@ -65,3 +67,15 @@ def contrastive_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 def contrastive_batch(n: int) -> torch.Tensor:
     return torch.randn(n, 64)
+
+
+def assert_balanced(t: Trace) -> dict[int, int]:
+    """Every free matches a live allocation of the same size; returns what is still alive (id -> bytes)."""
+    alive: dict[int, int] = {}
+    for o, i, s in zip(t.op.tolist(), t.id.tolist(), t.size.tolist()):
+        if o == ALLOC:
+            assert i not in alive
+            alive[i] = s
+        elif o == FREE:
+            assert alive.pop(i) == s
+    return alive
