@@ -3,13 +3,14 @@
 PY ?= python3
 ASAN_PKG := build/asan/pkg
 
-.PHONY: setup demo demo-allocator test test-python test-sanitize lint bench-latency clean fakecuda
+.PHONY: setup demo demo-allocator test test-python test-sanitize lint bench-latency bench-plan clean fakecuda
 
 # torch: keep an installed build (GPU users keep their CUDA torch); otherwise 2.13.0, which on this
 # project's CPU machines is a local CPU build.
 setup:
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q "setuptools>=64" wheel pybind11 numpy pytest hypothesis matplotlib ruff
+	$(PY) -m pip install -q cuda-python transformers accelerate lightning diffusers
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
 demo: setup
@@ -66,6 +67,10 @@ lint:
 
 bench-latency: setup
 	$(PY) -m bench.alloc_latency
+
+# The planner's predicted peaks against real CPU training of three third-party models (bench/results/plan_vs_reality.*).
+bench-plan: setup
+	$(PY) -m bench.plan_vs_reality
 
 clean:
 	rm -rf build vmalloc/*.so

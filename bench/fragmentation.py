@@ -29,7 +29,7 @@ from bench.plotting import pyplot, save
 from bench.replay import ALLOCATORS, measure
 from bench.swap_trace import sequence_from_trace, swapped
 from bench.traces import Trace, cached_capture, live_peak
-from swap import InfeasibleBudget
+from swap.replay import fitting_budget
 
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,24 +73,6 @@ def run_trace(trace: Trace, label: dict[str, Any], chunk_sweep: list[str]) -> di
         m.pop("series")
         row["chunk_sweep"][chunk] = m
     return row
-
-
-# With swapping, the plan's budget must leave room for what the allocator holds beyond live tensors. A user
-# (or a runtime reading the allocator) lowers the budget until the run fits; how far it must go is the price
-# of the allocator's fragmentation.
-BUDGET_FRACTIONS = (1.0, 0.97, 0.94, 0.9, 0.85, 0.8, 0.7, 0.6)
-
-
-def fitting_budget(trace: Trace, allocator: str, capacity: int) -> Optional[int]:
-    """The largest plan budget (capacity x BUDGET_FRACTIONS) whose swapped trace replays within capacity."""
-    for f in BUDGET_FRACTIONS:
-        try:
-            st = swapped(trace, int(capacity * f))
-        except InfeasibleBudget:
-            return None  # lower budgets are infeasible too
-        if measure(st, allocator, capacity=capacity)["ok"]:
-            return int(capacity * f)
-    return None
 
 
 def fits(model: str, batch: int, steps: int, allocator: str, capacity: int, use_swap: bool) -> bool:

@@ -6,15 +6,17 @@
     print(sm.report())
 
 Saved activations go to pinned host memory once the forward pass is done with them and come back ahead
-of their backward use, following seed 001's window schedule. The scheduler (``make_schedule``) and the
-simulator (``simulate``) are pure functions, usable without a GPU; ``python -m swap.plan`` predicts the
-largest batch that fits a budget.
+of their backward use, following seed 001's window schedule. Before buying memory, ``swap.plan(model_fn,
+batch_fn, budget="24GiB", device="h100-pcie")`` (or ``python -m swap.plan``) predicts the largest batch of
+your model that fits, per policy, and its speed, from a capture of its training step on the meta device.
+The scheduler (``make_schedule``) and the simulator (``simulate``) are pure functions, usable without a GPU.
 """
 
 from __future__ import annotations
 
 from .manager import SwapManager
 from .meter import LiveBytesMeter
+from .planning import Plan, plan  # Note [swap.plan is a function]
 from .report import SwapReport
 from .scheduler import POLICIES, InfeasibleBudget, Schedule
 from .scheduler import plan as make_schedule
@@ -25,6 +27,7 @@ __all__ = [
     "POLICIES",
     "InfeasibleBudget",
     "LiveBytesMeter",
+    "Plan",
     "Schedule",
     "Sequence",
     "SimResult",
@@ -32,5 +35,6 @@ __all__ = [
     "SwapReport",
     "choose_window",
     "make_schedule",
+    "plan",
     "simulate",
 ]

@@ -1,25 +1,48 @@
 """Device profiles for the cost model: peak compute, memory bandwidth, host link, memory size.
 
 Note [Device profiles]
-Numbers are the vendors' datasheet peaks; ``efficiency`` scales them to what training kernels reach. It is
-calibrated once, on V100, to seed 001's own no-swap baseline: with 0.71, the roofline over the captured
-ResNet-50 batch-64 step (24.3 GFLOP and 0.80 GB moved per image) gives 336 images/s, the paper's V100
-figure (tests/swap/test_cost_model.py checks it). The same fraction is used for the other devices, an
-assumption until a measured profile (per-step times from a GPU run) replaces it.
+Numbers are the vendors' datasheet peaks (dense, i.e. without 2:4 sparsity); ``efficiency`` scales them to
+what training kernels reach. It is calibrated once, on V100, to seed 001's own no-swap baseline: with 0.71,
+the roofline over the captured ResNet-50 batch-64 step (24.3 GFLOP and 0.80 GB moved per image) gives
+336 images/s, the paper's V100 figure (tests/swap/test_cost_model.py checks it). The same fraction is used
+for the other devices, an assumption until a measured profile replaces it (``measured``: the link
+bandwidths and per-step times ``SwapManager.save_profile`` writes on the GPU itself).
 
-- V100-16GB (SXM2): 15.7 TFLOP/s fp32, 125 tensor (fp16/bf16-class), 900 GB/s HBM2, 16 GB. Host link:
-  seed 001's IBM POWER9 with NVLink 2.0 to the CPU, "2x50 GB/s" (50 GB/s each way). Sources: NVIDIA Tesla
-  V100 datasheet; seed 001 Section 5.
-- P100 (SXM2, NVLink): 10.6 TFLOP/s fp32, 21.2 fp16, 732 GB/s HBM2, 16 GB; NVLink 1.0 to POWER8 at 40 GB/s
-  each way (TFLMS's Minsky systems). Sources: NVIDIA Tesla P100 datasheet; seed 004 Section 5.
-- H100 (SXM5) with PCIe Gen5 x16 to the host: 67 TFLOP/s fp32, 495 TF32 and 989 bf16 dense tensor,
-  3.35 TB/s HBM3, 80 GB; PCIe Gen5 x16 64 GB/s each way nominal, 55 GB/s used (what pinned copies reach).
-  Sources: NVIDIA H100 datasheet; PCI-SIG Gen5 x16.
+fp32 models run on the fp32 peak (PyTorch's default keeps TF32 off for matmuls); bf16/fp16 models on the
+tensor-core peak. Host links are per direction: PCIe Gen4 x16 is 32 GB/s nominal and pinned copies reach
+about 25; Gen5 x16 is 64 nominal, about 55 reached.
+
+- v100-16gb: fp32 15.7 TF, fp16 tensor 125 TF; 900 GB/s HBM2, 16 GB; NVLink 2.0 to an IBM POWER9, 50 GB/s
+  each way (seed 001's "2x50 GB/s"). Sources: NVIDIA Tesla V100 datasheet; seed 001 Section 5.
+- p100-16gb: fp32 10.6 TF, fp16 21.2 TF; 732 GB/s HBM2, 16 GB; NVLink 1.0 to POWER8, 40 GB/s (TFLMS's
+  Minsky). Sources: NVIDIA Tesla P100 datasheet; seed 004 Section 5.
+- a100-40gb / a100-80gb (PCIe): fp32 19.5 TF, TF32 156 TF, bf16 312 TF; 1555 / 1935 GB/s HBM2(e), 40 / 80 GB;
+  PCIe Gen4 x16. Source: NVIDIA A100 Tensor Core GPU datasheet.
+- h100-sxm: fp32 67 TF, TF32 495 TF, bf16 989 TF; 3350 GB/s HBM3, 80 GB; PCIe Gen5 x16 to the host (NVLink
+  joins GPUs, not the CPU). Source: NVIDIA H100 Tensor Core GPU datasheet (SXM5).
+- h100-pcie: fp32 51 TF, TF32 378 TF, bf16 756 TF; 2000 GB/s HBM2e, 80 GB; PCIe Gen5 x16. Source: NVIDIA H100
+  Tensor Core GPU datasheet (PCIe).
+- l4: fp32 30.3 TF, TF32 60 TF, bf16 121 TF; 300 GB/s GDDR6, 24 GB; PCIe Gen4 x16. Source: NVIDIA L4 datasheet.
+- rtx4090: fp32 82.6 TF, TF32 82.6 TF, bf16 165.2 TF (with fp32 accumulate, what PyTorch uses); 1008 GB/s
+  GDDR6X, 24 GB; PCIe Gen4 x16. Source: NVIDIA Ada Lovelace GPU architecture whitepaper, appendix A.
+
+Old short names stay as aliases (``v100``, ``p100``, ``h100`` = h100-sxm: the SXM5 part, whose host link is
+PCIe Gen5 all the same), so earlier commands and results keep their meaning.
+
+Other per-device figures (e.g. the cost of VMM driver calls) belong in tables keyed by these profile names,
+or in fields added here with defaults, so every profile keeps constructing without them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+log = logging.getLogger("swap")
+GB = 1e9
 
 
 @dataclass(frozen=True)
@@ -32,6 +55,8 @@ class DeviceProfile:
     d2h_bandwidth: float  # bytes/s, device to host
     memory: int  # bytes
     efficiency: float = 0.71  # fraction of peak compute and bandwidth that training kernels reach
+    tf32_flops: float = 0.0  # FLOP/s on tensor cores in TF32 (0: none); informational, see the Note
+    source: str = ""  # where the figures come from
 
     def step_seconds(self, flops: float, nbytes: float, low_precision: bool = False) -> float:
         """Roofline: an operator takes the longer of its compute and its memory traffic."""
@@ -39,18 +64,102 @@ class DeviceProfile:
         return max(flops / (peak * self.efficiency), nbytes / (self.mem_bandwidth * self.efficiency))
 
 
-GB = 1e9
-PROFILES = {
-    "v100": DeviceProfile(
-        "V100-16GB, NVLink 2x50 GB/s (seed 001)", 15.7e12, 125e12, 900 * GB, 50 * GB, 50 * GB, 16 << 30
+class _Profiles(dict):
+    """The profiles by name; an old short name (``ALIASES``) still indexes its profile, without being listed."""
+
+    def __missing__(self, key: str) -> DeviceProfile:
+        if key in ALIASES:
+            return self[ALIASES[key]]
+        raise KeyError(key)
+
+
+PCIE4, PCIE5 = 25 * GB, 55 * GB
+PROFILES = _Profiles({
+    "v100-16gb": DeviceProfile(
+        "V100-16GB, NVLink 2x50 GB/s (seed 001)", 15.7e12, 125e12, 900 * GB, 50 * GB, 50 * GB, 16 << 30,
+        source="NVIDIA Tesla V100 datasheet; seed 001 Section 5 (IBM POWER9, NVLink 2.0 to the CPU)",
     ),
-    "p100": DeviceProfile("P100-16GB, NVLink 40 GB/s (TFLMS)", 10.6e12, 21.2e12, 732 * GB, 40 * GB, 40 * GB, 16 << 30),
-    "h100": DeviceProfile("H100-80GB, PCIe Gen5 x16", 67e12, 989e12, 3350 * GB, 55 * GB, 55 * GB, 80 << 30),
-}
+    "p100-16gb": DeviceProfile(
+        "P100-16GB, NVLink 40 GB/s (TFLMS)", 10.6e12, 21.2e12, 732 * GB, 40 * GB, 40 * GB, 16 << 30,
+        source="NVIDIA Tesla P100 datasheet; seed 004 Section 5 (POWER8 Minsky, NVLink 1.0)",
+    ),
+    "a100-40gb": DeviceProfile(
+        "A100-40GB, PCIe Gen4 x16", 19.5e12, 312e12, 1555 * GB, PCIE4, PCIE4, 40 << 30, tf32_flops=156e12,
+        source="NVIDIA A100 Tensor Core GPU datasheet (A100 40GB PCIe)",
+    ),
+    "a100-80gb": DeviceProfile(
+        "A100-80GB, PCIe Gen4 x16", 19.5e12, 312e12, 1935 * GB, PCIE4, PCIE4, 80 << 30, tf32_flops=156e12,
+        source="NVIDIA A100 Tensor Core GPU datasheet (A100 80GB PCIe)",
+    ),
+    "h100-sxm": DeviceProfile(
+        "H100-SXM5-80GB, PCIe Gen5 x16 to the host", 67e12, 989e12, 3350 * GB, PCIE5, PCIE5, 80 << 30,
+        tf32_flops=495e12, source="NVIDIA H100 Tensor Core GPU datasheet (H100 SXM); PCI-SIG Gen5 x16",
+    ),
+    "h100-pcie": DeviceProfile(
+        "H100-PCIe-80GB, PCIe Gen5 x16", 51e12, 756e12, 2000 * GB, PCIE5, PCIE5, 80 << 30, tf32_flops=378e12,
+        source="NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe); PCI-SIG Gen5 x16",
+    ),
+    "l4": DeviceProfile(
+        "L4-24GB, PCIe Gen4 x16", 30.3e12, 121e12, 300 * GB, PCIE4, PCIE4, 24 << 30, tf32_flops=60e12,
+        source="NVIDIA L4 Tensor Core GPU datasheet",
+    ),
+    "rtx4090": DeviceProfile(
+        "GeForce RTX 4090-24GB, PCIe Gen4 x16", 82.6e12, 165.2e12, 1008 * GB, PCIE4, PCIE4, 24 << 30,
+        tf32_flops=82.6e12, source="NVIDIA Ada Lovelace GPU architecture whitepaper, appendix A (RTX 4090)",
+    ),
+})  # fmt: skip
+ALIASES = {"v100": "v100-16gb", "p100": "p100-16gb", "h100": "h100-sxm"}
 
 
 def profile(name: str) -> DeviceProfile:
+    """The named profile (or an alias of one)."""
+    key = name.lower()
+    key = ALIASES.get(key, key)
     try:
-        return PROFILES[name.lower()]
+        return PROFILES[key]
     except KeyError:
-        raise ValueError(f"unknown device profile {name!r}: choose one of {', '.join(PROFILES)}") from None
+        names = ", ".join(list(PROFILES) + list(ALIASES))
+        raise ValueError(f"unknown device profile {name!r}: choose one of {names}") from None
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a measured profile (``SwapManager.save_profile``) says about the device: link bandwidths, and the
+    compute seconds of the iteration it profiled (at ``batch``, when the file records it)."""
+
+    device: str
+    h2d_bandwidth: Optional[float]
+    d2h_bandwidth: Optional[float]
+    compute_seconds: float
+    saved_bytes: int  # bytes of the swappable variables of the profiled iteration
+    batch: Optional[int]
+    path: str
+
+
+def read_measured(path: Union[str, Path]) -> Measured:
+    """Reads a file written by ``SwapManager.save_profile``."""
+    from .sequence import Sequence
+
+    seq, meta = Sequence.load(path)
+    return Measured(
+        device=str(meta.get("device", "measured")),
+        h2d_bandwidth=meta.get("h2d_bandwidth"),
+        d2h_bandwidth=meta.get("d2h_bandwidth"),
+        compute_seconds=float(sum(seq.compute)),
+        saved_bytes=int(sum(s for s, ok in zip(seq.sizes, seq.swappable) if ok)),
+        batch=meta.get("batch"),
+        path=str(path),
+    )
+
+
+def with_measured(base: DeviceProfile, m: Measured, roofline_seconds: Optional[float] = None) -> DeviceProfile:
+    """``base`` with the measured link bandwidths, and with ``efficiency`` set so that the roofline gives the
+    measured compute time (``roofline_seconds``: the roofline's time for the same iteration at efficiency 1)."""
+    changes: dict[str, Any] = {"name": f"{base.name}, measured ({m.device}, {Path(m.path).name})"}
+    if m.h2d_bandwidth:
+        changes["h2d_bandwidth"] = float(m.h2d_bandwidth)
+    if m.d2h_bandwidth:
+        changes["d2h_bandwidth"] = float(m.d2h_bandwidth)
+    if roofline_seconds and m.compute_seconds > 0:
+        changes["efficiency"] = roofline_seconds / m.compute_seconds
+    return dataclasses.replace(base, **changes)

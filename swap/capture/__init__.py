@@ -1,0 +1,31 @@
+"""Training steps of any model, captured on the meta device as allocation traces (what ``swap.plan`` plans
+with): ``capture`` records them, ``sequence_from_trace`` gives the scheduler's view of one, ``swapped``
+rewrites one as the swap runtime would run it, ``LinearTrace`` scales one to any batch size."""
+
+from __future__ import annotations
+
+from .convert import plan_for, sequence_from_trace, swapped
+from .scaling import LinearTrace
+from .step import CaptureError, build_model, capture, default_loss, default_optimizer, make_batch
+from .trace import (
+    ALLOC,
+    FORMAT_VERSION,
+    FREE,
+    ITER_BEGIN,
+    ITER_END,
+    SAVE,
+    TAG,
+    TAGS,
+    UNREF,
+    USE,
+    Trace,
+    TraceBuilder,
+    live_peak,
+    summary,
+)  # fmt: skip
+
+__all__ = [
+    "ALLOC", "FORMAT_VERSION", "FREE", "ITER_BEGIN", "ITER_END", "SAVE", "TAG", "TAGS", "UNREF", "USE",
+    "CaptureError", "LinearTrace", "Trace", "TraceBuilder", "build_model", "capture", "default_loss",
+    "default_optimizer", "live_peak", "make_batch", "plan_for", "sequence_from_trace", "summary", "swapped",
+]  # fmt: skip

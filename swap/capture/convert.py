@@ -1,0 +1,214 @@
+"""Captured traces and the swap runtime: the variable sequence of a trace, and the trace under swapping.
+
+``sequence_from_trace`` turns one iteration of a trace into the scheduler's ``swap.Sequence``: its saves
+and uses, each activation's bytes, the memory that is not swappable at each step (live bytes less the
+saved activations that only autograd holds), and each step's compute time from a cost model. Saved
+storages under ``min_bytes`` are not variables, as in the runtime (``SwapManager(min_bytes=...)``): they
+stay on the device and count as memory that is not swappable.
+
+``swapped`` applies the schedule the runtime would follow for a budget: a release frees the activation's
+device memory (when the forward has dropped it, else as soon as it does), a swap-in allocates it again,
+and autograd's own free releases whichever copy is on the device. That is the allocation pattern seed 001
+says best-fit caching handles worst.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import numpy as np
+
+from ..scheduler import Schedule, plan
+from ..sequence import Sequence
+from ..simulator import choose_window
+from .trace import ALLOC, FREE, ITER_BEGIN, ITER_END, SAVE, TAG, UNREF, USE, Trace
+
+CostModel = Callable[[float, float], float]  # (flops, bytes) -> seconds
+
+
+def sequence_from_trace(
+    trace: Trace, iteration: int = -1, cost: Optional[CostModel] = None, min_bytes: int = 0
+) -> Sequence:
+    """The swap sequence of one iteration (default: the last, the steady state)."""
+    begin, end = trace.iterations()[iteration]
+    ops, ids, sizes = trace.op.tolist(), trace.id.tolist(), trace.size.tolist()
+    flops, moved = trace.flops.tolist(), trace.bytes.tolist()
+    live = 0
+    alive: dict[int, int] = {}
+    for k in range(begin):
+        if ops[k] == ALLOC:
+            alive[ids[k]] = sizes[k]
+            live += sizes[k]
+        elif ops[k] == FREE and ids[k] in alive:
+            live -= alive.pop(ids[k])
+    var_of: dict[int, int] = {}
+    var, kind, nbytes, nonswap, compute = [], [], [], [], []
+    saved_alive = 0  # bytes of saved activations alive: the scheduler accounts for them itself
+    unref_step: dict[int, int] = {}  # variable -> the first step after the forward dropped it
+    dropped: set[int] = set()
+    interval = live
+    step_cost: list[tuple[float, float]] = []
+    carried = (0.0, 0.0)  # compute of skipped (small) saves and uses, added to the next step
+    for k in range(begin, end + 1):
+        o, i = ops[k], ids[k]
+        if o == ALLOC:
+            alive[i] = sizes[k]
+            live += sizes[k]
+        elif o == FREE:
+            if i in alive:
+                live -= alive.pop(i)
+                if i in var_of:
+                    saved_alive -= sizes[k]
+        elif o == UNREF:
+            dropped.add(i)
+        elif o in (SAVE, USE):
+            if sizes[k] < min_bytes:
+                carried = (carried[0] + flops[k], carried[1] + moved[k])
+                continue
+            if var:
+                nonswap.append(max(0, interval))
+            if i not in var_of:
+                var_of[i] = len(nbytes)
+                nbytes.append(sizes[k])
+                if i in alive:
+                    saved_alive += sizes[k]
+            for j in list(dropped):
+                if j in var_of:
+                    unref_step.setdefault(var_of[j], len(var))
+                dropped.discard(j)
+            var.append(var_of[i])
+            kind.append("save" if o == SAVE else "use")
+            step_cost.append((flops[k] + carried[0], moved[k] + carried[1]))
+            carried = (0.0, 0.0)
+            interval = live - saved_alive
+            continue
+        interval = max(interval, live - saved_alive)
+    if var:
+        nonswap.append(max(0, interval))
+    held_until = [unref_step.get(v, len(var)) for v in range(len(nbytes))]
+    # The cost recorded at an access is the compute of the step before it; the iteration's end carries the
+    # compute after the last access (the end of backward, the optimizer step).
+    step_cost.append((flops[end] + carried[0], moved[end] + carried[1]))
+    if not var:  # nothing to swap: one empty step would lose the iteration's compute, so keep none
+        return Sequence([], [], [], [], [])
+    for j in range(len(var)):
+        f, m = step_cost[j + 1]
+        if j == 0:  # the compute before the first access (the start of the forward) runs in step 0 too
+            f, m = f + step_cost[0][0], m + step_cost[0][1]
+        compute.append(cost(f, m) if cost else 0.0)
+    return Sequence(var, kind, nbytes, nonswap, compute, held_until=held_until)
+
+
+def plan_for(trace: Trace, budget: int, policy: str = "window", window: Optional[int] = None,
+             cost: Optional[CostModel] = None, bandwidth: float = 50e9) -> tuple[Sequence, Schedule]:  # fmt: skip
+    """The sequence of ``trace`` and its schedule for ``budget`` (window policy: window chosen by simulation
+    on ``bandwidth`` when not given)."""
+    seq = sequence_from_trace(trace, cost=cost)
+    if policy == "window" and window is None:
+        window, schedule, _ = choose_window(seq, budget, bandwidth, bandwidth)
+        return seq, schedule
+    return seq, plan(seq, budget, window, policy)
+
+
+def swapped(trace: Trace, budget: int, policy: str = "window", window: Optional[int] = None,
+            schedule: Optional[Schedule] = None, min_bytes: int = 0) -> Trace:  # fmt: skip
+    """The trace as the swap runtime would make it under ``budget`` (its steady-state plan applied to every
+    iteration with the same access sequence). ``schedule`` must be a plan of ``sequence_from_trace(trace,
+    min_bytes=min_bytes)``."""
+    seq = sequence_from_trace(trace, min_bytes=min_bytes)
+    if schedule is None:
+        schedule = plan_for(trace, budget, policy, window)[1] if min_bytes == 0 else _plan(seq, budget, policy, window)
+    signature = seq.signature()
+    rows: list[tuple[int, int, int, int, int, float, float]] = []
+    next_id = int(trace.id.max()) + 1 if len(trace) else 0
+    ops, ids, sizes, tags = trace.op.tolist(), trace.id.tolist(), trace.size.tolist(), trace.tag.tolist()
+    streams, flops, moved = trace.stream.tolist(), trace.flops.tolist(), trace.bytes.tolist()
+
+    def emit(o: int, i: int, s: int, tag: int = 0, k: int = -1) -> None:
+        rows.append((o, i, s, tag, streams[k] if k >= 0 else 0, flops[k] if k >= 0 else 0.0,
+                     moved[k] if k >= 0 else 0.0))  # fmt: skip
+
+    def is_step(k: int) -> bool:
+        return ops[k] in (SAVE, USE) and sizes[k] >= min_bytes
+
+    iteration_of = np.zeros(len(trace), dtype=np.int64) - 1
+    for n, (b, e) in enumerate(trace.iterations()):
+        iteration_of[b : e + 1] = n
+    applies = {}
+    for n, (b, e) in enumerate(trace.iterations()):
+        sig = [("save" if ops[k] == SAVE else "use", sizes[k]) for k in range(b, e + 1) if is_step(k)]
+        applies[n] = sig == signature
+    act = TAG["activation"]
+    # Per iteration state.
+    var_alloc: dict[int, int] = {}  # variable -> its original allocation id (this iteration)
+    device: dict[int, int] = {}  # original allocation id -> allocation now holding its bytes on the device
+    released: set[int] = set()  # original ids whose device memory was released
+    deferred: set[int] = set()  # released while the forward still held them: freed at UNREF
+    forward_dropped: set[int] = set()
+    step = 0
+    for k in range(len(trace)):
+        o, i = ops[k], ids[k]
+        n = int(iteration_of[k])
+        if o == ITER_BEGIN:
+            var_alloc, device, released, deferred, forward_dropped, step = {}, {}, set(), set(), set(), 0
+            emit(o, i, 0, 0, k)
+            continue
+        active = n >= 0 and applies.get(n, False)
+        if active and is_step(k):
+            if o == SAVE and i not in var_alloc.values():
+                var_alloc[seq.var[step]] = i
+            for v in schedule.release[step]:
+                a = var_alloc[v]
+                if device.get(a, a) == a:
+                    if a in forward_dropped:
+                        emit(FREE, a, seq.sizes[v], act)
+                    else:
+                        deferred.add(a)
+                else:
+                    emit(FREE, device[a], seq.sizes[v], act)
+                device[a] = -1
+                released.add(a)
+            for v in schedule.swap_in[step]:
+                a = var_alloc[v]
+                emit(ALLOC, next_id, seq.sizes[v], act)
+                device[a] = next_id
+                next_id += 1
+            if o == SAVE and i in deferred:  # saved again: the forward holds it, it is on the device
+                deferred.discard(i)
+                device[i] = i
+            emit(o, i, sizes[k], 0, k)
+            step += 1
+            continue
+        if active and o == UNREF:
+            forward_dropped.add(i)
+            if i in deferred:
+                deferred.discard(i)
+                emit(FREE, i, sizes[k], act)
+            emit(o, i, sizes[k], 0, k)
+            continue
+        if active and o == FREE and (i in released or i in device):
+            holder = device.get(i, i)
+            if holder == i and i in deferred:  # never dropped by the forward before autograd freed it
+                deferred.discard(i)
+                emit(FREE, i, sizes[k], tags[k], k)
+            elif holder >= 0 and holder != i:
+                emit(FREE, holder, sizes[k], act, k)
+            elif holder == i:
+                emit(FREE, i, sizes[k], tags[k], k)
+            device.pop(i, None)
+            continue
+        emit(o, i, sizes[k], tags[k] if o in (ALLOC, FREE) else 0, k)
+        if o == ITER_END:
+            step = 0
+    a = np.array(rows, dtype=np.float64).reshape(-1, 7)
+    meta = dict(trace.meta)
+    meta["swap"] = {"budget": budget, "policy": schedule.policy, "window": schedule.window,
+                    "planned_peak": schedule.peak, "no_swap_peak": seq.no_swap_peak()}  # fmt: skip
+    return Trace(a[:, 0].astype(np.uint8), a[:, 1].astype(np.int64), np.array([r[2] for r in rows], dtype=np.int64),
+                 a[:, 3].astype(np.uint8), a[:, 4].astype(np.int64), a[:, 5], a[:, 6], meta)  # fmt: skip
+
+
+def _plan(seq: Sequence, budget: int, policy: str, window: Optional[int]) -> Schedule:
+    if policy == "window" and window is None:
+        return choose_window(seq, budget, 50e9, 50e9)[1]
+    return plan(seq, budget, window, policy)
