@@ -28,7 +28,7 @@ class LiveBytesMeter(TorchDispatchMode):
         self.peak = 0
         self.window_peak = 0  # peak since the last reset_window()
         self._seen: dict[int, weakref.ref] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a weakref callback (_sub) can run inside _add: GC during it
 
     def _on_device(self, t: torch.Tensor) -> bool:
         return t.device.type == self.device.type and (self.device.index is None or t.device == self.device)
