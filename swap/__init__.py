@@ -13,6 +13,7 @@ largest batch that fits a budget.
 
 from __future__ import annotations
 
+from .budget import BudgetWarning
 from .manager import SwapManager
 from .meter import LiveBytesMeter
 from .report import SwapReport
@@ -23,6 +24,7 @@ from .simulator import SimResult, choose_window, simulate
 
 __all__ = [
     "POLICIES",
+    "BudgetWarning",
     "InfeasibleBudget",
     "LiveBytesMeter",
     "Schedule",

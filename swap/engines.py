@@ -45,12 +45,22 @@ class HostEngine:
         self.d2h_bw, self.h2d_bw = _Bandwidth(), _Bandwidth()
 
     def _copy(self, pool: ThreadPoolExecutor, bw: _Bandwidth, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
-        def run() -> None:
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            bw.add(src.numel() * src.element_size(), time.perf_counter() - t0)
+        nbytes = src.numel() * src.element_size()
+        operands = [dst, src]
 
-        return Ticket(pool.submit(run), src.numel() * src.element_size())
+        def run() -> None:
+            # The worker lets go of both tensors before the copy is reported done: a device storage the
+            # executor releases after waiting then dies on the executor's thread, at a reproducible point
+            # (otherwise the worker's last reference could outlive the wait, and the step's measured peak
+            # would depend on thread timing).
+            d, s = operands
+            operands.clear()
+            t0 = time.perf_counter()
+            d.copy_(s)
+            del d, s
+            bw.add(nbytes, time.perf_counter() - t0)
+
+        return Ticket(pool.submit(run), nbytes)
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
         return self._copy(self._d2h, self.d2h_bw, dst, src)

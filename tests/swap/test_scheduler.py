@@ -84,7 +84,7 @@ def test_a_variable_the_forward_still_holds_is_not_released():
     s = make_schedule(seq, 250, policy="fixed_distance", swapout_threshold=100)
     assert 1 in s.release[2] and all(0 not in s.release[i] for i in range(3))
     check_schedule(seq, s)
-    with pytest.raises(InfeasibleBudget, match="still holds"):
+    with pytest.raises(InfeasibleBudget, match="100 B held by the forward pass"):
         make_schedule(Sequence([0, 1, 0, 1], ["save", "save", "use", "use"], [100, 100], [0] * 4, [1.0] * 4,
                       held_until=[4, 0]), 150, policy="all")  # fmt: skip
 

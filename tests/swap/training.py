@@ -4,6 +4,7 @@ which no meter counts as device memory)."""
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -29,6 +30,7 @@ def run(
     wrap: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None,
 ) -> dict[str, Any]:
     build, batch, size = SMALL[name]
+    gc.collect()  # garbage of earlier runs is live memory to a meter: start every run from the same state
     torch.manual_seed(0)
     model = build()
     if wrap is not None:
