@@ -124,14 +124,29 @@ class InfeasibleBudget(ValueError):
 
 def step_floors(seq: Sequence) -> list[int]:
     """Per step, the least device memory it can run in: ``nonswap[i]``, the step's own variable (if
-    swappable), and the swappable variables the forward pass still holds then (``held_until``)."""
-    held = _held_bytes(seq)
+    swappable), and the swappable variables the forward pass (``held_until``) or the running backward node
+    (``node_last``) still holds then."""
+    held, pinned = _held_bytes(seq), _pinned(seq)
     ends, first = seq.ends(), _first_access(seq)
     floors = []
     for i, v in enumerate(seq.var):
         own = seq.sizes[v] if seq.swappable[v] and not _is_held(seq, v, i, first, ends) else 0
-        floors.append(seq.nonswap[i] + held[i] + own)
+        if v in pinned[i]:
+            own = 0
+        floors.append(seq.nonswap[i] + held[i] + own + sum(seq.sizes[u] for u in pinned[i]
+                                                           if not _is_held(seq, u, i, first, ends)))  # fmt: skip
     return floors
+
+
+def _pinned(seq: Sequence) -> list[set[int]]:
+    """Per step: swappable variables an earlier use of the same backward node still holds."""
+    out: list[set[int]] = [set() for _ in range(len(seq))]
+    ends = seq.ends()
+    for j, (v, last) in enumerate(zip(seq.var, seq.node_last)):
+        if last > j and seq.swappable[v]:
+            for i in range(j + 1, min(last, ends[v] - 1) + 1):
+                out[i].add(v)
+    return out
 
 
 def min_budget(seq: Sequence) -> int:

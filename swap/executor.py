@@ -65,6 +65,28 @@ log = logging.getLogger("swap")
 PROFILE, PLANNED, FALLBACK, DECLINED = "profile", "planned", "fallback", "declined"
 
 
+class WholeModelCompiled(RuntimeError):
+    """Saved tensors come from a torch.compile'd region that is the whole model (or the whole step).
+
+    Note [Hooks and torch.compile]
+    A compiled region is one autograd Function: autograd saves what it keeps for backward when its forward
+    returns, and its backward takes all of it at once. Swapping acts at region boundaries, so it works for
+    regional compile (each block compiled: torch.compile(block), or Module.compile on a user-defined
+    block), and can do nothing when the region is the whole model. The hooks themselves are excluded from
+    tracing (torch._dynamo.disable): dynamo would otherwise try to trace them into the region, and break
+    the graph at each saved tensor."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "swap: the model is compiled as a whole (torch.compile(model), or a compiled training step): autograd "
+            "saves every activation at once when the compiled forward returns, and the compiled backward takes "
+            "them all at once, so swapping cannot lower any peak. Use regional compile instead: compile each "
+            "block (model.layers[i] = torch.compile(model.layers[i]), or block.compile() for your own block "
+            "classes), so the saved tensors are swapped at block boundaries; or use the compiler's own activation "
+            "offloading instead of swap.SwapManager."
+        )
+
+
 class HostStepTimer:
     """Wall-clock time between our hooks (the compute the profiled step did)."""
 
@@ -171,6 +193,8 @@ class Executor:
         self._in_backward = False
         self._iteration_counted = True
         self._in_hook = False
+        self._last_node: Any = None
+        self._node_groups = 0
         self.actions: list[tuple[int, str, int]] = []  # what this iteration issued, in order
         self.last_actions: list[tuple[int, str, int]] = []  # ... and the last completed iteration's
         self.recorder: Optional[Recorder] = None
@@ -282,6 +306,7 @@ class Executor:
         with self.lock:
             self._in_backward = False
             self._backward_done = True
+            self._last_node = None  # the node (and the graph behind it) must not outlive the backward
             if not self._iteration_counted:
                 self.counters.iterations += 1
                 self._iteration_counted = True
@@ -338,6 +363,8 @@ class Executor:
                     self._on_device_bytes += var.nbytes
                 if self.recorder is not None:
                     var.module = self.modules.current()
+                    if self.modules.compiled and not var.module:
+                        raise WholeModelCompiled()
             var.note_version(t)
             packed = Packed(var, t)
             self._step(var, SAVE, storage)
@@ -428,8 +455,10 @@ class Executor:
             var.alive = False
         if not var.on_device:
             self.memory.add_shadow(-var.nbytes)  # a run without swapping frees it now
+        if var.d2h is not None and self.engine.done(var.d2h):
+            var.d2h = None  # long done (kept resident since): no wait
         if var.d2h is not None or var.h2d is not None:
-            self._dying.append(var)
+            self._dying.append(var)  # a copy still reads or writes its memory: released at the next step
         else:
             var.dev = None
             var.free_host()
@@ -466,10 +495,22 @@ class Executor:
                 if self._matching and self._previous is not None:
                     prev = self._previous
                     self._matching = i < len(prev) and prev.var[i] == var.id and prev.kind[i] == kind
-                rec.open_step(var.id, kind, self._on_device_bytes, self.memory.current(), self._kept_bytes)
+                rec.open_step(var.id, kind, self._on_device_bytes, self.memory.current(), self._kept_bytes,
+                              self._node_group(kind))  # fmt: skip
                 self.timer.start()
         finally:
             self._in_hook = False
+
+    def _node_group(self, kind: str) -> int:
+        """Profiling: consecutive uses by one backward node share a group (the node holds what it unpacked)."""
+        node = torch._C._current_autograd_node() if kind == USE else None
+        if node is None:
+            self._last_node = None
+            return -1
+        if node is not self._last_node:
+            self._last_node = node  # kept alive, so the next node cannot reuse its id
+            self._node_groups += 1
+        return self._node_groups
 
     def _close_step(self, peak: int, tail: bool = False) -> None:
         """The interval after the previous access ended with ``peak`` the highest memory in it (``tail``: the
@@ -708,7 +749,7 @@ class Executor:
                         pass
                 self._process_dying()
             finally:
-                self.held_vars, self.prefetched = [], None
+                self.held_vars, self.prefetched, self._last_node = [], None, None
                 self.closed = True
                 # Our references go; autograd's handles keep what a late unpack may still need.
                 self.vars, self.by_storage = [], {}
@@ -721,6 +762,7 @@ def _merge(a: Sequence, b: Sequence) -> Sequence:
         nonswap=[max(x, y) for x, y in zip(a.nonswap, b.nonswap)],
         swappable=[x and y for x, y in zip(a.swappable, b.swappable)],
         held_until=[max(x, y) for x, y in zip(a.held_until, b.held_until)],
+        node_last=[max(x, y) for x, y in zip(a.node_last, b.node_last)],
         freed=[max(x, y) for x, y in zip(a.freed, b.freed)],
         transient=[max(x, y) for x, y in zip(a.transient, b.transient)],
         kept=[max(x, y) for x, y in zip(a.kept, b.kept)],
@@ -729,4 +771,4 @@ def _merge(a: Sequence, b: Sequence) -> Sequence:
     )
 
 
-__all__ = ["Executor", "Profiled", "PROFILE", "PLANNED", "FALLBACK", "DECLINED"]
+__all__ = ["Executor", "Profiled", "WholeModelCompiled", "PROFILE", "PLANNED", "FALLBACK", "DECLINED"]

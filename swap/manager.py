@@ -362,7 +362,10 @@ class SwapManager:
             )  # fmt: skip
             if self.arena is not None:
                 self.arena.set_oom_handler(self.executor.evict)
-            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            # Note [Hooks and torch.compile]: dynamo must run the hooks, not trace them.
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(
+                torch._dynamo.disable(self._pack), torch._dynamo.disable(self._unpack)
+            )
             self._hooks.__enter__()
         except BaseException:
             self._active = False

@@ -29,6 +29,7 @@ class Recorder:
         self.counted: list[int] = []  # per step: bytes of this iteration's variables on the device
         self.live: list[int] = []  # per step: memory live right after the access
         self.kept: list[int] = []
+        self.node: list[int] = []  # per step: which backward node made the use (-1 for a save)
         self.marks: list[Any] = []  # timer marks, resolved at finish
         self.freed: dict[int, int] = {}
         self.held_until: dict[int, int] = {}
@@ -55,7 +56,8 @@ class Recorder:
         if len(self.peak) < len(self.var):
             self._dying += nbytes
 
-    def open_step(self, var: int, kind: str, counted: int, live: int, kept: int) -> None:
+    def open_step(self, var: int, kind: str, counted: int, live: int, kept: int, node: int = -1) -> None:
+        self.node.append(node)
         self.var.append(var)
         self.kind.append(kind)
         self.counted.append(counted)
@@ -87,7 +89,12 @@ class Recorder:
             nonswap.append(max(0, self.peak[i] - self.counted[i] + cur + self.unheld[i]))
             transient.append(max(0, self.peak[i] - self.live[i]))
         compute = [resolve(m) for m in self.marks]
+        node_last = list(range(n))
+        for i in range(n - 2, -1, -1):
+            if self.node[i] >= 0 and self.node[i + 1] == self.node[i]:
+                node_last[i] = node_last[i + 1]
         return Sequence(
             list(self.var), list(self.kind), list(sizes), nonswap, compute, swappable, held_until,
             freed=freed, modules=list(modules), transient=transient, kept=list(self.kept), base=self.base,
+            node_last=node_last,
         )  # fmt: skip

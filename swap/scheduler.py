@@ -148,6 +148,7 @@ class _Planner:
         self.pending: OrderedDict[int, int] = OrderedDict()  # reserved swap-outs still resident, oldest first
         self.eager: list[list[int]] = [[] for _ in range(n + 1)]  # releases due at a step (all/fixed)
         self.last_access: dict[int, int] = {}
+        self.pinned: dict[int, int] = {}  # var -> first step its node no longer holds it
         self.wanted: list[tuple[int, int]] = []  # heap of (use step, var) to prefetch
         self.triggers = self._prefetch_triggers()
 
@@ -210,7 +211,11 @@ class _Planner:
         self._drop(v)
 
     def _releasable(self, v: int) -> bool:
-        return self.seq.held_until[v] <= self.i
+        return self.seq.held_until[v] <= self.i and self.pinned.get(v, 0) <= self.i
+
+    def _free_from(self, v: int) -> int:
+        """The first step at which releasing v frees its memory."""
+        return max(self.seq.held_until[v], self.pinned.get(v, 0))
 
     def _make_room(self, need: int, keep: set[int], forced: bool) -> bool:
         """Releases reserved swap-outs oldest first (and, if forced, any resident variable farthest next use
@@ -251,8 +256,8 @@ class _Planner:
                 if v in self.resident and v in self.pending:
                     if self._releasable(v):
                         self._do_release(v)
-                    elif seq.held_until[v] < self.n:
-                        self.eager[seq.held_until[v]].append(v)  # as soon as the forward lets go
+                    elif self._free_from(v) < self.n:
+                        self.eager[self._free_from(v)].append(v)  # as soon as the forward (or node) lets go
             for u in self.triggers[i]:
                 heapq.heappush(self.wanted, (u, seq.var[u]))
             v, size = seq.var[i], seq.sizes[seq.var[i]]
@@ -272,6 +277,8 @@ class _Planner:
                     self.swap_in[i].append(v)  # the plan missed it: fetched at the use
             self.pending.pop(v, None)  # accessed now: any reserved swap-out is void
             self.last_access[v] = i
+            if seq.kind[i] != SAVE and seq.node_last[i] > i:
+                self.pinned[v] = seq.node_last[i] + 1  # the node holds it until it has run
             self._prefetch(keep={v})
             self.resident_trace[i] = self.resident_bytes
             # After the access: does v leave? After its last access it is gone at ``ends[v]``; until then

@@ -46,6 +46,10 @@ class Sequence:
             ``exclude`` (part of ``nonswap[i]``). Default 0.
         base: bytes live when the iteration began (parameters, gradients, optimizer state, inputs): part of
             every step's ``nonswap``. Default 0.
+        node_last: per step, for a use, the last step of the backward node that made it: a node holds what
+            it unpacked until it has run, so the variable used at step i frees nothing if released before
+            ``node_last[i] + 1`` (a compiled region's backward unpacks all its saved tensors at once).
+            Default: the step itself.
     """
 
     var: list[int]
@@ -60,6 +64,7 @@ class Sequence:
     transient: list[int] = field(default_factory=list)
     kept: list[int] = field(default_factory=list)
     base: int = 0
+    node_last: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.var)
@@ -80,8 +85,12 @@ class Sequence:
             self.transient = [0] * n
         if not self.kept:
             self.kept = [0] * n
-        if len(self.transient) != n or len(self.kept) != n:
-            raise ValueError("transient and kept must have one entry per step")
+        if not self.node_last:
+            self.node_last = list(range(n))
+        if len(self.transient) != n or len(self.kept) != n or len(self.node_last) != n:
+            raise ValueError("transient, kept and node_last must have one entry per step")
+        if any(last < i for i, last in enumerate(self.node_last)):
+            raise ValueError("node_last[i] must not be before step i")
         if any(v < 0 or v >= len(self.sizes) for v in self.var):
             raise ValueError("a step names a variable that has no size")
         seen: set[int] = set()

@@ -9,6 +9,7 @@ stride, offset) on the storage that comes back.
 
 from __future__ import annotations
 
+import os
 import sys
 import weakref
 from typing import Any, Callable, Optional
@@ -18,6 +19,7 @@ import torch
 from .host_pool import HostBlock
 
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
+_AOT_DIR = os.path.join("torch", "_functorch", "_aot_autograd") + os.sep  # compiled regions' runtime
 
 
 def is_parameter_like(t: torch.Tensor) -> bool:
@@ -91,16 +93,22 @@ class ModulePaths:
 
     def __init__(self) -> None:
         self._names: dict[tuple[int, int], str] = {}
+        self.compiled = False  # the last ``current()`` ran inside a torch.compile'd region
 
     def current(self) -> str:
         chain = []
+        compiled = False
         f = sys._getframe(1)
         while f is not None:
-            if f.f_code is _CALL_IMPL:
+            code = f.f_code
+            if code is _CALL_IMPL:
                 m = f.f_locals.get("self")
                 if isinstance(m, torch.nn.Module):
                     chain.append(m)
+            elif not compiled and _AOT_DIR in code.co_filename:
+                compiled = True
             f = f.f_back
+        self.compiled = compiled
         chain.reverse()
         parts = [self._name(parent, child) for parent, child in zip(chain, chain[1:])]
         return ".".join(p for p in parts if p)
