@@ -14,6 +14,7 @@ largest batch that fits a budget.
 from __future__ import annotations
 
 from .budget import BudgetWarning
+from .executor import WholeModelCompiled
 from .manager import SwapManager
 from .meter import LiveBytesMeter
 from .report import SwapReport
@@ -32,6 +33,7 @@ __all__ = [
     "SimResult",
     "SwapManager",
     "SwapReport",
+    "WholeModelCompiled",
     "choose_window",
     "make_schedule",
     "simulate",

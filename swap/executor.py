@@ -33,6 +33,11 @@ each iteration, so a repeated training step reproduces the profiled sequence ste
 that differs (shape, order) switches the rest of the iteration to the conservative plan and makes the next
 one a profiling iteration.
 
+Note [Step windows]
+A step's measured peak is the highest memory from its access to the next one. The window is restarted after
+the access's releases, not before them: the memory they free belonged to the step before (it was counted
+there), and counting it again would inflate the step, its plan, and ``min_budget``.
+
 Note [Learning from an overrun]
 Planned iterations measure every step. A step that exceeds the budget is warned about at once
 (``BudgetWarning``), and at the next iteration's start the plan is remade with the measured memory for
@@ -259,6 +264,8 @@ class Executor:
         if final:
             self.sequence, self.schedule = seq, schedule
             self.mode = PLANNED if schedule is not None else DECLINED
+            if seq is None:
+                self.allow_decline = False  # nothing to manage (the manager warned): nothing to re-profile for
             self._plan_first_live = rec.first_live
             self._learned, self._to_learn = set(), {}
             if self.mode == PLANNED:
@@ -319,7 +326,7 @@ class Executor:
                 self.held_vars, self.prefetched = [], None
             elif self.mode == DECLINED:
                 peak = self.memory.window_peak()
-                if peak > self.budget and self.allow_decline:
+                if peak > self.budget and self.allow_decline and self.sequence is not None:
                     self.warn(
                         "declined-overrun",
                         f"the run was not swapped (it fit the budget when profiled), but this iteration reached "
@@ -370,9 +377,16 @@ class Executor:
             self._step(var, SAVE, storage)
             return packed
 
+    def observe(self, t: torch.Tensor) -> None:
+        """A saved tensor the manager leaves alone: it still marks where iterations begin."""
+        if self._backward_done and not self._in_backward and self.mode != DECLINED:
+            with self.lock:
+                if self._backward_done and not self._in_backward and not self.closed:
+                    self._begin_iteration(t)
+
     def unpack(self, p: Any) -> torch.Tensor:
         if not isinstance(p, Packed):
-            if self.mode == DECLINED and not self._in_backward:
+            if not self._in_backward:
                 with self.lock:
                     self._queue_end_of_backward()
             return p
@@ -582,6 +596,7 @@ class Executor:
             else:
                 self._release(v)
         self.held_vars = keep
+        self._restart_window()
         if kind == SAVE:
             if var.dev is None:
                 var.attach(storage)
@@ -611,10 +626,17 @@ class Executor:
         self._swap_in(u, i)
         self.prefetched = u
 
+    def _restart_window(self) -> None:
+        """After a step's releases: the step's window starts from what is left (Note [Step windows])."""
+        self.memory.window_peak()
+        self.memory.held_window_peak()
+
     def _planned_step(self, var: Variable, kind: str, storage: Optional[torch.UntypedStorage], i: int) -> None:
         s = self.schedule
         for u in s.release[i]:
             self._release(self.vars[u], i)
+        if s.release[i]:
+            self._restart_window()
         for u in s.swap_in[i]:
             self._swap_in(self.vars[u], i)
         if kind == SAVE:

@@ -167,7 +167,12 @@ class SwapManager:
             try:
                 self.window = parse_size(window, "window", minimum=1)
             except (TypeError, ValueError) as e:
-                raise type(e)(str(e).replace("window must be ", "window must be 'auto' or ", 1)) from None
+                message = str(e)
+                if "window must be a number" in message:
+                    message = message.replace("window must be ", "window must be 'auto' or ", 1)
+                else:
+                    message += "; or pass window='auto'"
+                raise type(e)(message) from None
         validate(self.budget, self.window, policy)
         self.min_bytes = parse_size(min_bytes, "min_bytes", none="0: every saved tensor may move") or 0
         self.host_pool_limit = parse_size(host_pool_limit, "host_pool_limit", minimum=1, none="no limit")
@@ -311,6 +316,7 @@ class SwapManager:
         reason = self._skip_reason(t)
         if reason is None:
             return ex.pack(t)
+        ex.observe(t)
         if ex.mode == PROFILE:
             self._note_skip(t, reason)
         return passthrough(t)

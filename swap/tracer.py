@@ -114,6 +114,8 @@ class ModulePaths:
         return ".".join(p for p in parts if p)
 
     def _name(self, parent: torch.nn.Module, child: torch.nn.Module) -> str:
+        if getattr(parent, "_orig_mod", None) is child:
+            return ""  # torch.compile's wrapper (OptimizedModule) is transparent: "layers.0", not "layers.0._orig_mod"
         key = (id(parent), id(child))
         name = self._names.get(key)
         if name is None:

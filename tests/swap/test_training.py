@@ -4,7 +4,7 @@ than the budget (measured by an independent LiveBytesMeter)."""
 import functools
 
 import pytest
-from training import KiB, assert_bitwise_equal, run
+from training import KiB, assert_bitwise_equal, assert_within, run
 
 import swap
 
@@ -40,7 +40,7 @@ def test_bitwise_equal_gradients_under_the_budget(name, policy):
     )  # fmt: skip
     assert_bitwise_equal(ref, got)
     report = got["manager"].report()
-    assert meter.peak <= budget, f"independent peak {meter.peak} > budget {budget} (no-swap {no_swap_peak})"
+    assert_within(got["peaks"], budget)  # every iteration, the two profiling ones included
     assert report["peak_device_bytes"] <= budget
     assert report["swapped_out_bytes"] > 0 and report["iterations"] == 4
     assert report["replans"] == 0 and not report["declined"]
