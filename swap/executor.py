@@ -38,6 +38,10 @@ A step's measured peak is the highest memory from its access to the next one. Th
 the access's releases, not before them: the memory they free belonged to the step before (it was counted
 there), and counting it again would inflate the step, its plan, and ``min_budget``.
 
+Note [Host block reuse]
+Every iteration saves variables of the same sizes again. A dead variable's host block is kept by size and
+handed to the next variable of that size, so the steady state never searches the host pool's free lists.
+
 Note [Learning from an overrun]
 Planned iterations measure every step. A step that exceeds the budget is warned about at once
 (``BudgetWarning``), and at the next iteration's start the plan is remade with the measured memory for
@@ -192,6 +196,7 @@ class Executor:
         self._learned: set[int] = set()
         self._to_learn: dict[int, int] = {}  # step -> measured nonswap, in this planned iteration
         self._dying: list[Variable] = []  # dead variables whose copies were still in flight
+        self._spare_host: dict[int, list[Any]] = {}  # bytes -> host blocks of dead variables, for reuse
         self._kept: dict[int, Any] = {}  # profiling: saved tensors kept on the device (min_bytes, exclude)
         self._kept_bytes = 0
         self._backward_done = True  # so the first saved tensor starts iteration 1
@@ -475,7 +480,7 @@ class Executor:
             self._dying.append(var)  # a copy still reads or writes its memory: released at the next step
         else:
             var.dev = None
-            var.free_host()
+            self._recycle_host(var)
 
     def _process_dying(self) -> None:
         while self._dying:
@@ -485,7 +490,7 @@ class Executor:
                     self.engine.wait_host(ticket)
             var.d2h = var.h2d = None
             var.dev = None
-            var.free_host()
+            self._recycle_host(var)
 
     # -- steps ------------------------------------------------------------------------------------------
     def _step(self, var: Variable, kind: str, storage: Optional[torch.UntypedStorage]) -> None:
@@ -652,9 +657,28 @@ class Executor:
     def _log(self, i: int, action: str, var: Variable) -> None:
         self.actions.append((i, action, var.id))
 
+    def _recycle_host(self, var: Variable) -> None:
+        """A dead variable's host block goes to the next iteration's variable of that size (Note [Host block
+        reuse]); after close, to the pool."""
+        if var.host is None:
+            return
+        if self.closed:
+            var.free_host()
+            return
+        block = var.take_host()
+        with self._acct:
+            self._spare_host.setdefault(block.nbytes, []).append(block)
+
+    def _host_block(self, nbytes: int) -> Any:
+        with self._acct:
+            spare = self._spare_host.get(nbytes)
+            if spare:
+                return spare.pop()
+        return self.pool.alloc(nbytes)
+
     def _swap_out(self, var: Variable, i: Optional[int]) -> None:
         if var.host is None and var.dev is not None and var.alive:
-            var.set_host(self.pool.alloc(var.nbytes), self.pool.free)
+            var.set_host(self._host_block(var.nbytes), self.pool.free)
             var.d2h = self.engine.d2h(var.host.view, var.dev)
             self.counters.swapped_out_bytes += var.nbytes
         if i is not None:
@@ -727,7 +751,9 @@ class Executor:
             return var.dev
         original = var.original()
         if original is not None and var.unchanged():
-            return torch.empty(0, dtype=torch.uint8, device=self.device).set_(original)
+            var.attach(original)
+            flat, var.dev = var.dev, None  # not held: autograd's view keeps it for the node that asked
+            return flat
         if var.d2h is not None and not self.closed:
             self.engine.wait_host(var.d2h)
             var.d2h = None
@@ -773,6 +799,10 @@ class Executor:
             finally:
                 self.held_vars, self.prefetched, self._last_node = [], None, None
                 self.closed = True
+                for blocks in self._spare_host.values():
+                    for block in blocks:
+                        self.pool.free(block)
+                self._spare_host = {}
                 # Our references go; autograd's handles keep what a late unpack may still need.
                 self.vars, self.by_storage = [], {}
 

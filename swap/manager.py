@@ -189,6 +189,7 @@ class SwapManager:
         self._final: Optional[dict[str, Any]] = None
         self._skipped: dict[str, list[int]] = {}  # profiling: why saved tensors stayed -> [count, bytes]
         self._other_devices: set[str] = set()
+        self._cpu = self.device == torch.device("cpu")  # the device check on the hot path
 
     def _default_budget(self) -> int:
         if self.arena is not None:
@@ -292,19 +293,18 @@ class SwapManager:
 
     # -- hooks ------------------------------------------------------------------------------------------
     def _skip_reason(self, t: torch.Tensor) -> Optional[str]:
-        if t.device != self.device:
+        """Why a saved tensor stays where it is (None: the executor takes it). Cheapest checks first."""
+        if not t.is_cpu if self._cpu else t.device != self.device:
             return "device"
+        n = t.untyped_storage().nbytes()
+        if n < self.min_bytes or n == 0:
+            return "min_bytes" if n else "other"
         if is_parameter_like(t):
             return "parameter"
         if type(t) is not torch.Tensor or t.layout != torch.strided:
             return "other"
-        if t.numel() > 1 and 0 in t.stride():
+        if 0 in t.stride() and t.numel() > 1:
             return "expanded"  # copying it back could not restore the aliasing
-        n = t.untyped_storage().nbytes()
-        if n == 0:
-            return "other"
-        if n < self.min_bytes:
-            return "min_bytes"
         if self.exclude and self.exclude(t):
             return "exclude"
         return None

@@ -64,20 +64,21 @@ class LiveBytesMeter(TorchDispatchMode):
         return True  # Note [Meter and torch.compile]
 
     def _add(self, t: Any) -> None:
-        if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
+        """Counts ``t``'s storage if it is on the device and not counted yet (the hot path: every output)."""
+        if self._index is None:
+            if t.device.type != self._type:
+                return
+        elif t.device != self.device:
             return
-        dev = t.device
-        if dev.type != self._type or (self._index is not None and dev != self.device) or t.layout != torch.strided:
-            return
-        if isinstance(t, FakeTensor) or t.is_meta:
+        if t.layout != torch.strided or t.is_meta or isinstance(t, FakeTensor):
             return
         st = t.untyped_storage()
         key = id(st)
+        ref = self._seen.get(key)
+        if ref is not None and ref() is st:  # already counted (a view, an in-place result): no lock needed
+            return
+        nbytes = st.nbytes()
         with self._lock:
-            ref = self._seen.get(key)
-            if ref is not None and ref() is st:
-                return
-            nbytes = st.nbytes()
             ref = weakref.ref(st, self._died)
             self._seen[key] = ref
             self._sizes[ref] = (key, nbytes)
@@ -113,7 +114,8 @@ class LiveBytesMeter(TorchDispatchMode):
 
     def track(self, tensors: Iterable[torch.Tensor]) -> LiveBytesMeter:
         for t in tensors:
-            self._add(t)
+            if isinstance(t, torch.Tensor):
+                self._add(t)
         return self
 
     def track_existing(self) -> LiveBytesMeter:
@@ -156,8 +158,8 @@ class LiveBytesMeter(TorchDispatchMode):
             return p
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
-        out = func(*args, **(kwargs or {}))
-        if type(out) is torch.Tensor:
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        if isinstance(out, torch.Tensor):
             self._add(out)
         elif isinstance(out, (tuple, list)):
             for t in out:
@@ -165,7 +167,6 @@ class LiveBytesMeter(TorchDispatchMode):
                     self._add(t)
                 elif isinstance(t, (tuple, list)):
                     for u in t:
-                        self._add(u)
-        elif isinstance(out, torch.Tensor):
-            self._add(out)
+                        if isinstance(u, torch.Tensor):
+                            self._add(u)
         return out

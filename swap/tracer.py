@@ -19,6 +19,9 @@ import torch
 from .host_pool import HostBlock
 
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
+# Note [Views outside the meter]: making a view allocates nothing, and its storage is already counted, so
+# the hooks make views with Python dispatch off: a dispatch mode (the CPU meter) would cost ~20 us per view.
+_no_dispatch = torch._C._DisableTorchDispatch
 _AOT_DIR = os.path.join("torch", "_functorch", "_aot_autograd") + os.sep  # compiled regions' runtime
 
 
@@ -42,7 +45,10 @@ def passthrough(t: torch.Tensor) -> torch.Tensor:
     hook's result, a reference cycle through C++ that Python's collector cannot see, so a graph dropped
     without backward (an evaluation forward with grad enabled) would never be freed. ``detach()`` shares
     the storage and the version counter, and holds no grad_fn."""
-    return t if t.grad_fn is None else t.detach()
+    if t.grad_fn is None:
+        return t
+    with _no_dispatch():
+        return t.detach()
 
 
 class Exclusions:
@@ -165,7 +171,8 @@ class Variable:
         self._finalizer: Optional[weakref.finalize] = None
 
     def attach(self, storage: torch.UntypedStorage) -> None:
-        self.dev = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+        with _no_dispatch():  # Note [Views outside the meter]
+            self.dev = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
         self.dev_is_copy = False
 
     def original(self) -> Optional[torch.UntypedStorage]:
@@ -214,6 +221,14 @@ class Variable:
             self._finalizer = None
         self.host = None
 
+    def take_host(self) -> Optional[HostBlock]:
+        """Hands the host block over (to be reused for another variable) instead of freeing it."""
+        block, self.host = self.host, None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        return block
+
 
 def _notify(ref: weakref.ref, event: str, *args: Any) -> None:
     var = ref()
@@ -245,6 +260,7 @@ class Packed:
 
     def view_on(self, flat: torch.Tensor) -> torch.Tensor:
         """This saved tensor as a view of the device storage behind ``flat``."""
-        return torch.empty(0, dtype=self.dtype, device=flat.device).set_(
-            flat.untyped_storage(), self.offset, self.size, self.stride
-        )
+        with _no_dispatch():  # Note [Views outside the meter]
+            return torch.empty(0, dtype=self.dtype, device=flat.device).set_(
+                flat.untyped_storage(), self.offset, self.size, self.stride
+            )
