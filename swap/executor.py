@@ -74,6 +74,9 @@ log = logging.getLogger("swap")
 PROFILE, PLANNED, FALLBACK, DECLINED = "profile", "planned", "fallback", "declined"
 
 
+_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)  # the backward node running now
+
+
 class WholeModelCompiled(RuntimeError):
     """Saved tensors come from a torch.compile'd region that is the whole model (or the whole step).
 
@@ -220,7 +223,6 @@ class Executor:
         self._on_device_bytes = 0
         self.actions = []
         self._matching = True  # profiling: so far this iteration repeats the previous profile
-        self._next_access: list[int] = self.sequence.next_access() if self.sequence is not None else []
 
     def _begin_iteration(self, t: torch.Tensor) -> None:
         """The first saved tensor after a backward: judge the iteration that ended, start the next."""
@@ -245,8 +247,6 @@ class Executor:
             self.mode, self.profiles_left, self._previous = PROFILE, 1, None
         if self.mode == PROFILE:
             self.recorder = Recorder(first_live, t.untyped_storage().nbytes())
-        elif self.mode == PLANNED:
-            self._next_access = self.sequence.next_access()
 
     def _finish_profile(
         self, rec: Recorder, old_vars: list[Variable], shadow: Optional[int], first_live: int, peak: int
@@ -311,7 +311,6 @@ class Executor:
             self.mode, self.profiles_left, self._previous = PROFILE, 1, None
             raise
         self.sequence = seq
-        self._next_access = seq.next_access()
 
     def _backward_end(self) -> None:
         """Autograd finished a backward pass (engine callback)."""
@@ -522,7 +521,7 @@ class Executor:
 
     def _node_group(self, kind: str) -> int:
         """Profiling: consecutive uses by one backward node share a group (the node holds what it unpacked)."""
-        node = torch._C._current_autograd_node() if kind == USE else None
+        node = _current_node() if kind == USE else None
         if node is None:
             self._last_node = None
             return -1
