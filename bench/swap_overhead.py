@@ -16,7 +16,8 @@ model afresh and times training iterations (forward, backward, SGD step) under:
 Timed iterations are the ones after the manager has planned (or declined). The hooks' own cost is timed
 inside them: per pack/unpack call, on the meter path (the CPU runtime as shipped) and with the meter
 replaced by a memory source that measures nothing (what the hooks cost by themselves; a GPU run reads the
-allocator instead of a meter). The figures are min and median over the rounds.
+allocator instead of a meter). A round's figure is its fastest timed iteration; the tables give the min and
+the median of those over the rounds.
 
 Note [CPU time, not wall time]
 This project's machine is shared (2 cores, several builds and test runs at once), so wall times swing by
@@ -184,7 +185,9 @@ def smallest_budget(build: Callable) -> int:
 
 
 def record(runs: dict[str, list[tuple[float, float]]], key: str, times: Timed) -> None:
-    runs.setdefault(key, []).append((statistics.mean(times), statistics.mean(times.wall)))
+    """A round's figure: its fastest timed iteration (a neighbour's burst on the shared machine only ever adds
+    time), and the median wall time."""
+    runs.setdefault(key, []).append((min(times), statistics.median(times.wall)))
 
 
 def manager_runs(lib: Any, build: Callable, budget: int, warmup: int, timed: int,
@@ -289,7 +292,8 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
         "",
         f"`python -m bench.swap_overhead` on {meta['machine']}, torch {meta['torch']}, {meta['threads']} "
         f"compute thread(s); {meta['rounds']} rounds, {meta['timed']} timed iterations each (after the "
-        "manager planned or declined). CPU milliseconds of the process per iteration (forward, backward, SGD "
+        "manager planned or declined; a round counts its fastest). CPU milliseconds of the process per "
+        "iteration (forward, backward, SGD "
         "step; the copy threads included), ratios against `plain`, and the wall-clock median (the machine is "
         "shared: see the Note in bench/swap_overhead.py). Hooks: CPU µs of the calling thread per call. "
         "Planned runs use a budget a third of the way from `min_budget` to the unswapped peak.",
@@ -336,7 +340,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--before-label", default="the earlier version")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rounds, warmup, timed = (1, 3, 2) if args.quick else (args.rounds, 3, 3)
+    rounds, warmup, timed = (1, 3, 2) if args.quick else (args.rounds, 3, 5)
     other = load_version(args.before) if args.before else None
     results = {name: measure(name, build, rounds, warmup, timed, other) for name, build in MODELS.items()}
     meta = {"machine": f"{platform.machine()} {platform.processor() or ''} ({torch.get_num_threads()} threads)".strip(),

@@ -86,6 +86,7 @@ class InfeasibleBudget(ValueError):
         failing_steps: int = 1,
         lever: str = "batch",
         advice: str = "",
+        note: str = "",
     ) -> None:
         self.step, self.needed, self.min_budget, self.budget = step, needed, needed, budget
         self.excess = needed - budget
@@ -118,6 +119,8 @@ class InfeasibleBudget(ValueError):
                 f" pass, {fmt_bytes(self.working_set)} working set of the operation"
             )  # fmt: skip
         parts.append(self.advice)
+        if note:
+            parts.append(note)
         parts.append(f"The smallest budget this run can be planned for is min_budget={needed}.")
         super().__init__(". ".join(p.rstrip(".") for p in parts) + "")
 
@@ -182,8 +185,9 @@ def _held_bytes(seq: Sequence) -> list[int]:
     return out
 
 
-def diagnose(seq: Sequence, budget: int) -> Optional[InfeasibleBudget]:
-    """The error for ``seq`` at ``budget``, with the largest failing step's breakdown; None if it fits."""
+def diagnose(seq: Sequence, budget: int, note: str = "") -> Optional[InfeasibleBudget]:
+    """The error for ``seq`` at ``budget``, with the largest failing step's breakdown; None if it fits.
+    ``note`` is added to the message."""
     floors = step_floors(seq)
     if not floors or max(floors) <= budget:
         return None
@@ -224,5 +228,5 @@ def diagnose(seq: Sequence, budget: int) -> Optional[InfeasibleBudget]:
     return InfeasibleBudget(
         i, need, budget, phase=phase, module=module, not_swappable=not_swappable, kept_by_min_bytes=kept,
         held_by_forward=held, working_set=working, failing_steps=sum(f > budget for f in floors), lever=lever,
-        advice=advice,
+        advice=advice, note=note,
     )  # fmt: skip

@@ -223,11 +223,13 @@ class SwapManager:
             return None
         if not p.final:
             if diagnose(seq, self.budget) is not None:  # Note [Two profiling iterations]: certain already
-                grown = seq
+                grown, note = seq, "Measured in the first iteration"
                 if p.growth:
-                    grown = replace(seq, nonswap=[b + p.growth for b in seq.nonswap[:-1]] + seq.nonswap[-1:])
-                error = diagnose(grown, self.budget)
-                raise error
+                    grown = replace(seq, nonswap=[b + p.growth for b in seq.nonswap[:-1]] + seq.nonswap[-1:],
+                                    base=seq.base + p.growth)
+                    note += (f", plus the {fmt_bytes(p.growth)} live from the second on (optimizer state, "
+                             "gradients): every step needs it too")  # fmt: skip
+                raise diagnose(grown, self.budget, note)
             return None
         error = diagnose(seq, self.budget)
         if error is not None:
