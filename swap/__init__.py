@@ -14,6 +14,8 @@ The scheduler (``make_schedule``) and the simulator (``simulate``) are pure func
 
 from __future__ import annotations
 
+from .budget import BudgetWarning
+from .executor import WholeModelCompiled
 from .manager import SwapManager
 from .meter import LiveBytesMeter
 from .planning import Plan, plan  # Note [swap.plan is a function]
@@ -25,6 +27,7 @@ from .simulator import SimResult, choose_window, simulate
 
 __all__ = [
     "POLICIES",
+    "BudgetWarning",
     "InfeasibleBudget",
     "LiveBytesMeter",
     "Plan",
@@ -33,6 +36,7 @@ __all__ = [
     "SimResult",
     "SwapManager",
     "SwapReport",
+    "WholeModelCompiled",
     "choose_window",
     "make_schedule",
     "plan",

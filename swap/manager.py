@@ -9,45 +9,92 @@
 
 The first two iterations profile (conservatively, within the budget); later ones follow the optimized
 schedule. If the run fits the budget without swapping, the manager declines after profiling and says so.
+A budget no schedule can meet raises ``InfeasibleBudget`` as soon as a profiled iteration shows it; when the
+manager can do nothing for the budget (nothing it may move, a device it never sees) it warns once with
+``BudgetWarning``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+import threading
+import warnings
+from dataclasses import replace
 from typing import Any, Optional, Union
 
 import torch
 
+from .budget import BudgetWarning, InfeasibleBudget, diagnose, fmt_bytes, min_budget
 from .engines import CudaEngine, HostEngine
-from .executor import DECLINED, Counters, Executor
+from .executor import DECLINED, PLANNED, PROFILE, Counters, Executor, Profiled
 from .host_pool import HostPool
 from .memory import ArenaMemory, DeviceMemory, MeterMemory, TorchCudaMemory, vmalloc_arena
 from .report import SwapReport
 from .scheduler import POLICIES, Schedule, plan, validate
 from .sequence import Sequence
 from .simulator import choose_window
-from .tracer import Exclusions, is_parameter_like
+from .tracer import Exclusions, is_parameter_like, passthrough
 
 log = logging.getLogger("swap")
 Size = Union[int, str, None]
 
 DEFAULT_BANDWIDTH = 10e9  # bytes/s, until copies have been measured
+SIZE_FORMS = "a number of bytes or a size string such as '12GiB', '512MiB', '1.5GiB'"
+
+_active_lock = threading.Lock()
+_active: list[SwapManager] = []  # entered and not exited, process-wide
 
 
-def parse_size(value: Size, what: str) -> Optional[int]:
+def parse_size(value: Size, what: str, *, minimum: int = 0, none: str = "") -> Optional[int]:
+    """An int or a size string as bytes (None stays None). ``none`` says what None means, for messages."""
+    forms = SIZE_FORMS + (f", or None ({none})" if none else "")
     if value is None:
-        return None
+        if none:
+            return None
+        raise TypeError(f"{what} must be {forms}, not None")
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"{what} must be an int or a string such as '12GiB', not {type(value).__name__}")
+        raise TypeError(f"{what} must be {forms}, not {value!r} ({type(value).__name__})")
     if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{what} must not be negative (got {value})")
-        return value
-    from vmalloc import parse_size as vparse
+        n = value
+    else:
+        from vmalloc import parse_size as vparse
 
-    return vparse(value)
+        try:
+            n = vparse(value)
+        except ValueError:
+            raise ValueError(f"{what} must be {forms}, not {value!r} (invalid size)") from None
+    if n < 0:
+        raise ValueError(f"{what} must not be negative (got {value!r})")
+    if n < minimum:
+        raise ValueError(f"{what} must be at least {minimum} byte{'s' if minimum != 1 else ''} (got {value!r})"
+                         + (f"; None means {none}" if none else ""))  # fmt: skip
+    return n
+
+
+def _steps(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int number of steps (>= 1), not {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{what} must be at least 1 step (got {value})")
+    return value
+
+
+def _device(device: Any) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    forms = "'cpu', 'cuda', 'cuda:N', an int or a torch.device"
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device must be {forms}, not {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device must be {forms}, not {device!r}") from None
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be a CUDA device or 'cpu', not {dev}")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def _available_host_memory() -> int:
@@ -74,9 +121,15 @@ class SwapManager:
         min_bytes: saved storages smaller than this stay on the device.
         device: the compute device; None: the current CUDA device if CUDA is available, else "cpu".
         host_pool_limit: cap on host memory for swapped variables; None: no cap.
-        exclude: tensors or modules (their parameters and buffers) that stay put, or predicates(tensor)->bool.
+        exclude: a tensor, a module (its parameters and buffers), a predicate(tensor) -> bool, or a list of
+            them: saved tensors they match stay put.
         arena: a ``vmalloc.Arena`` whose OOM handler the manager becomes (found automatically when vmalloc is
             the global CUDA allocator).
+
+    Raises ``InfeasibleBudget`` (at the first saved tensor of the iteration after the one that showed it)
+    when no schedule can keep the budget; warns once with ``BudgetWarning`` per cause when it cannot help
+    keep it. One manager may be active at a time: autograd applies only the innermost saved-tensor hooks,
+    so a nested manager would silently take over from the outer one, and entering one is refused.
     """
 
     def __init__(
@@ -87,47 +140,56 @@ class SwapManager:
         min_bytes: Size = "1MiB",
         device: Any = None,
         host_pool_limit: Size = None,
-        exclude: Iterable[Any] = (),
+        exclude: Any = (),
         *,
         swapout_threshold: int = 2,
         swapin_ahead: int = 1,
         arena: Any = None,
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        if not isinstance(policy, str) or policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(repr(p) for p in POLICIES)}")
         self.policy = policy
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        if self.device.type not in ("cuda", "cpu"):
-            raise ValueError(f"device must be a CUDA device or 'cpu', not {self.device}")
+        self.device = _device(device)
+        if arena is not None and not (hasattr(arena, "set_oom_handler") and hasattr(arena, "capacity")):
+            raise TypeError(
+                f"arena must be a vmalloc.Arena (or None: found automatically when vmalloc is the CUDA "
+                f"allocator), not {arena!r} ({type(arena).__name__})"
+            )
         self.arena = arena if arena is not None else vmalloc_arena(self.device)
-        self.budget = parse_size(budget, "budget")
+        self.budget = parse_size(budget, "budget", minimum=1, none="vmalloc's capacity, or free memory less 10%")
         if self.budget is None:
             self.budget = self._default_budget()
         if self.budget <= 0:
             raise ValueError(f"the budget must be positive, not {self.budget}")
-        if window == "auto":
+        if isinstance(window, str) and window.strip().lower() == "auto":
             self.window: Optional[int] = None
         else:
-            self.window = parse_size(window, "window")
-            if isinstance(window, str) and not any(c.isdigit() for c in window):
-                raise ValueError(f"window must be 'auto' or a size in bytes, not {window!r}")
+            try:
+                self.window = parse_size(window, "window", minimum=1)
+            except (TypeError, ValueError) as e:
+                message = str(e)
+                if "window must be a number" in message:
+                    message = message.replace("window must be ", "window must be 'auto' or ", 1)
+                else:
+                    message += "; or pass window='auto'"
+                raise type(e)(message) from None
         validate(self.budget, self.window, policy)
-        self.min_bytes = parse_size(min_bytes, "min_bytes") or 0
-        self.host_pool_limit = parse_size(host_pool_limit, "host_pool_limit")
+        self.min_bytes = parse_size(min_bytes, "min_bytes", none="0: every saved tensor may move") or 0
+        self.host_pool_limit = parse_size(host_pool_limit, "host_pool_limit", minimum=1, none="no limit")
         self.exclude = Exclusions(exclude)
-        if swapout_threshold < 1 or swapin_ahead < 1:
-            raise ValueError("swapout_threshold and swapin_ahead must be at least 1 step")
-        self.swapout_threshold, self.swapin_ahead = swapout_threshold, swapin_ahead
+        self.swapout_threshold = _steps(swapout_threshold, "swapout_threshold")
+        self.swapin_ahead = _steps(swapin_ahead, "swapin_ahead")
         self.executor: Optional[Executor] = None
         self.memory: Optional[DeviceMemory] = None
         self._hooks: Any = None
         self._notes: list[str] = []
+        self._warned: set[Any] = set()
         self._window_used: Optional[int] = self.window
         self._active = False
+        self._final: Optional[dict[str, Any]] = None
+        self._skipped: dict[str, list[int]] = {}  # profiling: why saved tensors stayed -> [count, bytes]
+        self._other_devices: set[str] = set()
+        self._cpu = self.device == torch.device("cpu")  # the device check on the hot path
 
     def _default_budget(self) -> int:
         if self.arena is not None:
@@ -137,17 +199,49 @@ class SwapManager:
             return int(free - total // 10)
         return int(_available_host_memory() * 0.9)
 
+    # -- signals ----------------------------------------------------------------------------------------
+    def _warn(self, cause: Any, message: str) -> None:
+        """A ``BudgetWarning``, once per cause; also kept in the report's notes."""
+        if cause in self._warned:
+            return
+        self._warned.add(cause)
+        self._notes.append(message)
+        warnings.warn(f"swap: {message}", BudgetWarning, stacklevel=3)
+
+    def _note(self, message: str) -> None:
+        log.info("swap: %s", message)
+        if message not in self._notes:
+            self._notes.append(message)
+
     # -- planning ---------------------------------------------------------------------------------------
-    def _plan(self, seq: Sequence) -> Optional[Schedule]:
-        no_swap = seq.no_swap_peak()
-        if no_swap <= self.budget:
-            note = (
-                f"the run fits the budget without swapping (peak {no_swap / 2**20:.1f} MiB <= "
-                f"{self.budget / 2**20:.1f} MiB): not swapping"
-            )
-            log.info("swap: %s", note)
-            self._notes.append(note)
+    def _profiled(self, p: Profiled) -> Optional[Schedule]:
+        """A profiling iteration ended: raise if no plan can fit, warn if the manager cannot help, and (after
+        the last one) decline or plan."""
+        seq = p.sequence
+        self._nothing_to_do(seq, p)
+        if seq is None:
             return None
+        if not p.final:
+            if diagnose(seq, self.budget) is not None:  # Note [Two profiling iterations]: certain already
+                grown, note = seq, "Measured in the first iteration"
+                if p.growth:
+                    grown = replace(seq, nonswap=[b + p.growth for b in seq.nonswap[:-1]] + seq.nonswap[-1:],
+                                    base=seq.base + p.growth)
+                    note += (f", plus the {fmt_bytes(p.growth)} live from the second on (optimizer state, "
+                             "gradients): every step needs it too")  # fmt: skip
+                raise diagnose(grown, self.budget, note)
+            return None
+        error = diagnose(seq, self.budget)
+        if error is not None:
+            raise error
+        need = p.unswapped_peak if p.unswapped_peak is not None else seq.no_swap_peak()
+        if need <= self.budget and self.executor.allow_decline:
+            self._note(f"the run fits the budget without swapping (peak {fmt_bytes(need)} <= "
+                       f"{fmt_bytes(self.budget)}): not swapping")  # fmt: skip
+            return None
+        return self._schedule(seq, need)
+
+    def _schedule(self, seq: Sequence, no_swap: Optional[int] = None) -> Schedule:
         engine = self.executor.engine
         h2d = engine.h2d_bw.rate(DEFAULT_BANDWIDTH)
         d2h = engine.d2h_bw.rate(DEFAULT_BANDWIDTH)
@@ -160,6 +254,7 @@ class SwapManager:
                 swapout_threshold=self.swapout_threshold, swapin_ahead=self.swapin_ahead,
             )  # fmt: skip
         self._window_used = window
+        no_swap = seq.no_swap_peak() if no_swap is None else no_swap
         log.info(
             "swap: planned %d steps, %d variables: peak %.1f MiB of budget %.1f MiB (%.1f MiB without swapping)%s",
             len(seq), len(seq.sizes), schedule.peak / 2**20, self.budget / 2**20, no_swap / 2**20,
@@ -167,22 +262,76 @@ class SwapManager:
         )  # fmt: skip
         return schedule
 
+    def _nothing_to_do(self, seq: Optional[Sequence], p: Profiled) -> None:
+        """BudgetWarning when the manager cannot move what the budget needs moved, naming the cause."""
+        skipped = {k: v for k, v in self._skipped.items() if v[1] > 0}
+        movable = 0 if seq is None else sum(b for b, s in zip(seq.sizes, seq.swappable) if s)
+        over = p.peak > self.budget or (p.unswapped_peak or 0) > self.budget
+        if self._other_devices and (seq is None or not seq.sizes):
+            self._warn("device", (
+                f"saved tensors were on {', '.join(sorted(self._other_devices))}, none on the manager's device "
+                f"{self.device}: nothing is managed and the budget is not enforced; pass "
+                f"device={sorted(self._other_devices)[0]!r}"
+            ))  # fmt: skip
+            return
+        if movable > 0 or not over:
+            return
+        reasons = {
+            "min_bytes": f"smaller than min_bytes={self.min_bytes} (lower min_bytes)",
+            "exclude": "matched by exclude= (exclude less)",
+            "parameter": "parameters or views of them (they are not activations)",
+            "expanded": "expanded (stride-0) views",
+        }
+        causes = [f"{n} saved tensor(s), {fmt_bytes(b)}, {reasons[k]}" for k, (n, b) in skipped.items()]
+        if seq is not None and seq.sizes:
+            causes.append(f"{len(seq.sizes)} saved storage(s), {fmt_bytes(sum(seq.sizes))}, stay alive elsewhere "
+                          "(referenced outside autograd, so moving them frees nothing)")  # fmt: skip
+        cause = next((k for k in ("min_bytes", "exclude") if k in skipped), "nothing")
+        self._warn(cause, (
+            f"nothing can be swapped, and the run reaches {fmt_bytes(max(p.peak, p.unswapped_peak or 0))}, over the "
+            f"budget of {fmt_bytes(self.budget)}: " + ("; ".join(causes) if causes else "no tensor was saved for "
+                                                        "backward inside the manager")
+        ))  # fmt: skip
+
     # -- hooks ------------------------------------------------------------------------------------------
-    def _eligible(self, t: torch.Tensor) -> bool:
-        if type(t) is not torch.Tensor or t.layout != torch.strided or t.device != self.device:
-            return False
+    def _skip_reason(self, t: torch.Tensor) -> Optional[str]:
+        """Why a saved tensor stays where it is (None: the executor takes it). Cheapest checks first."""
+        if not t.is_cpu if self._cpu else t.device != self.device:
+            return "device"
+        n = t.untyped_storage().nbytes()
+        if n < self.min_bytes or n == 0:
+            return "min_bytes" if n else "other"
         if is_parameter_like(t):
-            return False
-        if t.numel() > 1 and 0 in t.stride():
-            return False  # an expanded view: copying it back could not restore the aliasing
-        if t.untyped_storage().nbytes() < self.min_bytes:
-            return False
-        return not self.exclude(t)
+            return "parameter"
+        if type(t) is not torch.Tensor or t.layout != torch.strided:
+            return "other"
+        if 0 in t.stride() and t.numel() > 1:
+            return "expanded"  # copying it back could not restore the aliasing
+        if self.exclude and self.exclude(t):
+            return "exclude"
+        return None
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if not self._eligible(t):
-            return t
-        return self.executor.pack(t)
+        ex = self.executor
+        if ex.mode == DECLINED:
+            return ex.pack(t)
+        reason = self._skip_reason(t)
+        if reason is None:
+            return ex.pack(t)
+        ex.observe(t)
+        if ex.mode == PROFILE:
+            self._note_skip(t, reason)
+        return passthrough(t)
+
+    def _note_skip(self, t: torch.Tensor, reason: str) -> None:
+        if reason == "device":
+            self._other_devices.add(str(t.device))
+            return
+        if reason in ("min_bytes", "exclude"):
+            self.executor.note_kept(t)
+        entry = self._skipped.setdefault(reason, [0, 0])
+        entry[0] += 1
+        entry[1] += t.untyped_storage().nbytes()
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         return self.executor.unpack(packed)
@@ -191,32 +340,56 @@ class SwapManager:
     def __enter__(self) -> SwapManager:
         if self._active:
             raise RuntimeError("this SwapManager is already active")
+        with _active_lock:
+            if _active:
+                raise RuntimeError(
+                    "a SwapManager is already active: nested managers are not supported (autograd applies only "
+                    "the innermost saved-tensor hooks, so the inner one would take over every saved tensor and "
+                    "the outer one would see none). Use one manager around the training loop."
+                )
+            _active.append(self)
         self._active = True
         if self.policy == "none":
-            note = "policy='none': not swapping"
-            log.info("swap: %s", note)
-            self._notes.append(note)
+            self._note("policy='none': not swapping")
             return self
-        cuda = self.device.type == "cuda"
-        if cuda:
-            memory: DeviceMemory = ArenaMemory(self.arena) if self.arena is not None else TorchCudaMemory(self.device)
-            engine: Any = CudaEngine(self.device)
-        else:
-            memory = MeterMemory(self.device)
-            engine = HostEngine()
-        self.memory = memory
-        pool = HostPool(pinned=cuda, limit=self.host_pool_limit)
-        self.executor = Executor(self.device, engine, pool, memory, self._plan, self.budget)
-        if self.arena is not None:
-            self.arena.set_oom_handler(self.executor.evict)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
+        try:
+            cuda = self.device.type == "cuda"
+            if cuda:
+                memory: DeviceMemory = (
+                    ArenaMemory(self.arena) if self.arena is not None else TorchCudaMemory(self.device)
+                )
+                engine: Any = CudaEngine(self.device)
+            else:
+                memory = MeterMemory(self.device)
+                engine = HostEngine()
+            self.memory = memory
+            pool = HostPool(pinned=cuda, limit=self.host_pool_limit)
+            self.executor = Executor(
+                self.device, engine, pool, memory, self._profiled, self.budget,
+                replanner=self._schedule, warn=self._warn,
+            )  # fmt: skip
+            if self.arena is not None:
+                self.arena.set_oom_handler(self.executor.evict)
+            # Note [Hooks and torch.compile]: dynamo must run the hooks, not trace them.
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(
+                torch._dynamo.disable(self._pack), torch._dynamo.disable(self._unpack)
+            )
+            self._hooks.__enter__()
+        except BaseException:
+            self._active = False
+            with _active_lock:
+                _active.remove(self)
+            raise
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         """Removes the hooks, drains the copy lanes and frees the host pool, also after an exception."""
         self._active = False
+        with _active_lock:
+            if self in _active:
+                _active.remove(self)
         if self.executor is None:
+            self._final = self._snapshot()
             return
         try:
             if self._hooks is not None:
@@ -235,41 +408,64 @@ class SwapManager:
             self.memory.close()
 
     # -- results ----------------------------------------------------------------------------------------
+    def _status(self) -> str:
+        ex = self.executor
+        if self.policy == "none":
+            return "declined (policy 'none')"
+        if ex is None or (ex.iteration == 0 and ex.counters.iterations == 0):
+            return "not started"
+        return {PROFILE: "profiling", PLANNED: "planned", DECLINED: "declined"}.get(ex.mode, "re-profiling")
+
     def _snapshot(self) -> dict[str, Any]:
         ex = self.executor
-        if ex is None:  # policy 'none': nothing ran
-            c = Counters()
-            return {"policy": self.policy, "device": str(self.device), **vars(c), "peak_device_bytes": None,
-                    "budget_bytes": self.budget, "window_bytes": self.window, "declined": True}  # fmt: skip
+        base = {
+            "status": self._status(), "policy": self.policy, "device": str(self.device),
+            "budget_bytes": self.budget, "window_bytes": self._window_used,
+        }  # fmt: skip
+        if ex is None:  # not entered yet, or policy 'none': nothing ran
+            c = vars(Counters())
+            return {**base, **c, "peak_device_bytes": None, "declined": self.policy == "none",
+                    "memory_source": None, "peak_measured_inside_ops": None}  # fmt: skip
         c = ex.counters
+        seq = ex.sequence or ex._previous
         return {
-            "policy": self.policy,
-            "device": str(self.device),
+            **base,
             "iterations": c.iterations,
             "swapped_out_bytes": c.swapped_out_bytes,
             "swapped_in_bytes": c.swapped_in_bytes,
             "demand_fetches": c.demand_fetches,
             "stall_seconds": c.stall_seconds,
-            "peak_device_bytes": self.memory.peak,
-            "budget_bytes": self.budget,
-            "window_bytes": self._window_used,
+            "peak_device_bytes": self.memory.peak if c.iterations or ex.iteration else None,
             "replans": c.replans,
+            "overruns": c.overruns,
             "evictions": c.evictions,
             "declined": ex.mode == DECLINED,
             "planned_peak_bytes": ex.schedule.peak if ex.schedule is not None else None,
-            "no_swap_peak_bytes": ex.sequence.no_swap_peak() if ex.sequence is not None else None,
-            "variables_per_iteration": len(ex.sequence.sizes) if ex.sequence is not None else None,
+            "no_swap_peak_bytes": (ex._unswapped_peak if ex._unswapped_peak is not None
+                                   else seq.no_swap_peak() if seq is not None else None),  # fmt: skip
+            "min_budget_bytes": min_budget(seq) if seq is not None else None,
+            "variables_per_iteration": len(seq.sizes) if seq is not None else None,
             "host_pool_bytes": ex.pool.reserved,
             "host_pool_peak_used_bytes": ex.pool.peak_used,
             "memory_source": self.memory.name,
+            "peak_measured_inside_ops": self.memory.sees_inside_ops,
         }
 
     def report(self) -> SwapReport:
         """Counters of the run so far (or of the whole run, after exit); ``print`` it for a table."""
         if self._active and self.memory is not None:
             self.memory.window_peak()
-        data = self._snapshot() if self._active or self.executor is None else dict(self._final)
-        data["notes"] = list(self._notes)
+        data = self._snapshot() if self._active or self._final is None else dict(self._final)
+        notes = list(self._notes)
+        if data["status"] == "not started":
+            notes.insert(0, "not started: no training iteration has run inside the manager yet")
+        if data.get("peak_measured_inside_ops") is False:
+            notes.append(
+                "on CPU the budget is measured as live tensor bytes between operators (swap.LiveBytesMeter): "
+                "memory an operator allocates and frees inside itself is not seen; on a GPU the allocator's "
+                "own peak is measured, which is the truth"
+            )
+        data["notes"] = notes
         return SwapReport(data)
 
     def save_profile(self, path: Any) -> Any:
@@ -277,7 +473,8 @@ class SwapManager:
         bandwidths, for ``python -m bench.swap_schedule --profile FILE`` to simulate every policy on."""
         seq = self.sequence
         if seq is None:
-            raise RuntimeError("nothing profiled yet: run at least two training iterations inside the manager")
+            raise RuntimeError("nothing profiled yet: run at least three training iterations inside the manager "
+                               "(two profile, the third's start plans)")  # fmt: skip
         engine = self.executor.engine
         meta = {
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
@@ -294,4 +491,10 @@ class SwapManager:
 
     @property
     def sequence(self) -> Optional[Sequence]:
-        return self.executor.sequence if self.executor else None
+        ex = self.executor
+        if ex is None:
+            return None
+        return ex.sequence if ex.sequence is not None else ex._previous
+
+
+__all__ = ["SwapManager", "InfeasibleBudget", "BudgetWarning"]

@@ -1,7 +1,9 @@
 """Device memory as the allocator sees it: what the budget is measured against.
 
 ``window_peak()`` returns the highest allocated bytes since the previous call (the profiling iteration
-calls it at every access, to learn each step's peak); ``peak`` is the highest seen overall.
+calls it at every access, to learn each step's peak); ``peak`` is the highest seen overall; ``current()``
+the bytes allocated now. ``sees_inside_ops`` says whether a peak inside one operator is seen (an
+allocator's count) or only live tensors between operators (the CPU meter).
 """
 
 from __future__ import annotations
@@ -15,12 +17,31 @@ from .meter import LiveBytesMeter
 
 class DeviceMemory:
     name = "?"
+    sees_inside_ops = True
 
     def __init__(self) -> None:
         self.peak = 0
 
     def _window_peak(self) -> int:
         raise NotImplementedError
+
+    def current(self) -> int:
+        raise NotImplementedError
+
+    def add_shadow(self, nbytes: int) -> None:
+        """Bytes moved off the device that a run without swapping would hold (see ``shadow_window_peak``)."""
+
+    def shadow_window_peak(self) -> Optional[int]:
+        """The peak since the last call as it would be without swapping, where it can be measured; else None."""
+        return None
+
+    def add_held(self, nbytes: int) -> None:
+        """Bytes freed during a step that a planned run would still hold (see ``held_window_peak``)."""
+
+    def held_window_peak(self) -> Optional[int]:
+        """The peak since the last call with the ``add_held`` bytes counted from when they were added, where
+        it can be measured (call it right after ``window_peak``); else None."""
+        return None
 
     def window_peak(self) -> int:
         p = self._window_peak()
@@ -34,16 +55,33 @@ class DeviceMemory:
 class MeterMemory(DeviceMemory):
     """CPU runs: live tensor bytes on the compute device, counted by a LiveBytesMeter."""
 
-    name = "live tensor bytes (LiveBytesMeter)"
+    name = "live tensor bytes between operators (LiveBytesMeter)"
+    sees_inside_ops = False
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.meter = LiveBytesMeter(device).track_existing()
         self.meter.__enter__()
         self.meter.reset_window()
+        self.meter.reset_shadow_window()
 
     def _window_peak(self) -> int:
         return self.meter.reset_window()
+
+    def current(self) -> int:
+        return self.meter.live
+
+    def add_shadow(self, nbytes: int) -> None:
+        self.meter.add_shadow(nbytes)
+
+    def shadow_window_peak(self) -> Optional[int]:
+        return self.meter.reset_shadow_window()
+
+    def add_held(self, nbytes: int) -> None:
+        self.meter.add_held(nbytes)
+
+    def held_window_peak(self) -> Optional[int]:
+        return self.meter.reset_held_window()
 
     def close(self) -> None:
         self.meter.__exit__(None, None, None)
@@ -62,6 +100,9 @@ class TorchCudaMemory(DeviceMemory):
         torch.cuda.reset_peak_memory_stats(self.device)
         return p
 
+    def current(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
 
 class ArenaMemory(DeviceMemory):
     """vmalloc is the allocator: its allocated bytes (whole chunks) are what the device holds for tensors."""
@@ -77,6 +118,9 @@ class ArenaMemory(DeviceMemory):
         p = self.arena.stats()["allocated_bytes.all.peak"]
         self.arena.reset_peak_stats()
         return p
+
+    def current(self) -> int:
+        return self.arena.stats()["allocated_bytes.all.current"]
 
 
 def vmalloc_arena(device: torch.device) -> Optional[Any]:

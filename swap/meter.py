@@ -4,6 +4,17 @@ A TorchDispatchMode sees every tensor an operator returns; each new storage on t
 its Python object dies (PyTorch keeps one Python object per storage for its whole life, so a weak reference
 to it ends exactly when the memory is freed). Tensors made before the meter started are added with
 ``track`` or ``track_existing``. It is independent of the swap manager: tests use it to check the budget.
+
+Note [What the meter cannot see]
+The meter counts storages an operator *returns*; memory an operator allocates and frees inside itself
+(a convolution's workspace, ``convolution_backward``'s buffers) never reaches Python. Its peak is the
+peak of live tensor bytes *between* operators, a lower bound on the allocator's peak. On a GPU the swap
+runtime reads the allocator's own peak instead, which is the truth.
+
+Note [Meter and torch.compile]
+``ignore_compile_internals`` is True: torch.compile does not fall back to eager because of the meter
+(it would, for any other dispatch mode, silently); the meter is off while compiling and on while the
+compiled code runs, so compiled graphs' outputs and buffers are counted like eager ones.
 """
 
 from __future__ import annotations
@@ -17,52 +28,112 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+try:  # fake tensors are the compiler's, never memory on a device
+    from torch._subclasses.fake_tensor import FakeTensor
+except ImportError:  # pragma: no cover - every supported torch has it
+    FakeTensor = ()  # type: ignore[assignment,misc]
 
 
 class LiveBytesMeter(TorchDispatchMode):
+    """Live tensor bytes on ``device``: ``live`` now, ``peak`` overall, ``window_peak`` since ``reset_window``.
+
+    ``shadow`` is a signed count of bytes the owner asks to add to ``live`` for a second peak,
+    ``shadow_window_peak`` (the swap runtime adds the saved tensors it moved off the device, so that this
+    peak is what the run would have reached without swapping); ``held`` likewise for a third,
+    ``held_window_peak`` (tensors freed during a step that a planned run would still hold)."""
+
     def __init__(self, device: Any = "cpu") -> None:
         super().__init__()
         self.device = torch.device(device)
         self.live = 0
         self.peak = 0
         self.window_peak = 0  # peak since the last reset_window()
-        self._seen: dict[int, weakref.ref] = {}
-        self._lock = threading.RLock()  # a weakref callback (_sub) can run inside _add: GC during it
+        self.shadow = 0
+        self.shadow_window_peak = 0
+        self.held = 0
+        self.held_window_peak = 0
+        self._seen: dict[int, weakref.ref] = {}  # id(storage) -> weak reference (whose callback uncounts it)
+        self._sizes: dict[weakref.ref, tuple[int, int]] = {}  # weak reference -> (id, bytes)
+        # Reentrant: a weakref callback (_died) can run inside _add's critical section when the allocations
+        # there trigger a GC that collects a counted storage (with a plain Lock that deadlocked a Lightning test).
+        self._lock = threading.RLock()
+        self._type = self.device.type
+        self._index = self.device.index
 
-    def _on_device(self, t: torch.Tensor) -> bool:
-        return t.device.type == self.device.type and (self.device.index is None or t.device == self.device)
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # Note [Meter and torch.compile]
 
     def _add(self, t: Any) -> None:
-        if not isinstance(t, torch.Tensor) or not self._on_device(t) or t.layout != torch.strided:
+        """Counts ``t``'s storage if it is on the device and not counted yet (the hot path: every output)."""
+        if self._index is None:
+            if t.device.type != self._type:
+                return
+        elif t.device != self.device:
+            return
+        if t.layout != torch.strided or t.is_meta or isinstance(t, FakeTensor):
             return
         st = t.untyped_storage()
         key = id(st)
+        ref = self._seen.get(key)
+        if ref is not None and ref() is st:  # already counted (a view, an in-place result): no lock needed
+            return
+        nbytes = st.nbytes()
         with self._lock:
-            ref = self._seen.get(key)
-            if ref is not None and ref() is st:
-                return
-            nbytes = st.nbytes()
-            self._seen[key] = weakref.ref(st, lambda _r, k=key, n=nbytes: self._sub(k, n))
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-            self.window_peak = max(self.window_peak, self.live)
+            ref = weakref.ref(st, self._died)
+            self._seen[key] = ref
+            self._sizes[ref] = (key, nbytes)
+            live = self.live = self.live + nbytes
+            if live > self.window_peak:
+                self.window_peak = live
+                if live > self.peak:
+                    self.peak = live
+            if live + self.shadow > self.shadow_window_peak:
+                self.shadow_window_peak = live + self.shadow
+            if live + self.held > self.held_window_peak:
+                self.held_window_peak = live + self.held
 
-    def _sub(self, key: int, nbytes: int) -> None:
+    def _died(self, ref: weakref.ref) -> None:
         with self._lock:
-            self._seen.pop(key, None)
+            key, nbytes = self._sizes.pop(ref, (None, 0))
+            if self._seen.get(key) is ref:
+                del self._seen[key]
             self.live -= nbytes
+
+    def add_shadow(self, nbytes: int) -> None:
+        """Adds (or, negative, removes) bytes counted in ``shadow_window_peak`` but not in ``live``.
+
+        It never raises the shadow peak by itself: the owner adds bytes exactly when a storage it accounts
+        for dies (``live`` drops by as much, in a callback that may run just after this one)."""
+        with self._lock:
+            self.shadow += nbytes
+
+    def add_held(self, nbytes: int) -> None:
+        """Adds bytes counted in ``held_window_peak`` but not in ``live`` (like ``add_shadow``)."""
+        with self._lock:
+            self.held += nbytes
 
     def track(self, tensors: Iterable[torch.Tensor]) -> LiveBytesMeter:
         for t in tensors:
-            self._add(t)
+            if isinstance(t, torch.Tensor):
+                self._add(t)
         return self
 
     def track_existing(self) -> LiveBytesMeter:
-        """Counts every tensor on the device that Python can reach now (parameters, optimizer state, data)."""
+        """Counts every tensor on the device that Python can reach now (parameters, optimizer state, data).
+
+        Tensors the compiler keeps (fake tensors, meta tensors) are not memory on the device and are skipped,
+        and so are objects that cannot be inspected (dead weak proxies)."""
+        tensors = []
         with warnings.catch_warnings():  # isinstance() pokes deprecated module attributes
             warnings.simplefilter("ignore")
-            tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+            for o in gc.get_objects():
+                try:
+                    if isinstance(o, torch.Tensor):
+                        tensors.append(o)
+                except ReferenceError:  # a weakref.proxy whose referent died
+                    continue
         return self.track(tensors)
 
     def reset_peak(self) -> None:
@@ -75,8 +146,29 @@ class LiveBytesMeter(TorchDispatchMode):
             p, self.window_peak = self.window_peak, self.live
             return p
 
+    def reset_held_window(self) -> int:
+        """Returns the held peak since the last call; starts a new window with no held bytes."""
+        with self._lock:
+            p = self.held_window_peak
+            self.held, self.held_window_peak = 0, self.live
+            return p
+
+    def reset_shadow_window(self) -> int:
+        """Returns the shadow peak since the last call and starts a new window."""
+        with self._lock:
+            p, self.shadow_window_peak = self.shadow_window_peak, self.live + self.shadow
+            return p
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            self._add(t)
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        if isinstance(out, torch.Tensor):
+            self._add(out)
+        elif isinstance(out, (tuple, list)):
+            for t in out:
+                if isinstance(t, torch.Tensor):
+                    self._add(t)
+                elif isinstance(t, (tuple, list)):
+                    for u in t:
+                        if isinstance(u, torch.Tensor):
+                            self._add(u)
         return out

@@ -18,7 +18,7 @@ swap-outs are completed oldest first, then resident variables are evicted farthe
 copy is started after their last access, in hindsight: the plan is made offline), and prefetches that still
 do not fit wait. A plan therefore never exceeds the budget; when the step's own working set (the memory
 that is not ours plus the variable it touches) exceeds it, no plan can, and ``InfeasibleBudget`` says which
-step and by how much.
+step and by how much (``swap.budget``: the largest failing step, its module, and what would help).
 """
 
 from __future__ import annotations
@@ -28,28 +28,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .budget import InfeasibleBudget, diagnose, fmt_bytes
 from .sequence import SAVE, Sequence
 
 POLICIES = ("window", "fixed_distance", "all", "none")
 
 
-class InfeasibleBudget(ValueError):
-    """No schedule keeps the device under the budget: one step's own working set exceeds it."""
-
-    def __init__(self, step: int, needed: int, budget: int, detail: str) -> None:
-        self.step, self.needed, self.budget, self.excess = step, needed, budget, needed - budget
-        super().__init__(
-            f"no schedule fits the budget of {_fmt(budget)}: step {step} ({detail}) needs {_fmt(needed)}, "
-            f"{_fmt(needed - budget)} over. Raise the budget, lower the batch size, or checkpoint that part of "
-            "the model."
-        )
-
-
-def _fmt(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
+_fmt = fmt_bytes
 
 
 @dataclass
@@ -116,18 +101,9 @@ def plan(
     validate(budget, window, policy)
     if swapout_threshold < 1 or swapin_ahead < 1:
         raise ValueError("swapout_threshold and swapin_ahead must be at least 1 step")
-    n = len(seq)
-    for i in range(n):
-        v = seq.var[i]
-        need = seq.nonswap[i] + (seq.sizes[v] if seq.swappable[v] else 0)
-        if need > budget:
-            raise InfeasibleBudget(
-                i,
-                need,
-                budget,
-                f"{seq.kind[i]} of variable {v}: {_fmt(seq.nonswap[i])} that is not swappable + the variable's "
-                f"{_fmt(seq.sizes[v])}",
-            )
+    error = diagnose(seq, budget)
+    if error is not None:
+        raise error
     options = {"swapout_threshold": swapout_threshold, "swapin_ahead": swapin_ahead}
     if policy == "none":
         return _plan_none(seq, budget, window or 0, options)
@@ -160,6 +136,7 @@ class _Planner:
         self.threshold, self.ahead = threshold, ahead
         self.n = len(seq)
         self.next = seq.next_access()
+        self.ends = seq.ends()
         n = self.n
         self.swap_out: list[list[int]] = [[] for _ in range(n)]
         self.release: list[list[int]] = [[] for _ in range(n)]
@@ -171,6 +148,7 @@ class _Planner:
         self.pending: OrderedDict[int, int] = OrderedDict()  # reserved swap-outs still resident, oldest first
         self.eager: list[list[int]] = [[] for _ in range(n + 1)]  # releases due at a step (all/fixed)
         self.last_access: dict[int, int] = {}
+        self.pinned: dict[int, int] = {}  # var -> first step its node no longer holds it
         self.wanted: list[tuple[int, int]] = []  # heap of (use step, var) to prefetch
         self.triggers = self._prefetch_triggers()
 
@@ -233,7 +211,11 @@ class _Planner:
         self._drop(v)
 
     def _releasable(self, v: int) -> bool:
-        return self.seq.held_until[v] <= self.i
+        return self.seq.held_until[v] <= self.i and self.pinned.get(v, 0) <= self.i
+
+    def _free_from(self, v: int) -> int:
+        """The first step at which releasing v frees its memory."""
+        return max(self.seq.held_until[v], self.pinned.get(v, 0))
 
     def _make_room(self, need: int, keep: set[int], forced: bool) -> bool:
         """Releases reserved swap-outs oldest first (and, if forced, any resident variable farthest next use
@@ -274,20 +256,20 @@ class _Planner:
                 if v in self.resident and v in self.pending:
                     if self._releasable(v):
                         self._do_release(v)
-                    elif seq.held_until[v] < self.n:
-                        self.eager[seq.held_until[v]].append(v)  # as soon as the forward lets go
+                    elif self._free_from(v) < self.n:
+                        self.eager[self._free_from(v)].append(v)  # as soon as the forward (or node) lets go
             for u in self.triggers[i]:
                 heapq.heappush(self.wanted, (u, seq.var[u]))
             v, size = seq.var[i], seq.sizes[seq.var[i]]
             # The access: its variable must be on the device.
             # Room for it, and for whatever the step's non-swappable memory took since the last step.
             need = size if seq.swappable[v] and v not in self.resident else 0
-            if not self._make_room(need, {v}, forced=True):
+            if not self._make_room(need, {v}, forced=True):  # step_floors rules this out; kept as a guard
                 held = sum(b for u, b in self.resident.items() if u != v and not self._releasable(u))
                 raise InfeasibleBudget(
                     i, seq.nonswap[i] + held + size, self.budget,
-                    f"{seq.kind[i]} of variable {v} ({_fmt(size)}) while the forward pass still holds "
-                    f"{_fmt(held)} of saved tensors, with {_fmt(seq.nonswap[i])} that is not swappable",
+                    f"the forward pass still holds {_fmt(held)} of saved tensors there, with "
+                    f"{_fmt(seq.nonswap[i])} that is not swappable",
                 )  # fmt: skip
             if seq.swappable[v] and v not in self.resident:
                 self._add(v)
@@ -295,12 +277,17 @@ class _Planner:
                     self.swap_in[i].append(v)  # the plan missed it: fetched at the use
             self.pending.pop(v, None)  # accessed now: any reserved swap-out is void
             self.last_access[v] = i
+            if seq.kind[i] != SAVE and seq.node_last[i] > i:
+                self.pinned[v] = seq.node_last[i] + 1  # the node holds it until it has run
             self._prefetch(keep={v})
             self.resident_trace[i] = self.resident_bytes
-            # After the access: does v leave?
-            if self.next[i] >= self.n:
-                dies[i + 1].append(v)
-            elif seq.swappable[v] and self._wants_out(i):
+            # After the access: does v leave? After its last access it is gone at ``ends[v]``; until then
+            # (a graph that outlives its use) it must leave like any other variable.
+            last = self.next[i] >= self.n
+            if last:
+                dies[max(i + 1, self.ends[v])].append(v)
+            lingers = last and self.ends[v] > i + 1
+            if seq.swappable[v] and (lingers or not last and self._wants_out(i)):
                 if v not in self.host:
                     self.swap_out[i].append(v)
                     self.host.add(v)

@@ -32,7 +32,24 @@ class Sequence:
         held_until: per variable, the first step at which dropping our copy frees its memory: before it,
             the forward pass itself still holds the tensor (a residual input waiting for its add), so a
             release would free nothing. Default 0 (no constraint: a recorded run's ``nonswap`` already
-            counts what the forward held).
+            counts what the forward held). A profiled run records it and leaves those bytes out of
+            ``nonswap``: the scheduler counts them as resident until then.
+        freed: per variable, the first step at which it is gone: autograd released every saved handle of
+            it (the node that used it last has run, or its graph was dropped). Default: the step after its
+            last access. A variable of a graph that outlives the iteration (``retain_graph``, a forward
+            never backpropagated while its output is still referenced) has ``len(self)``.
+        modules: per variable, the path of the module whose forward saved it (``"encoder.layer.3.attention"``;
+            empty or "" when unknown). Errors name the module rather than a step index.
+        transient: per step, the part of ``nonswap[i]`` the step's operations allocated above what was live
+            when the step began (outputs and temporaries). Default 0.
+        kept: per step, bytes of saved tensors that stay on the device because of ``min_bytes`` or
+            ``exclude`` (part of ``nonswap[i]``). Default 0.
+        base: bytes live when the iteration began (parameters, gradients, optimizer state, inputs): part of
+            every step's ``nonswap``. Default 0.
+        node_last: per step, for a use, the last step of the backward node that made it: a node holds what
+            it unpacked until it has run, so the variable used at step i frees nothing if released before
+            ``node_last[i] + 1`` (a compiled region's backward unpacks all its saved tensors at once).
+            Default: the step itself.
     """
 
     var: list[int]
@@ -42,6 +59,12 @@ class Sequence:
     compute: list[float]
     swappable: list[bool] = field(default_factory=list)
     held_until: list[int] = field(default_factory=list)
+    freed: list[int] = field(default_factory=list)
+    modules: list[str] = field(default_factory=list)
+    transient: list[int] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)
+    base: int = 0
+    node_last: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.var)
@@ -55,6 +78,19 @@ class Sequence:
             self.held_until = [0] * len(self.sizes)
         if len(self.held_until) != len(self.sizes):
             raise ValueError("held_until must have one entry per variable")
+        for name in ("freed", "modules"):
+            if getattr(self, name) and len(getattr(self, name)) != len(self.sizes):
+                raise ValueError(f"{name} must have one entry per variable")
+        if not self.transient:
+            self.transient = [0] * n
+        if not self.kept:
+            self.kept = [0] * n
+        if not self.node_last:
+            self.node_last = list(range(n))
+        if len(self.transient) != n or len(self.kept) != n or len(self.node_last) != n:
+            raise ValueError("transient, kept and node_last must have one entry per step")
+        if any(last < i for i, last in enumerate(self.node_last)):
+            raise ValueError("node_last[i] must not be before step i")
         if any(v < 0 or v >= len(self.sizes) for v in self.var):
             raise ValueError("a step names a variable that has no size")
         seen: set[int] = set()
@@ -97,20 +133,29 @@ class Sequence:
         """What a later iteration must repeat for the plan to apply: (kind, bytes) per step."""
         return [(k, self.sizes[v]) for v, k in zip(self.var, self.kind)]
 
+    def ends(self) -> list[int]:
+        """Per variable, the first step at which it is gone: after its last access, or at ``freed``."""
+        n = len(self.var)
+        end = [0] * len(self.sizes)
+        for i, v in enumerate(self.var):
+            end[v] = i + 1
+        if self.freed:
+            end = [min(n, max(e, f)) for e, f in zip(end, self.freed)]
+        return end
+
     def live_bytes(self) -> list[int]:
-        """Bytes of swappable variables alive (saved, not yet past their last access) at each step: what
-        the device would hold without swapping."""
+        """Bytes of swappable variables alive (saved, not yet gone: see ``ends``) at each step: what the
+        device would hold without swapping."""
         n = len(self.var)
         first: dict[int, int] = {}
-        last: dict[int, int] = {}
         for i, v in enumerate(self.var):
             first.setdefault(v, i)
-            last[v] = i
+        end = self.ends()
         delta = [0] * (n + 1)
         for v, f in first.items():
             if self.swappable[v]:
                 delta[f] += self.sizes[v]
-                delta[last[v] + 1] -= self.sizes[v]
+                delta[end[v]] -= self.sizes[v]
         out, cur = [], 0
         for i in range(n):
             cur += delta[i]

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from schedule_check import check_schedule
 
+import swap
 from swap import InfeasibleBudget, Sequence, choose_window, make_schedule, simulate
 
 
@@ -84,7 +85,7 @@ def test_a_variable_the_forward_still_holds_is_not_released():
     s = make_schedule(seq, 250, policy="fixed_distance", swapout_threshold=100)
     assert 1 in s.release[2] and all(0 not in s.release[i] for i in range(3))
     check_schedule(seq, s)
-    with pytest.raises(InfeasibleBudget, match="still holds"):
+    with pytest.raises(InfeasibleBudget, match="100 B held by the forward pass"):
         make_schedule(Sequence([0, 1, 0, 1], ["save", "save", "use", "use"], [100, 100], [0] * 4, [1.0] * 4,
                       held_until=[4, 0]), 150, policy="all")  # fmt: skip
 
@@ -172,4 +173,54 @@ def test_no_policy_plans_above_the_budget(seq, budget, window, policy):
             assert e.needed > budget  # what the forward holds, plus the step's own working set
         return
     assert s.peak <= budget
+    check_schedule(seq, s)
+
+
+# -- InfeasibleBudget: the largest failing step, its module, its breakdown, and the lever ---------------------
+def test_infeasible_budget_reports_the_largest_failing_step_not_the_first():
+    # Step 1 needs 10 more than the budget, step 3 needs 100 more: min_budget must cover step 3.
+    seq = Sequence([0, 1, 1, 0], ["save", "save", "use", "use"], [100, 100], [0, 110, 0, 200], [1.0] * 4,
+                   modules=["enc.layer.0", "enc.layer.1"])  # fmt: skip
+    with pytest.raises(InfeasibleBudget) as e:
+        make_schedule(seq, 200, 100, "window")
+    err = e.value
+    assert err.step == 3 and err.min_budget == 300 and err.excess == 100 and err.failing_steps == 2
+    assert err.phase == "end of iteration" and err.lever == "budget"
+    s = make_schedule(seq, err.min_budget, 100, "window")  # min_budget is enough
+    assert s.peak <= err.min_budget
+
+
+@pytest.mark.parametrize(
+    "kept, held_until, transient, expect",
+    [
+        ([0, 80, 0, 0, 0, 0], [0, 0, 0], 10, "min_bytes"),  # saved tensors kept by min_bytes explain the excess
+        ([0] * 6, [3, 0, 0], 10, "checkpoint"),  # the forward holds v0 through step 1
+        ([0] * 6, [0, 0, 0], 90, "batch"),  # the step's own working set (what its operation allocates)
+    ],
+)
+def test_infeasible_budget_names_the_module_and_the_lever(kept, held_until, transient, expect):
+    seq = Sequence([0, 1, 2, 2, 1, 0], ["save", "save", "save", "use", "use", "use"], [100, 100, 10],
+                   [0, 100, 0, 0, 0, 0], [1.0] * 6, held_until=held_until, kept=kept,
+                   transient=[0, transient, 0, 0, 0, 0],
+                   modules=["enc.layer.0", "enc.layer.1.attention", "head"])  # fmt: skip
+    need = swap.budget.min_budget(seq)
+    with pytest.raises(InfeasibleBudget) as e:
+        make_schedule(seq, need - 50, 100, "window")
+    err = e.value
+    assert err.step == 1 and err.module == "enc.layer.1.attention" and err.phase == "forward"
+    assert err.lever == expect and "the forward of enc.layer.1.attention needs" in str(err)
+    assert err.not_swappable + err.held_by_forward + err.working_set == need
+    if expect == "checkpoint":  # v0 (100) and the activations the step did not allocate (90)
+        assert err.held_by_forward == 190 and "Checkpoint enc.layer.1.attention" in str(err)
+
+
+def test_a_backward_node_holds_what_it_unpacked_until_it_has_run():
+    # A compiled region's backward unpacks v0, v1, v2 at once (node_last): releasing v0 at step 4 frees nothing.
+    seq = Sequence([0, 1, 2, 0, 1, 2], ["save"] * 3 + ["use"] * 3, [100, 100, 100], [0] * 6, [1.0] * 6,
+                   node_last=[0, 1, 2, 5, 5, 5], freed=[6, 6, 6])  # fmt: skip
+    assert swap.budget.step_floors(seq)[5] == 300
+    with pytest.raises(InfeasibleBudget):
+        make_schedule(seq, 299, policy="all")
+    s = make_schedule(seq, 300, policy="all")
+    assert all(0 not in s.release[i] for i in (4, 5))
     check_schedule(seq, s)

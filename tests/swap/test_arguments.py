@@ -1,0 +1,73 @@
+"""Every SwapManager argument is checked at construction, with a message that names the accepted forms, and
+the accepted forms all work (a single module, tensor or predicate for ``exclude`` included)."""
+
+import pytest
+import torch
+from torch import nn
+
+import swap
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"budget": 1.5}, TypeError, r"budget must be a number of bytes or a size string such as '12GiB'"),
+        ({"budget": "lots"}, ValueError, r"budget must be .*'12GiB'.*not 'lots'"),
+        ({"budget": 0}, ValueError, r"budget must be at least 1 byte"),
+        ({"budget": True}, TypeError, r"budget must be"),
+        ({"window": "abc"}, ValueError, r"window must be 'auto' or a number of bytes or a size string"),
+        ({"window": 2.5}, TypeError, r"window must be 'auto' or a number of bytes"),
+        ({"window": 0}, ValueError, r"window must be at least 1 byte"),
+        ({"policy": "lru"}, ValueError, r"unknown policy 'lru': choose one of 'window', 'fixed_distance', 'all'"),
+        ({"policy": None}, ValueError, r"unknown policy None: choose one of"),
+        ({"min_bytes": "small"}, ValueError, r"min_bytes must be .*size string.*or None"),
+        ({"min_bytes": -1}, ValueError, r"min_bytes must not be negative"),
+        ({"device": "gpu0"}, ValueError, r"device must be 'cpu', 'cuda', 'cuda:N', an int or a torch.device"),
+        ({"device": 1.0}, TypeError, r"device must be 'cpu', 'cuda', 'cuda:N', an int or a torch.device"),
+        ({"device": "meta"}, ValueError, r"device must be a CUDA device or 'cpu'"),
+        ({"host_pool_limit": 0}, ValueError, r"host_pool_limit must be at least 1 byte.*None means no limit"),
+        ({"host_pool_limit": "x"}, ValueError, r"host_pool_limit must be .*size string"),
+        ({"exclude": 5}, TypeError, r"exclude= takes a tensor, an nn.Module, a callable\(tensor\) -> bool, or a list"),
+        ({"exclude": "weights"}, TypeError, r"exclude= takes .*not str"),
+        ({"exclude": [nn.Linear(2, 2), 3]}, TypeError, r"exclude= takes .*one item is int"),
+        ({"swapout_threshold": "2"}, TypeError, r"swapout_threshold must be an int number of steps \(>= 1\), not '2'"),
+        ({"swapout_threshold": 0}, ValueError, r"swapout_threshold must be at least 1 step"),
+        ({"swapin_ahead": 1.5}, TypeError, r"swapin_ahead must be an int number of steps"),
+        ({"arena": "x"}, TypeError, r"arena must be a vmalloc.Arena \(or None: found automatically"),
+        ({"budget": "1GiB", "window": "2GiB"}, ValueError, r"larger than the budget"),
+    ],
+)
+def test_bad_arguments_fail_at_construction_naming_the_accepted_forms(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        swap.SwapManager(**{"device": "cpu", **kwargs})
+
+
+def test_accepted_forms():
+    for kwargs in ({"budget": 1 << 30, "window": 1 << 20}, {"budget": "1GiB", "window": "AUTO"},
+                   {"min_bytes": None}, {"min_bytes": 0}, {"host_pool_limit": "64MiB"},
+                   {"device": torch.device("cpu")}, {"swapout_threshold": 3, "swapin_ahead": 2}):  # fmt: skip
+        swap.SwapManager(**{"device": "cpu", "budget": "1GiB", **kwargs})
+
+
+def test_exclude_takes_one_module_even_a_container_and_its_parameters_stay():
+    blocks = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    sm = swap.SwapManager(device="cpu", budget="1GiB", exclude=blocks)  # not iterated as a list of modules
+    assert all(sm.exclude(p) for p in blocks.parameters())
+    single = nn.Linear(4, 4)
+    assert swap.SwapManager(device="cpu", budget="1GiB", exclude=single).exclude(single.weight)
+    t = torch.randn(8)
+    assert swap.SwapManager(device="cpu", budget="1GiB", exclude=t).exclude(t)
+    pred = swap.SwapManager(device="cpu", budget="1GiB", exclude=lambda x: x.dim() == 3)
+    assert pred.exclude(torch.randn(2, 2, 2)) and not pred.exclude(t)
+
+
+def test_a_module_excluded_keeps_its_buffers_on_the_device():
+    x = torch.randn(1024, 1024, requires_grad=True)
+    keep = nn.Module()
+    keep.register_buffer("scale", torch.randn(1024, 1024))
+    with swap.SwapManager(budget="1GiB", device="cpu", min_bytes=0, exclude=keep) as sm:
+        y = (x * keep.scale).sigmoid()  # mul saves the buffer (excluded); sigmoid saves y (moved)
+        saved = [v.storage_ref() for v in sm.executor.vars]
+        y.sum().backward()
+    assert len(saved) == 1 and saved[0] is y.untyped_storage()
+    assert sm.report()["swapped_out_bytes"] == 4 << 20

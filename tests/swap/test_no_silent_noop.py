@@ -1,0 +1,94 @@
+"""The manager never does nothing silently: when it cannot move what the budget needs moved it warns once
+with swap.BudgetWarning naming the cause; when the run fits it declines (at any budget at or above what the
+run needs without swapping); a report taken before any iteration says so."""
+
+import functools
+import re
+import warnings
+
+import pytest
+import torch
+from training import KiB, assert_bitwise_equal, assert_within, run
+
+import swap
+
+
+@functools.cache
+def reference(name: str = "gpt"):
+    return run(name, 4, meter=swap.LiveBytesMeter("cpu"))
+
+
+def budget_warnings(**kwargs):
+    """Runs gpt at 60% of its unswapped peak with the given manager arguments; returns the BudgetWarnings."""
+    budget = int(max(reference()["peaks"]) * 0.6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run("gpt", 4, manager=lambda: swap.SwapManager(budget=budget, **kwargs))
+    assert_bitwise_equal(reference(), got)
+    found = [str(w.message) for w in caught if issubclass(w.category, swap.BudgetWarning)]
+    return found, got["manager"].report()
+
+
+@pytest.mark.parametrize(
+    "kwargs, cause",
+    [
+        ({"device": "cpu:1"}, r"on cpu, none on the manager's device cpu:1: nothing is managed.*device='cpu'"),
+        ({"device": "cpu", "min_bytes": "100GiB"}, r"nothing can be swapped.*smaller than min_bytes=107374182400"),
+        ({"device": "cpu", "min_bytes": 0, "exclude": lambda t: True}, r"nothing can be swapped.*matched by exclude="),
+    ],
+)
+def test_nothing_to_manage_warns_once_naming_the_cause(kwargs, cause):
+    found, report = budget_warnings(**kwargs)
+    assert len(found) == 1, found  # once, not per iteration
+    assert found[0] and re.search(cause, found[0]), found[0]
+    assert any(found[0][len("swap: "):] in n for n in report["notes"])  # and the report keeps it
+
+
+def test_budget_warning_is_a_user_warning_exported_from_swap():
+    assert issubclass(swap.BudgetWarning, UserWarning)
+
+
+def test_saved_tensors_referenced_elsewhere_cannot_be_swapped_and_say_so():
+    kept = []
+    x = torch.randn(2048, 1024)
+    lin = torch.nn.Linear(1024, 1024)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(swap.InfeasibleBudget, match="not swappable"):
+            with swap.SwapManager(budget="8MiB", device="cpu", min_bytes=0):
+                for _ in range(3):
+                    h = lin(x).relu()
+                    kept.append(h)  # relu saves h, which the user keeps: swapping it would free nothing
+                    h.sum().backward()
+    found = [str(w.message) for w in caught if issubclass(w.category, swap.BudgetWarning)]
+    assert any("nothing can be swapped" in m and "stay alive elsewhere" in m for m in found), found
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet"])
+def test_declines_at_a_budget_equal_to_the_unswapped_peak(name):
+    ref = reference(name)
+    budget = max(ref["peaks"])  # exactly what the run needs without swapping (before: it swapped anyway)
+    got = run(name, 4, meter=swap.LiveBytesMeter("cpu"),
+              manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB))  # fmt: skip
+    r = got["manager"].report()
+    assert r["declined"] and r["status"] == "declined" and any("fits the budget" in n for n in r["notes"])
+    assert r["no_swap_peak_bytes"] == budget
+    assert_bitwise_equal(ref, got)
+    assert_within(got["peaks"], budget)
+    # One byte less and it swaps, within the budget.
+    got = run(name, 4, meter=swap.LiveBytesMeter("cpu"),
+              manager=lambda: swap.SwapManager(budget=budget - 1, device="cpu", min_bytes=16 * KiB))  # fmt: skip
+    assert not got["manager"].report()["declined"]
+    assert_within(got["peaks"], budget - 1)
+
+
+def test_report_before_any_iteration_says_not_started():
+    sm = swap.SwapManager(budget="1GiB", device="cpu")
+    r = sm.report()
+    assert r["status"] == "not started" and not r["declined"] and "not started" in str(r)
+    with sm:
+        r = sm.report()
+        assert r["status"] == "not started" and r["iterations"] == 0 and r["peak_device_bytes"] is None
+        x = torch.randn(512, 512, requires_grad=True)
+        (x * 2).sigmoid().sum().backward()
+        assert sm.report()["status"] == "profiling" and sm.report()["iterations"] == 1

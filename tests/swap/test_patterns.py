@@ -1,0 +1,180 @@
+"""Training patterns beyond one forward and one backward: each is either handled, with losses and every
+gradient bitwise equal to training without the manager and every iteration (profiling included) within the
+budget by an independent LiveBytesMeter, or refused at once with a message that says what to do."""
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+from training import assert_bitwise_equal, assert_within, run
+
+import swap
+from bench import models
+
+
+def retain_graph(model, x, y, it):
+    loss = models.loss_fn(model, model(x), y)
+    loss.backward(retain_graph=True)  # two backward passes over one graph: gradients accumulate twice
+    loss.backward()
+    return loss
+
+
+def dropped_at_once(model, x, y, it):
+    unused = models.loss_fn(model, model(x.flip(0)), y)  # a forward with grad enabled, never backpropagated
+    del unused
+    loss = models.loss_fn(model, model(x), y)
+    loss.backward()
+    return loss
+
+
+def dropped_after_backward(model, x, y, it):
+    held = models.loss_fn(model, model(x.flip(0)), y)  # its graph lives through the training step's backward
+    loss = models.loss_fn(model, model(x), y)
+    loss.backward()
+    del held
+    return loss
+
+
+def several_forwards(model, x, y, it):
+    half = x.shape[0] // 2
+    loss = models.loss_fn(model, model(x[:half]), y[:half]) + models.loss_fn(model, model(x[half:]), y[half:])
+    loss.backward()
+    return loss
+
+
+def no_grad_passes(model, x, y, it):
+    with torch.no_grad():
+        model(x.flip(0))  # an evaluation pass: nothing saved
+    with torch.inference_mode():
+        model(x)
+    loss = models.loss_fn(model, model(x), y)
+    loss.backward()
+    return loss
+
+
+PATTERNS = {
+    "retain_graph": retain_graph,
+    "forward_dropped_at_once": dropped_at_once,
+    "forward_dropped_after_backward": dropped_after_backward,
+    "several_forwards_one_backward": several_forwards,
+    "no_grad_and_inference_passes": no_grad_passes,
+}
+
+
+@functools.cache
+def reference(pattern: str, model: str = "gpt"):
+    meter = swap.LiveBytesMeter("cpu")
+    return run(model, 5, meter=meter, pattern=PATTERNS[pattern])
+
+
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_pattern_is_exact_and_within_the_budget(pattern):
+    ref = reference(pattern)
+    budget = int(max(ref["peaks"]) * 0.6)
+    got = run("gpt", 5, pattern=PATTERNS[pattern], meter=swap.LiveBytesMeter("cpu"),
+              manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes="16KiB"))  # fmt: skip
+    assert_bitwise_equal(ref, got)
+    assert_within(got["peaks"], budget)
+    r = got["manager"].report()
+    assert r["status"] == "planned" and r["swapped_out_bytes"] > 0 and r["iterations"] == 5
+    assert r["overruns"] == 0 and r["replans"] == 0
+
+
+def test_nested_managers_are_refused_and_the_outer_keeps_working():
+    x = torch.randn(256, 256, requires_grad=True)
+    with swap.SwapManager(budget="1GiB", device="cpu", min_bytes=0) as outer:
+        with pytest.raises(RuntimeError, match="nested managers are not supported.*one manager around"):
+            with swap.SwapManager(budget="1GiB", device="cpu", min_bytes=0):
+                pass
+        for _ in range(2):
+            (x * 2).sigmoid().sum().backward()
+    assert outer.report()["iterations"] == 2 and outer.report()["swapped_out_bytes"] > 0
+
+
+# -- torch.compile -------------------------------------------------------------------------------------------
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128), nn.Tanh()) for _ in range(4)
+        )
+        self.head = nn.Linear(128, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def compiled_run(how, when, backend="aot_eager", manager=None, meter=None):
+    """Trains Blocks compiled ``how`` ("regional": each block; "whole": the model), ``when`` ("inside" the
+    manager, on the first call; "before" entering it). Returns run()'s dict and the number of graphs."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.registry.lookup_backend(backend)(gm, example_inputs)
+
+    def build():
+        torch.manual_seed(0)
+        model = Blocks()
+        if how == "regional":
+            for i, layer in enumerate(model.layers):
+                model.layers[i] = torch.compile(layer, backend=counting)
+        else:
+            model = torch.compile(model, backend=counting)
+        if when == "before":
+            model(torch.randn(1024, 128)).sum().backward()
+            for p in model.parameters():
+                p.grad = None
+        return model
+
+    def batch(model, it):
+        g = torch.Generator().manual_seed(it)
+        return torch.randn(1024, 128, generator=g), torch.randint(0, 4, (1024,), generator=g)
+
+    def step(model, x, y, it):
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    return run("compiled", 5, manager=manager, meter=meter, build=build, batch_fn=batch, pattern=step), len(graphs)
+
+
+@functools.cache
+def compiled_reference(backend):
+    return compiled_run("regional", "inside", backend, meter=swap.LiveBytesMeter("cpu"))
+
+
+@pytest.mark.parametrize("when", ["inside", "before"])
+def test_regional_compile_is_swapped_at_block_boundaries(when):
+    # Compiled inside the manager, it must still compile (the meter used to make dynamo fall back to eager
+    # silently); compiled before, the compiler's fake tensors must not count as device memory (they used to
+    # give a false InfeasibleBudget).
+    (ref, ref_graphs) = compiled_reference("aot_eager")
+    budget = int(max(ref["peaks"]) * 0.8)
+    got, graphs = compiled_run("regional", when, meter=swap.LiveBytesMeter("cpu"),
+                               manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=0))  # fmt: skip
+    assert graphs >= 1 and ref_graphs >= 1, "the blocks ran eagerly"
+    assert_bitwise_equal(ref, got)
+    assert_within(got["peaks"], budget)
+    r = got["manager"].report()
+    assert r["status"] == "planned" and r["swapped_out_bytes"] > 0
+
+
+def test_regional_compile_with_inductor():
+    ref, _ = compiled_reference("inductor")
+    budget = int(max(ref["peaks"]) * 0.8)
+    got, graphs = compiled_run("regional", "inside", "inductor", meter=swap.LiveBytesMeter("cpu"),
+                               manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=0))  # fmt: skip
+    assert graphs >= 1
+    assert_bitwise_equal(ref, got)
+    assert_within(got["peaks"], budget)
+
+
+@pytest.mark.parametrize("when", ["inside", "before"])
+def test_a_whole_compiled_model_is_refused_naming_regional_compile(when):
+    with pytest.raises(swap.WholeModelCompiled, match="regional compile.*compile each block"):
+        compiled_run("whole", when, manager=lambda: swap.SwapManager(budget="1GiB", device="cpu", min_bytes=0))
