@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from bench import models
+from swap.grad_accumulation import EngineAccumulation
 
 ALLOC, FREE, SAVE, USE, ITER_BEGIN, ITER_END, UNREF = range(7)
 TAGS = ("temporary", "activation", "weight", "grad", "optimizer_state", "input")
@@ -134,6 +135,8 @@ class _Recorder(TorchDispatchMode):
         self.flops = 0.0
         self.moved = 0.0
         self.watch: dict[int, tuple[weakref.ref, int]] = {}  # allocation id -> (storage ref, aliases we hold)
+        self.accumulation = EngineAccumulation()  # Note [In-place gradient accumulation under a dispatch mode]
+        self.superseded: set[int] = set()  # storages whose allocation an in-place sum's result took over
 
     def alloc_id(self, st: torch.UntypedStorage, tag: Optional[int] = None) -> int:
         key = id(st)
@@ -148,14 +151,26 @@ class _Recorder(TorchDispatchMode):
             self.b.tags[ident] = tag
         return ident
 
+    def _take_over(self, old: torch.UntypedStorage, new: torch.UntypedStorage) -> None:
+        """``new`` continues ``old``'s allocation: no alloc is recorded for it, and no free for ``old``."""
+        ident, key, n = self.ids[id(old)][1], id(new), new.nbytes()
+        self.superseded.add(id(old))
+        self.ids[key] = (weakref.ref(new, lambda _r: self._freed(key, ident, n)), ident)
+
     def _freed(self, key: int, ident: int, n: int) -> None:
+        if key in self.superseded:
+            self.superseded.discard(key)
+            return
         self.ids.pop(key, None)
         self.watch.pop(ident, None)
         self.b.add(FREE, ident, n)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
+        summed_into = self.accumulation.in_place_operand(func, args)
         out = func(*args, **kwargs)
+        if summed_into is not None:  # eager PyTorch writes this sum into the first operand's memory
+            self._take_over(summed_into.untyped_storage(), out.untyped_storage())
         flop_fn = flop_registry.get(func._overloadpacket)
         if flop_fn is not None:
             self.flops += flop_fn(*args, **kwargs, out_val=out)
@@ -241,7 +256,9 @@ def capture(model: str, batch: int, steps: int = 3, size: Optional[int] = None, 
                     b.tags[rec.alloc_id(t.untyped_storage())] = TAG["input"]
                 opt.zero_grad(set_to_none=True)
                 loss = models.loss_fn(net, net(x), y)
+                rec.accumulation.watch(loss.grad_fn)
                 loss.backward()
+                rec.accumulation.remove()
                 for p in net.parameters():
                     b.tags[rec.alloc_id(p.grad.untyped_storage())] = TAG["grad"]
                 before = set(rec.ids)
