@@ -54,7 +54,7 @@ from swap.grad_accumulation import EngineAccumulation
 ALLOC, FREE, SAVE, USE, ITER_BEGIN, ITER_END, UNREF = range(7)
 TAGS = ("temporary", "activation", "weight", "grad", "optimizer_state", "input")
 TAG = {name: i for i, name in enumerate(TAGS)}
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4  # 4: gradient sums recorded in place (swap.grad_accumulation)
 
 MODELS = {
     "resnet50": (models.resnet50, 224),
