@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import torch
 
+from bench.fragmentation import BUDGET_FRACTIONS
 from bench.plotting import pyplot, save
 from bench.replay import measure
 from bench.swap_trace import sequence_from_trace, swapped
@@ -91,23 +92,16 @@ def run_policy(seq: Sequence, dev: DeviceProfile, budget: int, policy: str, **op
     return summary(sim, sched)
 
 
-# Note [Plan budget under an allocator]
-# With swapping, the plan's budget must leave room for what the allocator holds beyond live tensors (its
-# rounding, its cache). The plan budget is lowered through these fractions of the device memory until the
-# allocator holds the swapped trace of the very schedule that is reported; how far it must go is the price
-# of the allocator's fragmentation.
-BUDGET_STEPS = (1.0, 0.998, 0.995, 0.99, 0.985, 0.98, 0.97, 0.96, 0.94, 0.92, 0.9, 0.85, 0.8, 0.7, 0.6)
-
-
 def window_with_allocator(trace: Trace, seq: Sequence, dev: DeviceProfile, capacity: int, allocator: str,
                           costs: Optional[VmmCosts] = None) -> Optional[dict]:  # fmt: skip
     """The window schedule (auto window) whose swapped trace ``allocator`` replays within ``capacity``, the
-    plan budget lowered as Note [Plan budget under an allocator] says; None if none fits. For vmalloc the
+    plan budget lowered as Note [Plan budget under an allocator] says (the allocator must hold the swapped trace
+    of the very schedule reported); None if none fits. For vmalloc the
     allocator's driver calls in each step (replayed, bench.vmm_work) are charged at ``costs`` (default: the
     device's published figures) and counted in the choice of the window."""
     costs = costs or for_device(dev.name.split("-")[0].split()[0])
     works: dict[int, StepWork] = {}
-    for f in BUDGET_STEPS:
+    for f in BUDGET_FRACTIONS:
         b = int(capacity * f)
 
         def vmm(sched: Schedule, b: int = b) -> list[float]:
