@@ -3,7 +3,8 @@
 - ``resnet(layers, width)``: bottleneck ResNet; ``resnet50()`` is the paper's ResNet-50 (25.6 M params).
 - ``densenet(blocks, growth)``: DenseNet-BC; ``densenet121()``.
 - ``unet(depth, width)``: 2-D U-Net, long skip connections by concatenation.
-- ``gpt(n_layer, n_head, d_model, vocab, seq_len)``: GPT-2-style decoder; ``gpt2()`` is GPT-2 small.
+- ``gpt(n_layer, n_head, d_model, vocab, seq_len)``: GPT-2-style decoder; ``gpt2()`` is GPT-2 small,
+  ``gpt2_medium()`` GPT-2 medium.
 
 Each builder takes small sizes for CPU tests and full sizes for the benchmarks; ``example_batch(name, ...)``
 returns matching inputs and targets.
@@ -224,6 +225,11 @@ def gpt(n_layer: int = 12, n_head: int = 12, d_model: int = 768, vocab: int = 50
 
 def gpt2(seq_len: int = 1024) -> GPT:
     return GPT(12, 12, 768, 50257, seq_len)
+
+
+def gpt2_medium(seq_len: int = 1024) -> GPT:
+    """GPT-2 medium's shape (24 layers, 16 heads, d_model 1024; 355 M parameters with the untied head)."""
+    return GPT(24, 16, 1024, 50257, seq_len)
 
 
 # -- inputs -------------------------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ MODELS = {
     "unet": (lambda: models.unet(depth=4, width=64), 256),
     "gpt2": (models.gpt2, 1024),
     "gpt2-bf16": (models.gpt2, 1024),
+    "gpt2-medium-bf16": (models.gpt2_medium, 1024),
 }
 
 
