@@ -128,7 +128,7 @@ def window_with_allocator(trace: Trace, seq: Sequence, dev: DeviceProfile, capac
 
 
 def evaluate(trace: Optional[Trace], dev: DeviceProfile, budget: int, batch: int, full: bool = True,
-             seq: Optional[Sequence] = None) -> dict[str, Any]:  # fmt: skip
+             seq: Optional[Sequence] = None, costs: Optional[VmmCosts] = None) -> dict[str, Any]:  # fmt: skip
     """Every column for one (workload, batch). Without a trace (a measured profile), the allocator columns
     are left out and "none" fits when the sequence's own no-swap peak does."""
     seq = seq or sequence(trace, dev)
@@ -149,13 +149,56 @@ def evaluate(trace: Optional[Trace], dev: DeviceProfile, budget: int, batch: int
     row["all"] = run_policy(seq, dev, budget, "all")
     row["window"] = run_policy(seq, dev, budget, "window")
     for alloc, key in (("vmalloc", "window+vmalloc"), ("pytorch_native", "window+bestfit")):
-        row[key] = "skipped" if trace is None else window_with_allocator(trace, seq, dev, budget, alloc)
+        row[key] = "skipped" if trace is None else window_with_allocator(trace, seq, dev, budget, alloc, costs)
     lb = [row[k]["lower_bound"] for k in ("window", "all") if row.get(k)]
     row["lower_bound"] = min(lb) if lb else None
     for v in row.values():
         if isinstance(v, dict) and v.get("step_time"):
             v["images_per_s"] = batch / v["step_time"]
     return row
+
+
+# Largest batch within the device memory, per column (Table 1's last row and Fig. 5's multipliers).
+MAX_BATCH = {
+    "resnet50": [190, 195, 200, 256, 512, 928, 1120, 1248, 1344, 1400, 1424, 1440, 1472, 1500, 1536, 1600, 1920],
+    "densenet121": [96, 112, 128, 144, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768],
+    "unet": [32, 40, 44, 48, 56, 64, 80, 96, 128, 160, 192, 256],
+}
+QUICK_MAX_BATCH = {"resnet50": [64, 128, 190, 256, 384]}
+# Seed 001 Fig. 5 / Section 5.2: batch multipliers over the no-swap baseline. Pix2PixHD is the paper's U-Net-like
+# model; "with VA" is "1.5x to 2x larger than scheduling alone".
+PAPER_MULTIPLIERS = {
+    "resnet50": {"schedule": 928 / 190, "schedule+VA": 1440 / 190},
+    "densenet121": {"schedule": 1.5, "schedule+VA": (2.25, 3.0)},
+    "unet": {"schedule": 4.0, "schedule+VA": (6.0, 8.0), "paper model": "Pix2PixHD"},
+}
+
+
+def fits(model: str, batch: int, column: str, dev: DeviceProfile, budget: int, costs: VmmCosts) -> bool:
+    """Whether ``column`` trains ``model`` at ``batch`` within ``budget`` (the allocator holding it)."""
+    trace = cached_capture(model, batch, 2)
+    seq = sequence(trace, dev)
+    if column == "none":
+        return seq.no_swap_peak() <= budget and measure(trace, "pytorch_native", capacity=budget)["ok"]
+    if column == "window":
+        return run_policy(seq, dev, budget, "window") is not None
+    alloc = {"window+vmalloc": "vmalloc", "window+bestfit": "pytorch_native"}[column]
+    return window_with_allocator(trace, seq, dev, budget, alloc, costs) is not None
+
+
+def max_batch(model: str, batches: list[int], column: str, dev: DeviceProfile, budget: int, costs: VmmCosts) -> int:
+    """The largest of ``batches`` (ascending) that fits; fitting is monotone in the batch (binary search)."""
+    lo, hi, best = 0, len(batches) - 1, 0
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(model, batches[mid], column, dev, budget, costs):
+            best, lo = batches[mid], mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+MAX_COLUMNS = ["none", "window+bestfit", "window+vmalloc", "window"]
 
 
 COLUMNS = ["none", "fixed_distance", "fixed_distance_best", "all", "window", "window+vmalloc", "window+bestfit"]
@@ -184,6 +227,30 @@ def markdown(results: dict[str, Any]) -> str:
             label = r.get("label", r["batch"])
             lines.append(f"| {label} | " + " | ".join(fmt_cell(r.get(c)) for c in COLUMNS) + f" | {bound} | {ratio} |")
         lines.append("")
+    mb = results.get("max_batch")
+    if mb:
+        lines += [f"Largest batch within {results['meta']['budget'] / GiB:.0f} GiB (candidates in the JSON), and its "
+                  "multiple of the no-swap largest; 'schedule alone' = window + PyTorch's best-fit caching allocator, "
+                  "'with VA' = window + vmalloc (VMM costs counted); window = an ideal allocator:", "",
+                  "| model | none | window + best-fit (schedule alone) | window + vmalloc (with VA) | window "
+                  "| paper: schedule alone | paper: with VA |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for model, r in mb.items():
+            none = r["none"] or 1
+
+            def cell(c: str, r: dict = r, none: int = none) -> str:
+                return f"{r[c]} ({r[c] / none:.2f}x)" if r[c] else "0"
+
+            paper = PAPER_MULTIPLIERS.get(model, {})
+
+            def pm(v: Any) -> str:
+                return "-" if v is None else (f"{v[0]:.2f}-{v[1]:.2f}x" if isinstance(v, tuple) else f"{v:.2f}x")
+
+            name = model + (f" (paper: {paper['paper model']})" if "paper model" in paper else "")
+            lines.append(
+                f"| {name} | {r['none']} | {cell('window+bestfit')} | {cell('window+vmalloc')} | {cell('window')} "
+                f"| {pm(paper.get('schedule'))} | {pm(paper.get('schedule+VA'))} |"
+            )
+        lines.append("")
     lines += ["Seed 001 Table 1 (V100 16 GB; LMS on P100), images/s:", "",
               "| batch | " + " | ".join(str(b) for b in PAPER["batches"]) + " |",
               "|---|" + "---|" * len(PAPER["batches"])]  # fmt: skip
@@ -195,25 +262,32 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def targets(rows: list[dict]) -> dict[str, str]:
+def targets(rows: list[dict], mb: Optional[dict] = None) -> dict[str, str]:
+    """Issue 11's targets on the ResNet-50 rows: the bounds include the allocator's mapping time, which the
+    simulator charges to window+vmalloc (Note [Where VMM work is charged])."""
+    out: dict[str, str] = {}
+    for col in ("window", "window+vmalloc"):
+        small = [r for r in rows if r.get(col) and r["batch"] <= 928]
+        worst = max(small, key=lambda r: r[col]["overhead"], default=None)
+        if worst:
+            ok = "met" if worst[col]["overhead"] <= 1.10 else "MISSED"
+            out[f"{col}: step time <= 1.10x max(compute, transfers, mapping) at every batch <= 928"] = (
+                f"worst {worst[col]['overhead']:.3f}x at batch {worst['batch']} -> {ok}"
+            )
     win = [r for r in rows if r.get("window")]
-    worst = max((r["window"]["overhead"] for r in win), default=None)
     faster = all(
         r["window"]["step_time"] <= min(r[k]["step_time"] for k in ("fixed_distance", "all") if r.get(k)) * 1.0001
         for r in win if r.get("fixed_distance") or r.get("all")
     )  # fmt: skip
-    no_swap = max((r["batch"] for r in rows if r.get("none")), default=0)
-    vm = max((r["batch"] for r in rows if r.get("window+vmalloc")), default=0)
-    ratio = vm / no_swap if no_swap else float("inf")
-    bound_ok = "met" if worst and worst <= 1.10 else "MISSED"
-    batch_ok = "met" if ratio >= 7.5 else "MISSED (among the batches swept)"
-    return {
-        "window step time <= 1.10x lower bound (ResNet-50, V100)": f"worst {worst:.3f}x -> {bound_ok}",
-        "window at least as fast as fixed_distance and all at every batch": "met" if faster else "MISSED",
-        "largest batch with window + vmalloc >= 7.5x no-swap largest": (
-            f"{vm} vs {no_swap} = {ratio:.2f}x -> {batch_ok}"
-        ),
-    }
+    out["window at least as fast as fixed_distance and all at every batch"] = "met" if faster else "MISSED"
+    if mb:
+        for ref, label in ((190, "the paper's no-swap 190"), (mb["none"], f"our no-swap largest {mb['none']}")):
+            ratio = mb["window+vmalloc"] / ref if ref else float("inf")
+            verdict = "met" if ratio >= 10 else "met (goal 10x missed)" if ratio >= 7.5 else "MISSED"
+            out[f"largest batch with window + vmalloc >= 7.5x {label} (goal 10x)"] = (
+                f"{mb['window+vmalloc']} = {ratio:.2f}x -> {verdict}"
+            )
+    return out
 
 
 def plots(results: dict[str, Any], out: Path, timeline: Optional[dict]) -> list[Path]:
@@ -261,6 +335,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     args = ap.parse_args(argv)
     dev = profile(args.device)
+    costs = for_device(args.device)
     import vmalloc
 
     if args.profile:
@@ -283,6 +358,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "torch": torch.__version__,
             "python": platform.python_version(),
             "efficiency": dev.efficiency,
+            "vmm_costs": costs.name,
         },  # fmt: skip
         "workloads": {},
         "paper": PAPER,
@@ -293,7 +369,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for batch in spec["batches"]:
             for size in spec.get("sizes", [spec.get("size")]):
                 trace = cached_capture(model, batch, steps, size)
-                row = evaluate(trace, dev, budget, batch, full=not args.quick)
+                row = evaluate(trace, dev, budget, batch, full=not args.quick, costs=costs)
                 row["label"] = f"{batch}" if size is None else f"b{batch} seq {size}"
                 rows.append(row)
                 w = row.get("window")
@@ -309,8 +385,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                                 dev.d2h_bandwidth, timeline=True).timeline,
                     }  # fmt: skip
         results["workloads"][model] = rows
+    results["max_batch"] = {}
+    for model, batches in (QUICK_MAX_BATCH if args.quick else MAX_BATCH).items():
+        results["max_batch"][model] = {c: max_batch(model, batches, c, dev, budget, costs) for c in MAX_COLUMNS}
+        results["max_batch"][model]["candidates"] = batches
+        log(f"largest {model} batch: {results['max_batch'][model]}  [{time.perf_counter() - t0:.0f} s]")
     if "resnet50" in results["workloads"]:
-        results["targets"] = targets(results["workloads"]["resnet50"])
+        results["targets"] = targets(results["workloads"]["resnet50"], results["max_batch"].get("resnet50"))
     for rows in results["workloads"].values():
         for r in rows:
             for v in r.values():
