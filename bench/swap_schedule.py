@@ -161,7 +161,7 @@ def evaluate(trace: Optional[Trace], dev: DeviceProfile, budget: int, batch: int
 # Largest batch within the device memory, per column (Table 1's last row and Fig. 5's multipliers).
 MAX_BATCH = {
     "resnet50": [190, 195, 200, 256, 512, 928, 1120, 1248, 1344, 1400, 1424, 1440, 1472, 1500, 1536, 1600, 1920],
-    "densenet121": [96, 112, 128, 144, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768],
+    "densenet121": [96, 112, 128, 144, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536],
     "unet": [32, 40, 44, 48, 56, 64, 80, 96, 128, 160, 192, 256],
 }
 QUICK_MAX_BATCH = {"resnet50": [64, 128, 190, 256, 384]}
