@@ -30,7 +30,7 @@ import torch
 from bench import models
 from bench.plotting import pyplot, save
 from bench.replay import measure
-from bench.swap_schedule import run_policy, sequence, window_with_allocator
+from bench.swap_schedule import STEPS, run_policy, sequence, window_with_allocator
 from bench.traces import MODELS, cached_capture
 from swap import InfeasibleBudget, Sequence, choose_window
 from swap.devices import DeviceProfile, profile
@@ -115,7 +115,7 @@ def run_workload(model: str, size: Optional[int], dev: DeviceProfile, memory: in
     out: dict[str, Any] = {"model": model, "size": size, "no_swap_batch": b0, "no_swap_per_s": base_speed, "rows": []}
     for k in MULTIPLES:
         batch = k * b0
-        trace = cached_capture(model, batch, 2, size)
+        trace = cached_capture(model, batch, STEPS, size)
         seq = sequence(trace, dev)
         floor = max(seq.nonswap[i] + seq.sizes[seq.var[i]] for i in range(len(seq)))
         row: dict[str, Any] = {"multiple": k, "batch": batch, "compute_time": sum(seq.compute),
