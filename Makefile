@@ -3,7 +3,7 @@
 PY ?= python3
 ASAN_PKG := build/asan/pkg
 
-.PHONY: setup demo demo-allocator test test-python test-sanitize lint bench-latency clean
+.PHONY: setup demo demo-allocator test test-python test-sanitize lint bench-latency clean fakecuda
 
 # torch: keep an installed build (GPU users keep their CUDA torch); otherwise 2.13.0, which on this
 # project's CPU machines is a local CPU build.
@@ -20,18 +20,46 @@ demo-allocator: setup
 
 test: setup test-python test-sanitize
 
-test-python:
+test-python: fakecuda
 	$(PY) -m pytest -q tests
 
 # The allocator's tests again, against a build with AddressSanitizer + UndefinedBehaviorSanitizer.
 # Python itself is not instrumented, so libasan is preloaded and leak checking (Python's own) is off.
-test-sanitize:
+# The cuda backend's tests (tests/vmalloc/test_cuda_fake.py and the backend-parametrized ones) run here too,
+# in child processes on the emulated driver (Note [cuda tests in a child process], tests/vmalloc/backends.py).
+test-sanitize: fakecuda
 	VMALLOC_SANITIZE=1 VMALLOC_BUILD_DIR=build/asan/cmake $(PY) setup.py -q build_ext --build-lib $(ASAN_PKG)
 	cp vmalloc/*.py $(ASAN_PKG)/vmalloc/
 	cd $(ASAN_PKG) && VMALLOC_EXPECT_SANITIZED=1 ASAN_OPTIONS=detect_leaks=0 \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libstdc++.so)" \
 	  $(PY) -m pytest -q -p no:cacheprovider --rootdir=$(CURDIR) $(CURDIR)/tests/vmalloc
+
+# The emulated CUDA driver the cuda backend's tests run against (tests/fakecuda/README.md): test
+# infrastructure, never a backend. FAKECUDA_SANITIZE=1 builds it with ASan + UBSan into build/fakecuda-asan.
+FAKECUDA_SRC := $(wildcard tests/fakecuda/src/*.cpp)
+FAKECUDA_OUT := build/fakecuda$(if $(filter 1,$(FAKECUDA_SANITIZE)),-asan)
+FAKECUDA_OBJ := $(patsubst tests/fakecuda/src/%.cpp,$(FAKECUDA_OUT)/obj/%.o,$(FAKECUDA_SRC))
+FAKECUDA_CXXFLAGS := -std=c++17 -O1 -g -fPIC -Wall -Wextra -MMD -MP \
+  $(if $(filter 1,$(FAKECUDA_SANITIZE)),-fsanitize=address -fsanitize=undefined -fno-omit-frame-pointer)
+# cuda.h as setup.py finds it: CUDA_HOME, CUDA_PATH, /usr/local/cuda, then the nvidia-cuda-runtime wheel.
+CUDA_INCLUDE ?= $(or $(firstword $(foreach d,$(CUDA_HOME) $(CUDA_PATH) /usr/local/cuda,\
+  $(if $(wildcard $(d)/include/cuda.h),$(d)/include))),$(shell $(PY) -c "import sysconfig, pathlib; \
+  c = [pathlib.Path(sysconfig.get_paths()[k]) / 'nvidia/cuda_runtime/include' for k in ('purelib', 'platlib')]; \
+  print(next((str(p) for p in c if (p / 'cuda.h').exists()), ''))" 2>/dev/null))
+
+fakecuda: $(FAKECUDA_OUT)/libcuda.so.1
+
+$(FAKECUDA_OUT)/libcuda.so.1: $(FAKECUDA_OBJ) tests/fakecuda/src/exports.map
+	$(CXX) -shared -Wl,-soname,libcuda.so.1 -Wl,--version-script=tests/fakecuda/src/exports.map \
+	  $(filter -fsanitize%,$(FAKECUDA_CXXFLAGS)) -o $@ $(FAKECUDA_OBJ) -lpthread
+
+$(FAKECUDA_OUT)/obj/%.o: tests/fakecuda/src/%.cpp
+	@test -n "$(CUDA_INCLUDE)" || { echo "fakecuda: cuda.h not found: set CUDA_HOME, or pip install nvidia-cuda-runtime-cu12"; exit 1; }
+	@mkdir -p $(@D)
+	$(CXX) $(FAKECUDA_CXXFLAGS) -isystem $(CUDA_INCLUDE) -c $< -o $@
+
+-include $(FAKECUDA_OBJ:.o=.d)
 
 lint:
 	$(PY) -m ruff check vmalloc swap bench tests examples
@@ -41,3 +69,42 @@ bench-latency: setup
 
 clean:
 	rm -rf build vmalloc/*.so
+
+# --- GPU: `make gpu` proves the project on a machine with an NVIDIA GPU and a CUDA build of torch (offline).
+# gpu-test (tests/gpu, <= 8 min on an H100) then gpu-bench (bench/gpu, ~11 min, results under
+# bench/results/gpu/<device>/). GPU_OUT=DIR also copies the logs and a tarball of the results there (the
+# device tool's $OUT); GPU_BENCH_PARTS picks benchmark parts (vmm pinned replay training), so the bench can
+# be split over two commands of at most 10 minutes. Without a GPU every gpu target stops at once, saying so.
+GPU_OUT ?=
+GPU_BENCH_PARTS ?= vmm pinned replay training
+GPU_LOGS := build/gpu-logs
+
+.PHONY: gpu gpu-check gpu-build gpu-test gpu-sanitize gpu-bench
+gpu-check gpu-build gpu-test gpu-sanitize gpu-bench: SHELL := /bin/bash
+
+gpu: gpu-test gpu-bench
+
+gpu-check:
+	@$(PY) -m bench.gpu.run --check
+
+# The core in place, then the torch adapter for the installed torch (cached per torch version).
+gpu-build: gpu-check
+	$(PY) setup.py -q build_ext --inplace
+	$(PY) -m vmalloc.torch_adapter || echo "gpu-build: continuing without the torch adapter (see above; tests/gpu reports it)"
+
+gpu-test: gpu-build
+	@mkdir -p $(GPU_LOGS)
+	set -o pipefail; PYTHONUNBUFFERED=1 $(PY) -m pytest -q -rs --durations=15 tests/gpu \
+	  --junitxml=$(GPU_LOGS)/gpu-test.xml 2>&1 | tee $(GPU_LOGS)/gpu-test.log; rc=$$?; \
+	  if [ -n "$(GPU_OUT)" ]; then cp $(GPU_LOGS)/gpu-test.log $(GPU_LOGS)/gpu-test.xml $(GPU_OUT)/; fi; exit $$rc
+
+# The cuda-backend allocator tests under compute-sanitizer's memcheck (also part of tests/gpu).
+gpu-sanitize: gpu-build
+	PYTHONUNBUFFERED=1 $(PY) -m pytest -q -rs tests/gpu/test_sanitizer.py
+
+gpu-bench: gpu-build
+	@mkdir -p $(GPU_LOGS)
+	set -o pipefail; PYTHONUNBUFFERED=1 $(PY) -m bench.gpu.run --parts $(GPU_BENCH_PARTS) 2>&1 \
+	  | tee $(GPU_LOGS)/gpu-bench-$(word 1,$(GPU_BENCH_PARTS)).log; rc=$$?; \
+	  if [ -n "$(GPU_OUT)" ]; then cp $(GPU_LOGS)/gpu-bench-$(word 1,$(GPU_BENCH_PARTS)).log $(GPU_OUT)/; \
+	    tar czf $(GPU_OUT)/gpu-results-$(word 1,$(GPU_BENCH_PARTS)).tar.gz bench/results/gpu; fi; exit $$rc

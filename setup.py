@@ -3,16 +3,21 @@
 Environment:
   VMALLOC_SANITIZE=1       build with ASan + UBSan
   VMALLOC_BUILD_DIR=DIR    CMake build directory (default: build/cmake-<python tag>)
-  CUDA_HOME                where to look for cuda.h first
+  CUDA_HOME                where to look for cuda.h first (then /usr/local/cuda, then the nvidia/cu13 or
+                           nvidia/cuda_runtime pip wheels' headers)
+
+The torch adapter (csrc/torch/adapter.cpp) is not built here: it must match the torch that runs it, so
+vmalloc.torch_adapter builds it on first use against the installed torch (see Note [Building the adapter]).
+Its sources are copied into the package so a wheel install can build it too.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -22,15 +27,12 @@ ROOT = Path(__file__).resolve().parent
 
 
 def cuda_include_dir() -> str:
-    """cuda.h from the toolkit, else from the nvidia-cuda-runtime-cu12 wheel's headers."""
-    for base in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if base and (Path(base) / "include" / "cuda.h").exists():
-            return str(Path(base) / "include")
-    for site in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
-        candidate = Path(site) / "nvidia" / "cuda_runtime" / "include"
-        if (candidate / "cuda.h").exists():
-            return str(candidate)
-    return ""
+    """The directory holding cuda.h (see Note [Finding the CUDA headers] in vmalloc/cuda_paths.py)."""
+    spec = importlib.util.spec_from_file_location("vmalloc_cuda_paths", ROOT / "vmalloc" / "cuda_paths.py")
+    cuda_paths = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cuda_paths)
+    found = cuda_paths.find_header("cuda.h")
+    return str(found) if found else ""
 
 
 class CMakeExtension(Extension):
@@ -56,9 +58,23 @@ class CMakeBuild(build_ext):
         subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build_dir), *args], check=True)
         jobs = str(os.cpu_count() or 2)
         subprocess.run(["cmake", "--build", str(build_dir), "-j", jobs], check=True)
+        adapter_src = out_dir / "torch_adapter_src"
+        adapter_src.mkdir(exist_ok=True)
+        for f in (ROOT / "csrc" / "torch").iterdir():
+            shutil.copy2(f, adapter_src / f.name)
         if getattr(self, "editable_mode", False):
-            # setuptools copies _C into the source tree for an editable install; its core library goes too.
-            shutil.copy2(out_dir / "libvmalloc.so", ROOT / "vmalloc" / "libvmalloc.so")
+            self._copy_core_library(out_dir)
+
+    def copy_extensions_to_source(self) -> None:
+        # `build_ext --inplace` builds under build/ and then copies _C into the source tree; the core library
+        # goes too (_C finds it through RUNPATH $ORIGIN first, so a stale copy there would be loaded).
+        super().copy_extensions_to_source()
+        self._copy_core_library(Path(self.build_lib) / "vmalloc")
+
+    @staticmethod
+    def _copy_core_library(out_dir: Path) -> None:
+        """setuptools copies _C into the source tree (editable install, --inplace); its core library goes too."""
+        shutil.copy2(out_dir / "libvmalloc.so", ROOT / "vmalloc" / "libvmalloc.so")
 
 
 setup(ext_modules=[CMakeExtension("vmalloc._C")], cmdclass={"build_ext": CMakeBuild})

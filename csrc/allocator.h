@@ -11,6 +11,8 @@
 //      range, so a request of k chunks succeeds whenever k chunks are free in total;
 //   5. the OOM handler (the swap runtime evicts), then one more try from 1;
 //   6. OutOfMemory, with the allocator's state intact.
+// Every backend failure on the way leaves the arena as it was or consistently degraded (Note [Failure
+// guarantees] in allocator.cpp).
 #pragma once
 
 #include <cstdint>
@@ -34,8 +36,15 @@
 namespace vmalloc {
 
 // The request cannot be met within the capacity even after reclaiming every cached chunk and calling the
-// OOM handler. The message names the request, allocated, cached-free, reserved and capacity bytes.
-struct OutOfMemory : std::runtime_error {
+// OOM handler. The message names the request, allocated, cached-free, reserved and capacity bytes (and,
+// on the cuda backend, starts with "CUDA out of memory." as PyTorch's does, which tools match on).
+struct VMALLOC_API OutOfMemory : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// malloc on a stream that is being captured into a CUDA graph needs more than the memory already cached for
+// that stream (Note [Graph capture] in allocator.cpp). The message names the alternatives.
+struct VMALLOC_API CaptureError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
@@ -44,6 +53,7 @@ struct BlockInfo {
   std::size_t size;
   std::size_t requested;  // 0 for free blocks
   bool allocated;
+  bool pending = false;   // freed, but other streams' work on it may still run (record_stream) or a capture is on
 };
 
 struct SegmentInfo {  // one mapped range: a large allocation, a cached free range, or a slab
@@ -54,29 +64,53 @@ struct SegmentInfo {  // one mapped range: a large allocation, a cached free ran
   std::vector<BlockInfo> blocks;
 };
 
-class Allocator {
+// While an instance lives, Allocator::malloc on this thread fails with OutOfMemory instead of calling the
+// OOM handler (Note [OOM handler and locks] in allocator.cpp). Nests.
+class VMALLOC_API OomHandlerSuppressed {
+ public:
+  OomHandlerSuppressed();
+  ~OomHandlerSuppressed();
+  OomHandlerSuppressed(const OomHandlerSuppressed&) = delete;
+  OomHandlerSuppressed& operator=(const OomHandlerSuppressed&) = delete;
+
+ private:
+  bool previous_;
+};
+
+class VMALLOC_API Allocator {
  public:
   using OomHandler = std::function<bool(std::size_t)>;
 
-  // backend may be null: then one is made from config.backend and config.device.
+  // backend may be null: then one is made from config.backend and config.device. Throws
+  // std::invalid_argument for a bad configuration (naming what to change), BackendError if the backend fails.
   explicit Allocator(const Config& config, std::unique_ptr<Backend> backend = nullptr);
-  ~Allocator();
+  ~Allocator();  // never throws; releases everything, live allocations included
   Allocator(const Allocator&) = delete;
   Allocator& operator=(const Allocator&) = delete;
 
-  // Returns 0 for nbytes == 0. Throws OutOfMemory.
-  std::uintptr_t malloc(std::size_t nbytes, Stream stream);
-  // Throws std::invalid_argument, changing nothing, if addr is not a live allocation. free(0) does nothing.
+  // Returns 0 for nbytes == 0. Throws OutOfMemory; CaptureError; BackendError (the arena unchanged or
+  // consistently degraded, Note [Failure guarantees]). call_oom_handler=false fails with OutOfMemory instead
+  // of calling the handler, for callers that hold a lock the handler may need (Note [OOM handler and locks]).
+  std::uintptr_t malloc(std::size_t nbytes, Stream stream, bool call_oom_handler = true);
+  // Throws std::invalid_argument, changing nothing, if addr is not a live allocation; BackendError, changing
+  // nothing, if an event cannot be recorded. free(0) does nothing.
   void free(std::uintptr_t addr);
-  // The allocation is also used on `stream`: its memory is not reused before that stream's work so far.
+  // The allocation is also used on `stream`: its memory is not reused before that stream's work so far
+  // (Note [Stream safety]).
   void record_stream(std::uintptr_t addr, Stream stream);
-  // Unmaps every cached free range and releases every unmapped chunk.
+  // Unmaps every cached free range and releases every unmapped chunk (waiting for frees pending on other
+  // streams first). Ranges of streams being captured stay (Note [Graph capture]).
   void empty_cache();
   // Changes the capacity; cached memory above it is released now, allocated memory as it is freed.
   void set_capacity(std::size_t bytes);
   void set_oom_handler(OomHandler handler);
   void set_history(std::size_t entries);
   void reset_peak_stats();
+  // A CUDA graph capture begins / ends somewhere in the process (Note [Graph capture]): until the matching
+  // end, nothing is waited for or unmapped, on any stream. Nests. capture_end throws std::logic_error
+  // without a matching begin.
+  void capture_begin();
+  void capture_end();
 
   std::vector<std::pair<std::string, std::int64_t>> stats() const;
   std::vector<SegmentInfo> segments() const;
@@ -86,6 +120,9 @@ class Allocator {
   // Whether [addr, addr + nbytes) lies inside one live allocation.
   bool is_live(std::uintptr_t addr, std::size_t nbytes) const;
   bool owns(std::uintptr_t addr) const;
+  // The message of the last backend failure that the arena survived without throwing (e.g. a release that
+  // failed while free() shrank the cache); "" if none. Each is also counted in stats()["num_backend_errors"].
+  std::string last_backend_error() const;
 
   const Config& config() const { return config_; }
   Backend& backend() { return *backend_; }
@@ -93,14 +130,14 @@ class Allocator {
   std::size_t capacity() const;
 
  private:
-  enum class Kind : std::uint8_t { kAllocated, kCached, kSlab };
+  enum class Kind : std::uint8_t { kAllocated, kCached, kSlab, kPending };
   struct Range {  // a contiguous virtual range with nchunks chunks mapped into it
     std::size_t nchunks;
     Stream stream;
     std::uint32_t reservation;
     Kind kind;
     std::uint64_t free_seq = 0;  // when last freed: orders reclaim (oldest first) and names its fence
-    std::size_t slab_used = 0;   // bytes of small blocks in use, for slabs
+    std::size_t slab_used = 0;   // bytes of small blocks in use or pending, for slabs
   };
   struct SmallBlock {
     std::size_t size;
@@ -114,26 +151,45 @@ class Allocator {
     bool small;
     std::vector<Stream> other_streams;  // from record_stream
   };
+  struct PendingFree {  // freed; reusable once `events` (other streams' work) complete, or capture ends
+    std::uintptr_t addr;
+    Allocation a;
+    std::vector<std::pair<Stream, Event>> events;
+  };
+  struct Stuck {  // a chunk the backend failed to unmap (addr != 0) or to release (addr == 0): quarantined
+    std::uintptr_t addr;
+    ChunkHandle chunk;
+    std::uint32_t reservation;
+  };
   using SizeSet = std::set<std::pair<std::size_t, std::uintptr_t>>;  // (size, address): best fit
 
-  std::uintptr_t try_malloc(std::size_t nbytes, Stream stream);
-  std::uintptr_t malloc_small(std::size_t size, Stream stream);
-  std::uintptr_t malloc_large(std::size_t nchunks, Stream stream);  // returns a kAllocated range, or 0
+  std::uintptr_t try_malloc(std::size_t nbytes, Stream stream, bool cached_only);
+  std::uintptr_t malloc_small(std::size_t size, Stream stream, bool cached_only);
+  std::uintptr_t malloc_large(std::size_t nchunks, Stream stream, bool cached_only);  // a kAllocated range, or 0
   std::uintptr_t take_cached(std::uintptr_t addr, std::size_t nchunks);
   std::uintptr_t map_fresh(std::size_t nchunks, Stream stream);
+  void unmap_for_rollback(std::uintptr_t addr, ChunkHandle chunk, std::uint32_t reservation);
   bool reclaim(std::size_t nchunks);
   void retire_empty_slabs();
   void shrink_to_capacity();
+  void shrink_if_over_capacity() noexcept;
+  bool over_capacity_with_cache() const;
   void free_small(std::uintptr_t addr, std::uint64_t seq);
   void cache_range(std::uintptr_t addr, std::uint64_t seq);
+  void complete_free(std::uintptr_t addr, const Allocation& a, std::uint64_t seq);
+  void settle_frees(bool wait);
   void unmap_tail(std::uintptr_t addr, std::size_t nchunks);
   void release_pool_chunks(std::size_t keep);
-  void fence(std::uint64_t seq);
-  std::uint64_t record_free(const Allocation& a);
+  void retry_quarantine() noexcept;
+  void fence(Stream stream, std::uint64_t seq);
+  void prune_fences(Stream stream) noexcept;
   void insert_cached(std::uintptr_t addr, const Range& r);
   void erase_cached(std::uintptr_t addr, const Range& r);
+  bool quiet() const { return announced_captures_ > 0; }
+  void note_backend_error(const std::exception& e) noexcept;
   std::size_t creatable_chunks() const;
-  std::string oom_message(std::size_t nbytes, std::size_t rounded) const;
+  std::string oom_message(std::size_t nbytes) const;
+  std::string capture_message(std::size_t nbytes, Stream stream) const;
 
   Config config_;
   std::unique_ptr<Backend> backend_;
@@ -145,8 +201,11 @@ class Allocator {
   detail::VaSpace va_;
   std::vector<ChunkHandle> pool_;                             // created, unmapped chunks
   std::unordered_map<std::uintptr_t, ChunkHandle> chunk_at_;  // the chunk mapped at each mapped chunk address
+  std::vector<Stuck> quarantine_;                             // chunks the backend failed to unmap or release
   std::set<std::uintptr_t> empty_slabs_;                      // slabs with no block in use
   bool device_full_ = false;                                  // the backend refused a chunk below capacity
+  bool shrink_blocked_ = false;                               // the last shrink could not release everything
+  std::size_t announced_captures_ = 0;                        // capture_begin() calls not yet ended
   std::size_t num_chunks_ = 0;                                // created and not released
   std::size_t cached_chunks_ = 0;                             // chunks in kCached ranges
   std::map<std::uintptr_t, Range> ranges_;                    // every mapped range, by address
@@ -155,8 +214,12 @@ class Allocator {
   std::map<std::uintptr_t, SmallBlock> small_;                // every block of every slab, by address
   std::unordered_map<Stream, SizeSet> small_free_;            // free small blocks per stream: (size, addr)
   std::unordered_map<std::uintptr_t, Allocation> live_;       // live allocations by address
-  std::deque<std::pair<std::uint64_t, Event>> fences_;        // events recorded at free, oldest first
+  std::map<std::uint64_t, PendingFree> pending_;              // frees waiting for other streams, by free_seq
+  std::vector<PendingFree> deferred_;                         // frees made while their stream was captured
+  // Per stream, the events recorded at its frees, oldest first: (free_seq, event) (Note [Stream safety]).
+  std::unordered_map<Stream, std::deque<std::pair<std::uint64_t, Event>>> fences_;
   std::uint64_t free_seq_ = 0;
+  std::string last_backend_error_;
   detail::Stats stats_;
   detail::TraceRing trace_;
   std::shared_ptr<OomHandler> oom_handler_;

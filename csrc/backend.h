@@ -4,6 +4,13 @@
 // same contract on host memory (memfd chunks mmap'ed into a PROT_NONE reservation), and a bookkeeping-only
 // simulator. Everything above this line is identical for all three, so the allocator is tested in full on
 // machines without a GPU.
+//
+// Note [Backend failures]
+// Every call that can fail throws BackendError, whose message names the backend, the call (the driver entry
+// point or system call) and the system's reason (the CUresult's name and text, or errno's). The allocator
+// gives each call a strong guarantee (Note [Failure guarantees] in allocator.cpp), so a call either happened
+// or did not: a backend must not half-do one (a failed map leaves nothing mapped, a failed unmap leaves the
+// chunk where it was, as far as the system lets the backend know).
 #pragma once
 
 #include <cstddef>
@@ -12,19 +19,33 @@
 #include <stdexcept>
 #include <string>
 
+// Exported from libvmalloc.so whatever the including module's default visibility (pybind11 modules and the
+// torch adapter build with -fvisibility=hidden), so that exceptions thrown in the core are caught, and
+// dynamic_casts succeed, in the modules that use it.
+#define VMALLOC_API __attribute__((visibility("default")))
+
 namespace vmalloc {
+
+struct Config;
 
 using Stream = std::uintptr_t;       // a cudaStream_t / CUstream value; 0 is the legacy default stream
 using ChunkHandle = std::uint64_t;   // a physical chunk (CUmemGenericAllocationHandle, memfd slot, sim id)
 using Event = std::uint64_t;         // a recorded stream position; 0 means "nothing to wait for"
 
-// Thrown by create_chunk when the memory system itself has no physical memory left (as opposed to the
-// allocator's own capacity, which the core enforces before it asks).
-struct BackendOutOfMemory : std::runtime_error {
-  using std::runtime_error::runtime_error;
+// A backend call failed. `call` is the entry point or system call that failed (e.g. "cuMemMap", "mmap").
+struct VMALLOC_API BackendError : std::runtime_error {
+  BackendError(std::string call_name, const std::string& message)
+      : std::runtime_error(message), call(std::move(call_name)) {}
+  std::string call;
 };
 
-class Backend {
+// Thrown by create_chunk when the memory system itself has no physical memory left (as opposed to the
+// allocator's own capacity, which the core enforces before it asks).
+struct VMALLOC_API BackendOutOfMemory : BackendError {
+  using BackendError::BackendError;
+};
+
+class VMALLOC_API Backend {
  public:
   virtual ~Backend() = default;
 
@@ -51,7 +72,10 @@ class Backend {
   virtual bool event_done(Event) { return true; }
   virtual void event_synchronize(Event) {}
   virtual void stream_wait(Stream, Event) {}
-  virtual void release_event(Event) {}
+  virtual void release_event(Event) noexcept {}
+  // Whether work submitted to the stream is being captured into a CUDA graph right now
+  // (Note [Graph capture] in allocator.cpp). Backends without graphs never capture.
+  virtual bool capturing(Stream) { return false; }
 };
 
 std::unique_ptr<Backend> make_cuda_backend(int device);
@@ -59,5 +83,12 @@ std::unique_ptr<Backend> make_host_backend();
 std::unique_ptr<Backend> make_sim_backend(std::size_t granularity);
 // "cuda" | "host" | "sim"; throws std::invalid_argument naming the choices otherwise.
 std::unique_ptr<Backend> make_backend(const std::string& name, int device);
+
+// How many devices the backend of `config` has: the driver's count for cuda (cuDeviceGetCount; throws
+// std::runtime_error when the driver cannot be loaded), config.devices for host and sim.
+int device_count(const Config& config);
+int cuda_device_count();
+// Throws std::invalid_argument naming the count unless 0 <= device < device_count(config).
+void check_device(const Config& config, int device);
 
 }  // namespace vmalloc

@@ -4,11 +4,15 @@
 // Note [libcuda at run time]
 // libcuda is never linked. It is dlopen'ed the first time a cuda backend is made, and every entry point is
 // looked up through cuGetProcAddress, so `import vmalloc` and the host/sim backends work on machines with no
-// GPU or driver; only cuda.h (types and signatures) is needed to build.
+// GPU or driver; only cuda.h (types and signatures) is needed to build. VMALLOC_LIBCUDA=<path> loads that
+// file instead of libcuda.so.1: the test suite points it at an emulated driver (tests/fakecuda), so the
+// cuda backend runs in CI without a GPU.
 #include <cuda.h>
 #include <dlfcn.h>
 
+#include <cstdlib>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "backend.h"
@@ -20,7 +24,9 @@ struct Driver {
 #define VMALLOC_CU_FN(name) decltype(&::name) name = nullptr;
   VMALLOC_CU_FN(cuInit)
   VMALLOC_CU_FN(cuGetErrorString)
+  VMALLOC_CU_FN(cuGetErrorName)
   VMALLOC_CU_FN(cuDeviceGet)
+  VMALLOC_CU_FN(cuDeviceGetCount)
   VMALLOC_CU_FN(cuDeviceTotalMem)
   VMALLOC_CU_FN(cuDevicePrimaryCtxRetain)
   VMALLOC_CU_FN(cuDevicePrimaryCtxRelease)
@@ -41,6 +47,7 @@ struct Driver {
   VMALLOC_CU_FN(cuEventQuery)
   VMALLOC_CU_FN(cuEventSynchronize)
   VMALLOC_CU_FN(cuStreamWaitEvent)
+  VMALLOC_CU_FN(cuStreamIsCapturing)
 #undef VMALLOC_CU_FN
 };
 
@@ -52,29 +59,34 @@ const Driver& driver() {
   static std::once_flag once;
   static std::string error;
   std::call_once(once, [] {
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    const char* override_path = std::getenv("VMALLOC_LIBCUDA");
+    const bool overridden = override_path && *override_path;
+    const std::string path = overridden ? override_path : "libcuda.so.1";
+    void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
-      error = std::string("cannot load libcuda.so.1 (is an NVIDIA driver installed?): ") + dlerror();
+      const char* why = dlerror();
+      error = overridden ? "cannot load " + path + " (named by VMALLOC_LIBCUDA): " + (why ? why : "?")
+                         : "cannot load libcuda.so.1 (is an NVIDIA driver installed?): " + std::string(why ? why : "?");
       return;
     }
     auto v2 = reinterpret_cast<GetProcAddressV2>(dlsym(lib, "cuGetProcAddress_v2"));
     auto v1 = reinterpret_cast<GetProcAddressV1>(dlsym(lib, "cuGetProcAddress"));
     if (!v2 && !v1) {
-      error = "libcuda.so.1 has no cuGetProcAddress: the driver is too old for vmalloc (CUDA 11.3+ needed)";
+      error = path + " has no cuGetProcAddress: the driver is too old for vmalloc (CUDA 11.3+ needed)";
       return;
     }
     auto lookup = [&](const char* symbol, void** fn) {
       // 12000: ask for the CUDA 12 ABI of each symbol (e.g. cuMemGetInfo_v2), whatever the driver's version.
       CUresult r = v2 ? v2(symbol, fn, 12000, CU_GET_PROC_ADDRESS_DEFAULT, nullptr)
                       : v1(symbol, fn, 12000, CU_GET_PROC_ADDRESS_DEFAULT);
-      if (r != CUDA_SUCCESS || *fn == nullptr) {
-        error = std::string("libcuda.so.1 does not provide ") + symbol;
-      }
+      if ((r != CUDA_SUCCESS || *fn == nullptr) && error.empty()) error = path + " does not provide " + symbol;
     };
 #define VMALLOC_CU_LOOKUP(name) lookup(#name, reinterpret_cast<void**>(&d.name));
     VMALLOC_CU_LOOKUP(cuInit)
     VMALLOC_CU_LOOKUP(cuGetErrorString)
+    VMALLOC_CU_LOOKUP(cuGetErrorName)
     VMALLOC_CU_LOOKUP(cuDeviceGet)
+    VMALLOC_CU_LOOKUP(cuDeviceGetCount)
     VMALLOC_CU_LOOKUP(cuDeviceTotalMem)
     VMALLOC_CU_LOOKUP(cuDevicePrimaryCtxRetain)
     VMALLOC_CU_LOOKUP(cuDevicePrimaryCtxRelease)
@@ -95,20 +107,24 @@ const Driver& driver() {
     VMALLOC_CU_LOOKUP(cuEventQuery)
     VMALLOC_CU_LOOKUP(cuEventSynchronize)
     VMALLOC_CU_LOOKUP(cuStreamWaitEvent)
+    VMALLOC_CU_LOOKUP(cuStreamIsCapturing)
 #undef VMALLOC_CU_LOOKUP
   });
   if (!error.empty()) throw std::runtime_error("vmalloc cuda backend: " + error);
   return d;
 }
 
+// Throws BackendError naming the entry point and the CUresult (name, text and number).
 void check(CUresult r, const char* what) {
   if (r == CUDA_SUCCESS) return;
+  const char* name = nullptr;
   const char* msg = nullptr;
+  if (driver().cuGetErrorName) driver().cuGetErrorName(r, &name);
   if (driver().cuGetErrorString) driver().cuGetErrorString(r, &msg);
-  const std::string text = std::string("vmalloc cuda backend: ") + what + " failed: " + (msg ? msg : "?") +
-                           " (CUresult " + std::to_string(static_cast<int>(r)) + ")";
-  if (r == CUDA_ERROR_OUT_OF_MEMORY) throw BackendOutOfMemory(text);
-  throw std::runtime_error(text);
+  const std::string text = std::string("vmalloc cuda backend: ") + what + " failed: " + (name ? name : "CUresult") +
+                           " (" + (msg ? msg : "unknown error") + ", CUresult " + std::to_string(static_cast<int>(r)) + ")";
+  if (r == CUDA_ERROR_OUT_OF_MEMORY) throw BackendOutOfMemory(what, text);
+  throw BackendError(what, text);
 }
 
 class CudaBackend final : public Backend {
@@ -120,16 +136,22 @@ class CudaBackend final : public Backend {
     prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop_.location.id = device;
-    ContextGuard guard(*this);
-    check(d_.cuMemGetAllocationGranularity(&granularity_, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
-          "cuMemGetAllocationGranularity");
-    check(d_.cuDeviceTotalMem(&total_, dev_), "cuDeviceTotalMem");
+    try {
+      ContextGuard guard(*this);
+      check(d_.cuMemGetAllocationGranularity(&granularity_, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+            "cuMemGetAllocationGranularity");
+      check(d_.cuDeviceTotalMem(&total_, dev_), "cuDeviceTotalMem");
+    } catch (...) {
+      d_.cuDevicePrimaryCtxRelease(dev_);  // the destructor does not run for a half-made backend
+      throw;
+    }
   }
 
   ~CudaBackend() override {
-    {
+    try {  // destructors never throw (Note [Failure guarantees]); at worst the events leak with the context
       ContextGuard guard(*this);
       for (CUevent e : idle_events_) d_.cuEventDestroy(e);
+    } catch (...) {
     }
     d_.cuDevicePrimaryCtxRelease(dev_);
   }
@@ -186,7 +208,9 @@ class CudaBackend final : public Backend {
       }
     }
     if (!e) check(d_.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-    check(d_.cuEventRecord(e, reinterpret_cast<CUstream>(stream)), "cuEventRecord");
+    const CUresult r = d_.cuEventRecord(e, reinterpret_cast<CUstream>(stream));
+    if (r != CUDA_SUCCESS) release_event(reinterpret_cast<Event>(e));  // back to the idle list, not leaked
+    check(r, "cuEventRecord");
     return reinterpret_cast<Event>(e);
   }
   bool event_done(Event event) override {
@@ -205,9 +229,21 @@ class CudaBackend final : public Backend {
     check(d_.cuStreamWaitEvent(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUevent>(event), 0),
           "cuStreamWaitEvent");
   }
-  void release_event(Event event) override {
-    std::lock_guard<std::mutex> lock(events_mu_);
-    idle_events_.push_back(reinterpret_cast<CUevent>(event));
+  void release_event(Event event) noexcept override {
+    try {
+      std::lock_guard<std::mutex> lock(events_mu_);
+      idle_events_.push_back(reinterpret_cast<CUevent>(event));
+    } catch (...) {  // out of memory for the idle list: the event leaks, nothing else
+    }
+  }
+  bool capturing(Stream stream) override {
+    ContextGuard guard(*this);
+    CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+    const CUresult r = d_.cuStreamIsCapturing(reinterpret_cast<CUstream>(stream), &status);
+    // The legacy stream cannot be used while another stream captures in global mode: treat it as capturing.
+    if (r == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) return true;
+    check(r, "cuStreamIsCapturing");
+    return status != CU_STREAM_CAPTURE_STATUS_NONE;
   }
 
  private:
@@ -250,5 +286,13 @@ class CudaBackend final : public Backend {
 }  // namespace
 
 std::unique_ptr<Backend> make_cuda_backend(int device) { return std::make_unique<CudaBackend>(device); }
+
+int cuda_device_count() {
+  const Driver& d = driver();
+  check(d.cuInit(0), "cuInit");
+  int count = 0;
+  check(d.cuDeviceGetCount(&count), "cuDeviceGetCount");
+  return count;
+}
 
 }  // namespace vmalloc

@@ -1,6 +1,6 @@
 // Sim backend: addresses and handles without memory, so paper-scale traces (100+ GB) replay on a laptop
 // through exactly the allocator logic that runs on a GPU.
-#include <atomic>
+#include <string>
 
 #include "backend.h"
 
@@ -18,6 +18,9 @@ class SimBackend final : public Backend {
 
   std::uintptr_t reserve(std::size_t bytes) override {
     // Bump-allocate addresses far from anything real; leave a gap so ranges never touch across reservations.
+    if (bytes > kEndVa - next_va_ || round_up(bytes) + granularity_ > kEndVa - next_va_)
+      throw BackendError("reserve", "vmalloc sim backend: reserve failed: the simulated address space (2^44 to 2^60) "
+                                    "cannot hold another " + std::to_string(bytes) + " bytes");
     const std::uintptr_t base = next_va_;
     next_va_ += round_up(bytes) + granularity_;
     return base;
@@ -32,6 +35,7 @@ class SimBackend final : public Backend {
  private:
   std::size_t round_up(std::size_t n) const { return (n + granularity_ - 1) / granularity_ * granularity_; }
 
+  static constexpr std::uintptr_t kEndVa = std::uintptr_t{1} << 60;
   std::size_t granularity_;
   std::uintptr_t next_va_ = std::uintptr_t{1} << 44;
   ChunkHandle next_chunk_ = 0;
@@ -41,13 +45,6 @@ class SimBackend final : public Backend {
 
 std::unique_ptr<Backend> make_sim_backend(std::size_t granularity) {
   return std::make_unique<SimBackend>(granularity);
-}
-
-std::unique_ptr<Backend> make_backend(const std::string& name, int device) {
-  if (name == "cuda") return make_cuda_backend(device);
-  if (name == "host") return make_host_backend();
-  if (name == "sim") return make_sim_backend(std::size_t{2} << 20);  // CUDA's usual VMM granularity
-  throw std::invalid_argument("unknown backend '" + name + "': choose 'cuda', 'host' or 'sim'");
 }
 
 }  // namespace vmalloc

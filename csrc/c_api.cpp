@@ -1,136 +1,175 @@
-// extern "C" entry points for torch.cuda.memory.CUDAPluggableAllocator, and the global arena registry.
+// extern "C" entry points for torch.cuda.memory.CUDAPluggableAllocator, and their non-throwing twins.
 //
 // Note [C entry points]
 // torch stores {size, device, allocation stream} per pointer and passes them back to free; the C++ type of
-// free has `device`, although torch's docstring omits it. torch does not check malloc's result for null,
-// so an out-of-memory failure is thrown as a C++ exception (torch reports it as a RuntimeError carrying our
-// message), the way RMM's torch allocator does. free must not throw (it runs in destructors): errors there
-// are printed.
-#include <array>
-#include <atomic>
+// free has `device`, although torch's docstring omits it. torch calls these hooks from C++ and does not
+// check malloc's result for null, so the hooks report errors as C++ exceptions (std::exception subclasses
+// with the whole explanation; vmalloc::OutOfMemory for out-of-memory), which torch turns into Python
+// exceptions, the way RMM's torch allocator does. A C caller cannot catch an exception: through these hooks
+// it would end the process. C callers use the vmalloc_try_* family (vmalloc_c.h), which catches everything,
+// returns NULL / -1 and keeps the message for vmalloc_last_error(). free never throws (torch calls it from
+// destructors): errors are printed and kept for vmalloc_last_error(). free only looks arenas up: a free for
+// a device without an arena is an error, never a reason to make one.
 #include <cstdio>
-#include <cstdlib>
-#include <mutex>
+#include <string>
 
 #include "global.h"
+#include "vmalloc_c.h"
 
-namespace vmalloc::global {
 namespace {
 
-constexpr int kMaxDevices = 64;
+using vmalloc::Allocator;
+namespace global = vmalloc::global;
 
-struct Registry {
-  std::mutex mu;
-  bool configured = false;
-  Config config;
-  std::array<std::shared_ptr<Allocator>, kMaxDevices> owners;
-  std::array<std::atomic<Allocator*>, kMaxDevices> fast{};  // lock-free lookup on the hot path
-};
+thread_local std::string t_last_error;
 
-// Note [Global arenas are immortal]
-// The registry is never destroyed: torch may free tensors during interpreter shutdown, after static
-// destructors would have run, and the driver tears memory down at process exit anyway.
-Registry& registry() {
-  static Registry* r = new Registry();
-  return *r;
-}
-
-Config env_config() {
-  const char* env = std::getenv("VMALLOC_CONF");
-  return parse_conf(env ? env : "");
-}
-
-void check_device(int device) {
-  if (device < 0 || device >= kMaxDevices)
-    throw std::invalid_argument("vmalloc: device index " + std::to_string(device) + " is out of range");
-}
-
-}  // namespace
-
-void configure(const Config& config) {
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  for (auto& a : r.owners)
-    if (a) throw std::logic_error("vmalloc: the global allocator is already in use; configure it before the first CUDA allocation");
-  r.config = config;
-  r.configured = true;
-}
-
-Config configuration() {
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  return r.configured ? r.config : env_config();
-}
-
-std::shared_ptr<Allocator> arena(int device) {
-  check_device(device);
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  if (!r.owners[device]) {
-    Config c = r.configured ? r.config : env_config();
-    c.device = device;
-    r.owners[device] = std::make_shared<Allocator>(c);
-    r.fast[device].store(r.owners[device].get(), std::memory_order_release);
+void set_error(const char* what) noexcept {
+  try {
+    t_last_error = what;
+  } catch (...) {
+    t_last_error.clear();
   }
-  return r.owners[device];
 }
 
-std::shared_ptr<Allocator> existing(int device) {
-  check_device(device);
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  return r.owners[device];
+// Runs f; on an exception keeps its message for vmalloc_last_error() and returns false.
+template <typename F>
+bool guarded(const char* entry, F&& f) noexcept {
+  try {
+    f();
+    t_last_error.clear();
+    return true;
+  } catch (const std::exception& e) {
+    try {
+      set_error((std::string(entry) + ": " + e.what()).c_str());
+    } catch (...) {
+      set_error(entry);
+    }
+  } catch (...) {
+    set_error((std::string(entry) + ": unknown exception").c_str());
+  }
+  return false;
 }
 
 Allocator& fast_arena(int device) {
-  if (device >= 0 && device < kMaxDevices) {
-    if (Allocator* a = registry().fast[device].load(std::memory_order_acquire)) return *a;
-  }
-  return *arena(device);
+  if (Allocator* a = global::fast_existing(device)) return *a;
+  return *global::arena(device);
 }
 
-}  // namespace vmalloc::global
-
-using vmalloc::global::fast_arena;
-
-extern "C" {
-
-__attribute__((visibility("default"))) void* vmalloc_malloc(ssize_t size, int device, void* stream) {
-  if (size < 0) throw std::invalid_argument("vmalloc_malloc: negative size");
+void* do_malloc(ssize_t size, int device, void* stream) {
+  if (size < 0)
+    throw std::invalid_argument("vmalloc_malloc: negative size " + std::to_string(size) + " for device " +
+                                std::to_string(device));
   return reinterpret_cast<void*>(
       fast_arena(device).malloc(static_cast<std::size_t>(size), reinterpret_cast<vmalloc::Stream>(stream)));
 }
 
-__attribute__((visibility("default"))) void vmalloc_free(void* ptr, size_t /*size*/, int device, void* /*stream*/) {
-  try {
-    fast_arena(device).free(reinterpret_cast<std::uintptr_t>(ptr));
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "vmalloc_free: %s\n", e.what());
+void do_free(void* ptr, int device) {
+  if (!ptr) return;
+  Allocator* a = global::fast_existing(device);
+  if (!a) {
+    throw std::invalid_argument("free of " + std::to_string(reinterpret_cast<std::uintptr_t>(ptr)) +
+                                " on device " + std::to_string(device) +
+                                ", which has no vmalloc arena (a pointer from another allocator, or a wrong device)");
   }
+  a->free(reinterpret_cast<std::uintptr_t>(ptr));
 }
 
-// torch's reset_fn: called by torch.cuda.empty_cache().
-__attribute__((visibility("default"))) void vmalloc_empty_cache() {
-  vmalloc::global::for_each([](vmalloc::Allocator& a) { a.empty_cache(); });
+void do_empty_cache() {
+  std::string first_error;
+  global::for_each([&](Allocator& a) {
+    try {
+      a.empty_cache();
+    } catch (const std::exception& e) {  // the other arenas still empty their caches
+      if (first_error.empty()) first_error = e.what();
+    }
+  });
+  if (!first_error.empty()) throw std::runtime_error(first_error);
 }
 
-// torch's init_fn: makes the device's arena eagerly, so configuration errors show up at startup.
-__attribute__((visibility("default"))) void vmalloc_init(int device) { vmalloc::global::arena(device); }
-
-// torch's memory_fraction_fn: torch.cuda.set_per_process_memory_fraction(fraction, device).
-__attribute__((visibility("default"))) void vmalloc_set_memory_fraction(double fraction, int device) {
-  if (!(fraction > 0.0 && fraction <= 1.0)) throw std::invalid_argument("memory fraction must be in (0, 1]");
-  auto& a = fast_arena(device);
+void do_set_memory_fraction(double fraction, int device) {
+  if (!(fraction > 0.0 && fraction <= 1.0))
+    throw std::invalid_argument("memory fraction must be in (0, 1], not " + std::to_string(fraction));
+  Allocator& a = fast_arena(device);
   a.set_capacity(static_cast<std::size_t>(fraction * static_cast<double>(a.backend().total_memory())));
 }
 
-// torch's record_stream_fn: tensor.record_stream(stream). torch does not say which device, so the arena
-// that owns the pointer takes it.
-__attribute__((visibility("default"))) void vmalloc_record_stream(void* ptr, void* stream) {
+// torch does not say which device, so the arena that owns the pointer takes it.
+void do_record_stream(void* ptr, void* stream) {
+  if (!ptr) return;
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
-  vmalloc::global::for_each([&](vmalloc::Allocator& a) {
-    if (a.owns(addr)) a.record_stream(addr, reinterpret_cast<vmalloc::Stream>(stream));
+  bool found = false;
+  global::for_each([&](Allocator& a) {
+    if (!found && a.owns(addr)) {
+      a.record_stream(addr, reinterpret_cast<vmalloc::Stream>(stream));
+      found = true;
+    }
   });
+  if (!found)
+    throw std::invalid_argument("record_stream on " + std::to_string(addr) + ", which no vmalloc arena allocated");
 }
+
+}  // namespace
+
+extern "C" {
+
+// ---- torch's hooks: C++ exceptions -------------------------------------------------------------------------
+
+__attribute__((visibility("default"))) void* vmalloc_malloc(ssize_t size, int device, void* stream) {
+  return do_malloc(size, device, stream);
+}
+
+__attribute__((visibility("default"))) void vmalloc_free(void* ptr, size_t /*size*/, int device, void* /*stream*/) {
+  if (!guarded("vmalloc_free", [&] { do_free(ptr, device); })) std::fprintf(stderr, "%s\n", t_last_error.c_str());
+}
+
+// torch's reset_fn: called by torch.cuda.empty_cache().
+__attribute__((visibility("default"))) void vmalloc_empty_cache() { do_empty_cache(); }
+
+// Note [Init hook]
+// torch calls init_fn(device_count) once, at lazy CUDA initialization (CUDAPluggableAllocator::init(int
+// device_count)): the argument is a count, not a device. The hook checks the configuration and the count
+// and makes no arena: an arena per GPU made eagerly would reserve address space and retain a context on
+// every GPU, also those the program never uses. Arenas are made at their device's first allocation.
+__attribute__((visibility("default"))) void vmalloc_init(int device_count) { global::init(device_count); }
+
+// torch's memory_fraction_fn: torch.cuda.set_per_process_memory_fraction(fraction, device).
+__attribute__((visibility("default"))) void vmalloc_set_memory_fraction(double fraction, int device) {
+  do_set_memory_fraction(fraction, device);
+}
+
+// torch's record_stream_fn: tensor.record_stream(stream).
+__attribute__((visibility("default"))) void vmalloc_record_stream(void* ptr, void* stream) {
+  do_record_stream(ptr, stream);
+}
+
+// ---- for C callers: never throw --------------------------------------------------------------------------
+
+__attribute__((visibility("default"))) void* vmalloc_try_malloc(ssize_t size, int device, void* stream) {
+  void* p = nullptr;
+  guarded("vmalloc_try_malloc", [&] { p = do_malloc(size, device, stream); });
+  return p;
+}
+
+__attribute__((visibility("default"))) int vmalloc_try_free(void* ptr, int device) {
+  return guarded("vmalloc_try_free", [&] { do_free(ptr, device); }) ? 0 : -1;
+}
+
+__attribute__((visibility("default"))) int vmalloc_try_empty_cache() {
+  return guarded("vmalloc_try_empty_cache", [] { do_empty_cache(); }) ? 0 : -1;
+}
+
+__attribute__((visibility("default"))) int vmalloc_try_init(int device_count) {
+  return guarded("vmalloc_try_init", [&] { global::init(device_count); }) ? 0 : -1;
+}
+
+__attribute__((visibility("default"))) int vmalloc_try_set_memory_fraction(double fraction, int device) {
+  return guarded("vmalloc_try_set_memory_fraction", [&] { do_set_memory_fraction(fraction, device); }) ? 0 : -1;
+}
+
+__attribute__((visibility("default"))) int vmalloc_try_record_stream(void* ptr, void* stream) {
+  return guarded("vmalloc_try_record_stream", [&] { do_record_stream(ptr, stream); }) ? 0 : -1;
+}
+
+__attribute__((visibility("default"))) const char* vmalloc_last_error() { return t_last_error.c_str(); }
 
 }  // extern "C"

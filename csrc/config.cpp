@@ -2,7 +2,9 @@
 
 #include <cctype>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <stdexcept>
 
 namespace vmalloc {
@@ -15,21 +17,39 @@ std::string trim(const std::string& s) {
   return s.substr(b, e - b);
 }
 
+std::string lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+bool all_digits(const std::string& s) {
+  if (s.empty()) return false;
+  for (char c : s)
+    if (!std::isdigit(static_cast<unsigned char>(c))) return false;
+  return true;
+}
+
+// 2^63: every size must fit the int64 counters of stats().
+constexpr double kSizeLimit = 9223372036854775808.0;
+
 }  // namespace
 
 std::size_t parse_size(const std::string& raw) {
   const std::string text = trim(raw);
   const std::string forms = "expected a byte count such as 4096, \"512KiB\", \"2MiB\", \"1.5GiB\" or \"10MB\"";
-  std::size_t pos = 0;
-  while (pos < text.size() && (std::isdigit(static_cast<unsigned char>(text[pos])) || text[pos] == '.')) ++pos;
-  if (pos == 0) throw std::invalid_argument("invalid size '" + raw + "': " + forms);
-  double number = 0;
-  try {
-    number = std::stod(text.substr(0, pos));
-  } catch (const std::exception&) {
-    throw std::invalid_argument("invalid size '" + raw + "': " + forms);
+  if (!text.empty() && text[0] == '-')
+    throw std::invalid_argument("invalid size '" + raw + "': sizes must not be negative; " + forms);
+  // The number: digits, optionally one '.' and more digits ("1..2GiB" and "1.2.3" are rejected).
+  std::size_t pos = 0, dots = 0, digits = 0;
+  while (pos < text.size() && (std::isdigit(static_cast<unsigned char>(text[pos])) || text[pos] == '.')) {
+    if (text[pos] == '.') ++dots;
+    else ++digits;
+    ++pos;
   }
-  std::string unit = trim(text.substr(pos));
+  const std::string number_text = text.substr(0, pos);
+  if (digits == 0 || dots > 1 || number_text.front() == '.' || number_text.back() == '.')
+    throw std::invalid_argument("invalid size '" + raw + "': " + forms);
+  const std::string unit = trim(text.substr(pos));
   double scale = 1;
   if (unit.empty() || unit == "B") scale = 1;
   else if (unit == "KiB" || unit == "K") scale = 1024.0;
@@ -41,10 +61,57 @@ std::size_t parse_size(const std::string& raw) {
   else if (unit == "GB") scale = 1e9;
   else if (unit == "TB") scale = 1e12;
   else throw std::invalid_argument("invalid size unit '" + unit + "' in '" + raw + "': " + forms);
-  const double bytes = number * scale;
-  if (bytes != std::floor(bytes) || bytes > 9.0e18)
+  const std::string too_large = "invalid size '" + raw + "': too large (sizes must be below 2^63 bytes = 8 EiB)";
+  if (dots == 0 && scale == 1) {  // plain byte counts exactly, without a detour through double
+    if (number_text.size() > 19) throw std::invalid_argument(too_large);
+    const unsigned long long v = std::stoull(number_text);
+    if (v > static_cast<unsigned long long>(std::numeric_limits<std::int64_t>::max()))
+      throw std::invalid_argument(too_large);
+    return static_cast<std::size_t>(v);
+  }
+  const double bytes = std::stod(number_text) * scale;
+  if (!(bytes < kSizeLimit)) throw std::invalid_argument(too_large);
+  if (bytes != std::floor(bytes))
     throw std::invalid_argument("invalid size '" + raw + "': not a whole number of bytes");
   return static_cast<std::size_t>(bytes);
+}
+
+bool parse_bool(const std::string& raw, const std::string& what) {
+  const std::string v = lower(trim(raw));
+  if (v == "1" || v == "true" || v == "yes" || v == "on") return true;
+  if (v == "0" || v == "false" || v == "no" || v == "off") return false;
+  throw std::invalid_argument("invalid " + what + " '" + raw +
+                              "': write true or false (also accepted: 1/0, yes/no, on/off)");
+}
+
+std::size_t parse_count(const std::string& raw, const std::string& what) {
+  const std::string v = trim(raw);
+  if (!all_digits(v) || v.size() > 18)
+    throw std::invalid_argument("invalid " + what + " '" + raw + "': write a non-negative whole number such as 0 or 1000");
+  return static_cast<std::size_t>(std::stoull(v));
+}
+
+void validate(const Config& c) {
+  if (c.backend != "cuda" && c.backend != "host" && c.backend != "sim")
+    throw std::invalid_argument("unknown backend '" + c.backend + "': choose 'cuda', 'host' or 'sim'");
+  if (c.capacity > kMaxCapacity)
+    throw std::invalid_argument("capacity " + format_size(c.capacity) + " (" + std::to_string(c.capacity) +
+                                " bytes) is more than vmalloc supports (" + format_size(kMaxCapacity) +
+                                "): give the device's memory or less, e.g. \"80GiB\"");
+  if (c.chunk_size == 0)
+    throw std::invalid_argument("chunk_size must be positive: use a multiple of the backend's granularity, e.g. \"2MiB\"");
+  if (c.chunk_size > kMaxCapacity)
+    throw std::invalid_argument("chunk_size " + format_size(c.chunk_size) + " is more than vmalloc supports (" +
+                                format_size(kMaxCapacity) + ")");
+  if (c.small_max > c.chunk_size)
+    throw std::invalid_argument("small_max (" + format_size(c.small_max) + ") must not exceed chunk_size (" +
+                                format_size(c.chunk_size) + "): small blocks are carved from one chunk");
+  if (c.devices < 1 || c.devices > kMaxDevices)
+    throw std::invalid_argument("devices must be between 1 and " + std::to_string(kMaxDevices) + ", not " +
+                                std::to_string(c.devices));
+  if (c.device < 0 || c.device >= kMaxDevices)
+    throw std::invalid_argument("device " + std::to_string(c.device) + " is out of range: device indices are 0 to " +
+                                std::to_string(kMaxDevices - 1));
 }
 
 Config parse_conf(const std::string& text, Config c) {
@@ -57,28 +124,38 @@ Config parse_conf(const std::string& text, Config c) {
     if (item.empty()) continue;
     const std::size_t eq = item.find('=');
     if (eq == std::string::npos)
-      throw std::invalid_argument("VMALLOC_CONF item '" + item + "' is not key=value");
+      throw std::invalid_argument("VMALLOC_CONF item '" + item + "' is not key=value (e.g. capacity=16GiB)");
     const std::string key = trim(item.substr(0, eq));
     const std::string value = trim(item.substr(eq + 1));
+    auto small_int = [&](const std::string& what) {
+      const std::size_t v = parse_count(value, "VMALLOC_CONF " + what);
+      if (v > static_cast<std::size_t>(kMaxDevices))
+        throw std::invalid_argument("invalid VMALLOC_CONF " + what + " '" + value + "': at most " +
+                                    std::to_string(kMaxDevices));
+      return static_cast<int>(v);
+    };
     if (key == "backend") c.backend = value;
     else if (key == "capacity") c.capacity = parse_size(value);
     else if (key == "chunk_size") c.chunk_size = parse_size(value);
     else if (key == "small_max") c.small_max = parse_size(value);
-    else if (key == "history") c.history = parse_size(value);
-    else if (key == "device") c.device = std::stoi(value);
-    else if (key == "eager_growth") c.eager_growth = (value == "1" || value == "true" || value == "True");
+    else if (key == "history") c.history = parse_count(value, "VMALLOC_CONF history (trace entries)");
+    else if (key == "device") c.device = small_int("device");
+    else if (key == "devices") c.devices = small_int("devices");
+    else if (key == "eager_growth") c.eager_growth = parse_bool(value, "VMALLOC_CONF eager_growth");
     else
       throw std::invalid_argument("unknown VMALLOC_CONF key '" + key +
-                                  "': known keys are backend, capacity, chunk_size, small_max, history, device, eager_growth");
+                                  "': known keys are backend, capacity, chunk_size, small_max, history, device, "
+                                  "devices, eager_growth");
   }
+  validate(c);
   return c;
 }
 
 std::string format_size(std::size_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
   double v = static_cast<double>(bytes);
   int u = 0;
-  while (v >= 1024 && u < 4) {
+  while (v >= 1024 && u < 6) {
     v /= 1024;
     ++u;
   }

@@ -7,12 +7,19 @@
 
 namespace vmalloc {
 
+// The largest capacity an arena accepts: 1 PiB, beyond any device, so that 4x of it (the first address
+// reservation) and every byte count in stats() fit comfortably in 64 bits.
+constexpr std::size_t kMaxCapacity = std::size_t{1} << 50;
+constexpr int kMaxDevices = 64;
+
 struct Config {
   std::string backend = "cuda";
   std::size_t capacity = 0;  // 0: the backend's default (see Allocator::Allocator)
   std::size_t chunk_size = std::size_t{2} << 20;
   std::size_t small_max = std::size_t{1} << 20;
   int device = 0;
+  // How many devices the host and sim backends present (the cuda backend asks the driver).
+  int devices = 1;
   std::size_t history = 0;  // trace entries kept for snapshot(); 0 records none
   // Note [Reuse before growth]: false (default) reuses cached chunks (reclaim) before creating new ones;
   // true creates new chunks while under capacity first, reclaiming only at the capacity.
@@ -20,11 +27,20 @@ struct Config {
 };
 
 // Parses "123", "512KiB", "2MiB", "1.5GiB", "1TiB", "10MB" (SI units are decimal). Throws
-// std::invalid_argument with the accepted forms on anything else.
+// std::invalid_argument with the accepted forms on anything else, and on sizes of 2^63 bytes or more.
 std::size_t parse_size(const std::string& text);
+// "1/0/true/false/yes/no/on/off" (any case). Throws std::invalid_argument listing them otherwise.
+bool parse_bool(const std::string& text, const std::string& what);
+// A non-negative decimal integer. Throws std::invalid_argument naming `what` otherwise.
+std::size_t parse_count(const std::string& text, const std::string& what);
 
-// Applies "key=value,key=value" on top of base. Unknown keys and bad values throw std::invalid_argument.
+// Applies "key=value,key=value" on top of base, then validate()s. Unknown keys and bad values throw
+// std::invalid_argument saying what to write instead.
 Config parse_conf(const std::string& text, Config base = {});
+
+// Checks what can be checked without a backend: the backend's name, capacity and history bounds,
+// small_max <= chunk_size, the device count. Throws std::invalid_argument.
+void validate(const Config& config);
 
 std::string format_size(std::size_t bytes);
 

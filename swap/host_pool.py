@@ -1,12 +1,21 @@
 """The host pool: where swapped-out variables live.
 
-Host memory is taken in large blocks (pinned on CUDA runs, so copies are asynchronous; plain memory on CPU
-runs) and sub-allocated best fit with coalescing, so the steady state pins nothing per tensor. Blocks are
-reused across iterations, never exceed ``limit``, and are all returned by ``close()``.
+Host memory is taken in large blocks and sub-allocated best fit with coalescing, so the steady state pins
+nothing per tensor. Blocks are reused across iterations, never exceed ``limit``, and are all returned by
+``close()``.
+
+Note [Exact-size pinned blocks]
+torch's pinned-memory allocator (``pin_memory=True``) rounds every request up to a power of two (users
+measure 1.8-1.9x the host RAM they asked for) and keeps freed blocks cached for the life of the process. The
+pool instead owns its blocks as plain numpy allocations of exactly the block size and, on CUDA runs,
+page-locks each one with the driver (``cuMemHostRegister`` through cuda-python's ``cuda.bindings.driver``,
+portable to every context), so the pinned bytes are the blocks' bytes and ``close()`` unpins every one
+(``cuMemHostUnregister``). Tensors are numpy views, so a view that outlives ``close()`` keeps valid (then
+unpinned) memory, never a dangling pointer. Without CUDA the same path runs with no registration.
 
 Note [Host pool on CPU runs]
-CPU blocks are numpy allocations, wrapped as tensors with the dispatch modes switched off, so a meter
-counting the compute device's live tensors (swap.meter) does not mistake host copies for device memory.
+Blocks are wrapped as tensors with the dispatch modes switched off, so a meter counting the compute device's
+live tensors (swap.meter) does not mistake host copies for device memory.
 """
 
 from __future__ import annotations
@@ -14,17 +23,60 @@ from __future__ import annotations
 import bisect
 import threading
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import numpy as np
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 ALIGN = 512
+PAGE = 4096
 
 
 class HostPoolExhausted(MemoryError):
     """The host pool would exceed its limit."""
+
+
+class Pinner(Protocol):
+    """Page-locks host ranges for asynchronous copies (``CudaHostRegistrar``; tests pass a fake)."""
+
+    def pin(self, addr: int, nbytes: int) -> None: ...
+
+    def unpin(self, addr: int) -> None: ...
+
+
+def _check(result: Any, what: str) -> Any:
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        from cuda.bindings import driver
+
+        _, name = driver.cuGetErrorName(err)
+        raise RuntimeError(f"swap host pool: {what} failed: {name.decode() if name else int(err)}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+class CudaHostRegistrar:
+    """Pins host memory with the CUDA driver (cuda-python), for every context (``CU_MEMHOSTREGISTER_PORTABLE``)."""
+
+    def __init__(self, device: Optional[torch.device] = None) -> None:
+        from cuda.bindings import driver
+
+        self.driver = driver
+        index = torch.cuda.current_device() if device is None or device.index is None else device.index
+        torch.cuda.init()
+        _check(driver.cuInit(0), "cuInit")
+        ctx = _check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if int(ctx) == 0:  # this thread has no context yet: use the device's primary context, as torch does
+            dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
+            _check(driver.cuCtxSetCurrent(_check(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")),
+                   "cuCtxSetCurrent")  # fmt: skip
+
+    def pin(self, addr: int, nbytes: int) -> None:
+        d = self.driver
+        _check(d.cuMemHostRegister(addr, nbytes, d.CU_MEMHOSTREGISTER_PORTABLE), f"cuMemHostRegister({nbytes} bytes)")
+
+    def unpin(self, addr: int) -> None:
+        _check(self.driver.cuMemHostUnregister(addr), "cuMemHostUnregister")
 
 
 @dataclass
@@ -39,20 +91,33 @@ class HostBlock:
 
 
 class HostPool:
-    def __init__(self, pinned: bool, limit: Optional[int] = None, block_size: int = 256 << 20) -> None:
+    """Host memory for swapped variables. ``pinned``: page-lock the blocks (CUDA runs), with ``pinner`` or,
+    by default, the CUDA driver (see Note [Exact-size pinned blocks])."""
+
+    def __init__(self, pinned: bool, limit: Optional[int] = None, block_size: int = 256 << 20,
+                 pinner: Optional[Pinner] = None, device: Optional[torch.device] = None) -> None:  # fmt: skip
         self.pinned = pinned
         self.limit = limit
         self.block_size = block_size
-        self._blocks: list[Any] = []  # pinned tensors (CUDA runs) or numpy arrays (CPU runs)
+        self._pinner: Optional[Pinner] = pinner
+        self._device = device
+        self._blocks: list[np.ndarray] = []
         self._free: list[list[tuple[int, int]]] = []  # per block: sorted (offset, size) free intervals
         self._lock = threading.Lock()
         self.used = 0
         self.peak_used = 0
+        self.pinned_bytes = 0  # bytes page-locked now: the blocks' sizes exactly, 0 after close()
         self.closed = False
 
     @property
     def reserved(self) -> int:
-        return sum(b.size if isinstance(b, np.ndarray) else b.numel() for b in self._blocks)
+        return sum(b.size for b in self._blocks)
+
+    def _pin(self, block: np.ndarray) -> None:
+        if self._pinner is None:
+            self._pinner = CudaHostRegistrar(self._device)
+        self._pinner.pin(block.ctypes.data, block.size)
+        self.pinned_bytes += block.size
 
     def _new_block(self, request: int) -> int:
         need = -(-request // ALIGN) * ALIGN
@@ -64,10 +129,12 @@ class HostPool:
                     f"swap host pool: {self.reserved + size} bytes would exceed host_pool_limit={self.limit} "
                     f"({self.used} in use); raise host_pool_limit or lower the batch size"
                 )
+        # Page-aligned, exactly `size` bytes: registration then pins the block's pages and nothing else.
+        raw = np.empty(size + PAGE, dtype=np.uint8)  # sliced in numpy: no dispatched op touches it
+        start = -raw.ctypes.data % PAGE
+        block = raw[start : start + size]
         if self.pinned:
-            block: Any = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        else:
-            block = np.empty(size, dtype=np.uint8)  # sliced in numpy: no dispatched op touches it
+            self._pin(block)
         self._blocks.append(block)
         self._free.append([(0, size)])
         return len(self._blocks) - 1
@@ -93,12 +160,8 @@ class HostPool:
                 self._free[b][k] = (off + size, sz - size)
             self.used += size
             self.peak_used = max(self.peak_used, self.used)
-            block = self._blocks[b]
-            if self.pinned:
-                view = block[off : off + nbytes]
-            else:
-                with _disable_current_modes():  # from_numpy dispatches lift_fresh: keep it out of meters
-                    view = torch.from_numpy(block[off : off + nbytes])
+            with _disable_current_modes():  # from_numpy dispatches lift_fresh: keep it out of meters
+                view = torch.from_numpy(self._blocks[b][off : off + nbytes])
             return HostBlock(b, off, size, nbytes, view)
 
     def free(self, hb: HostBlock) -> None:
@@ -119,9 +182,14 @@ class HostPool:
             free.insert(i, (off, size))
 
     def close(self) -> None:
-        """Returns every block (views still held elsewhere keep only their own block alive)."""
+        """Unpins and returns every block. Call it once no copy uses the pool (the manager drains first);
+        views still held elsewhere keep their (now unpinned) memory alive."""
         with self._lock:
             self.closed = True
+            if self.pinned and self._pinner is not None:
+                for block in self._blocks:
+                    self._pinner.unpin(block.ctypes.data)
+                    self.pinned_bytes -= block.size
             self._blocks.clear()
             self._free.clear()
             self.used = 0

@@ -80,11 +80,20 @@ class ArenaMemory(DeviceMemory):
 
 
 def vmalloc_arena(device: torch.device) -> Optional[Any]:
-    """vmalloc's global arena for ``device`` if vmalloc is serving torch's CUDA allocations, else None."""
+    """vmalloc's global arena for ``device`` if vmalloc is torch's CUDA allocator (global mode), else None.
+
+    Decided by whether vmalloc is torch's *current* allocator, not by whether its arena exists yet: a
+    SwapManager built before the first CUDA allocation must still measure (and evict) through vmalloc. In
+    MemPool mode (``vmalloc.use_mem_pool``) torch's own allocator is current and counts the pool's memory
+    too, so torch's statistics are the right measure there (TorchCudaMemory), and vmalloc must not run the
+    manager as its OOM handler (Note [MemPool mode routes every thread] in vmalloc/torch_allocator.py).
+    """
     if device.type != "cuda":
         return None
     try:
-        from vmalloc import _C
+        import vmalloc
     except ImportError:
         return None
-    return _C.existing_global_arena(device.index or 0)
+    if not vmalloc.installed():
+        return None
+    return vmalloc.global_arena(device.index if device.index is not None else torch.cuda.current_device())

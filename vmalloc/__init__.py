@@ -6,9 +6,9 @@ free chunk can serve any request and physical memory cannot fragment externally.
     import torch, vmalloc
     torch.cuda.memory.change_current_allocator(vmalloc.allocator(capacity="16GiB"))
 
-or, scoped:
+or, scoped (every thread's allocations on the device, backward's included):
 
-    with torch.cuda.use_mem_pool(vmalloc.mem_pool()):
+    with vmalloc.use_mem_pool(vmalloc.mem_pool()):
         ...
 
 The same core runs on host memory (``Arena(backend="host")``) and as a bookkeeping-only simulator
@@ -17,21 +17,38 @@ The same core runs on host memory (``Arena(backend="host")``) and as a bookkeepi
 
 from __future__ import annotations
 
-from ._C import OutOfMemoryError, parse_size
+from ._C import BackendError, CaptureError, OutOfMemoryError, parse_size
 from .arena import Arena
 from .snapshot import dump_snapshot, snapshot_dict
-from .torch_allocator import allocator, configure, mem_pool, set_oom_handler, snapshot, stats
+from .torch_allocator import (
+    adapter_status,
+    allocator,
+    configure,
+    global_arena,
+    installed,
+    mem_pool,
+    set_oom_handler,
+    snapshot,
+    stats,
+    use_mem_pool,
+)
 
 __all__ = [
     "Arena",
+    "BackendError",
+    "CaptureError",
     "OutOfMemoryError",
+    "adapter_status",
     "allocator",
     "configure",
     "dump_snapshot",
+    "global_arena",
+    "installed",
     "mem_pool",
     "parse_size",
     "set_oom_handler",
     "snapshot",
     "snapshot_dict",
     "stats",
+    "use_mem_pool",
 ]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, Callable, Optional
 
 from . import _C
 
@@ -24,11 +25,32 @@ class Arena(_C.Arena):
         eager_growth: on a cache miss, create new chunks (while under capacity) before reclaiming cached
             ones. Default False: reuse cached chunks first, so reserved memory stays at the peak of
             allocated memory, at the price of more unmap/map calls.
+        devices: how many devices the host and sim backends present (``device`` must be below it); the
+            cuda backend has the driver's devices.
 
     ``malloc(nbytes, stream=0)`` returns an address and raises ``vmalloc.OutOfMemoryError`` when the
     request cannot be met within the capacity; ``free(addr)`` raises ``ValueError`` (changing nothing) for
-    an address that is not live. ``stats()`` uses ``torch.cuda.memory_stats()`` key names.
+    an address that is not live. A failing backend call raises ``vmalloc.BackendError`` naming the call and
+    the system's reason, and leaves the arena usable. ``stats()`` uses ``torch.cuda.memory_stats()`` key
+    names. ``buffer(addr, n)`` (host backend) is a memoryview that keeps the arena alive.
     """
+
+    def set_oom_handler(self, fn: Optional[Callable[[int], bool]]) -> None:
+        """Calls ``fn(nbytes)`` before a request fails; True means it freed memory and the request is tried
+        once more. None removes the handler.
+
+        The handler is kept on this object, where the garbage collector sees it, and the allocator calls it
+        through a trampoline that holds this arena weakly: a handler that refers to its own arena (a cycle)
+        is collected with the arena.
+        """
+        if fn is None:
+            self.__dict__.pop("_oom_handler", None)
+            super().set_oom_handler(None)
+            return
+        if not callable(fn):
+            raise TypeError(f"the OOM handler must be callable as fn(nbytes) -> bool, not {type(fn).__name__}")
+        self._oom_handler = fn
+        super().set_oom_handler(_WeakHandler(self))
 
     def snapshot(self) -> dict[str, Any]:
         """The arena's state in PyTorch's memory-snapshot layout (see ``vmalloc.dump_snapshot``)."""
@@ -42,3 +64,17 @@ class Arena(_C.Arena):
             f"vmalloc.Arena(backend={self.backend!r}, capacity={s['capacity']}, chunk_size={s['chunk_size']}, "
             f"allocated={s['allocated_bytes.all.current']}, reserved={s['reserved_bytes.all.current']})"
         )
+
+
+class _WeakHandler:
+    """Calls its arena's ``_oom_handler`` while the arena lives; False (nothing freed) after."""
+
+    __slots__ = ("_arena",)
+
+    def __init__(self, arena: Arena) -> None:
+        self._arena = weakref.ref(arena)
+
+    def __call__(self, nbytes: int) -> bool:
+        arena = self._arena()
+        handler = None if arena is None else arena.__dict__.get("_oom_handler")
+        return bool(handler(nbytes)) if handler is not None else False

@@ -1,8 +1,21 @@
-"""Snapshots in PyTorch's memory-snapshot layout, so https://pytorch.org/memory_viz opens them.
+"""Snapshots in PyTorch's memory-snapshot layout, so https://pytorch.org/memory_viz and
+``torch.cuda._memory_viz`` open them.
 
-Each mapped range is one segment (``is_expandable``: its chunks were mapped, not cudaMalloc'ed); slabs are
-``small`` segments holding 512 B-granular blocks. ``device_traces`` holds the arena's history (enable it
-with ``Arena(history=N)``, ``arena.set_history(N)`` or ``VMALLOC_CONF=history=N``).
+``device_traces`` holds the arena's history (enable it with ``Arena(history=N)``, ``arena.set_history(N)``
+or ``VMALLOC_CONF=history=N``).
+
+Note [Snapshot segments]
+The allocator's unit is a range (a large allocation, a cached free range, a slab), and ranges are split
+(a cached range serves a smaller request and keeps the rest) and merged (neighbouring free ranges of a
+stream) without any mapping call. PyTorch's viewer reconstructs the past by replaying the trace backwards
+from the snapshot's segments, with the rules of expandable segments: a ``segment_map`` must lie inside one
+segment, a ``segment_unmap`` re-creates memory that merges with a neighbour of the same stream, and every
+block lies inside a segment. If each range were a segment, the ``segment_map`` of a range that has since
+been split would cover two segments, which the viewer cannot render. So a segment here is what the trace
+speaks of: a maximal run of contiguous mapped chunks of one stream (``is_expandable``: its chunks were
+mapped, not cudaMalloc'ed), and each range is a block inside it (slabs: their 512 B-granular blocks).
+``segment_type`` is ``small`` for a run made only of slabs. A split or merge thus changes blocks, never
+segments, and only ``segment_map``/``segment_unmap`` (real mapping calls) change segments.
 """
 
 from __future__ import annotations
@@ -12,44 +25,55 @@ from pathlib import Path
 from typing import Any, Union
 
 
-def snapshot_dict(arena: Any) -> dict[str, Any]:
-    """Builds the snapshot dict of a ``vmalloc.Arena`` (or ``_C.Arena``)."""
+def _segments(arena: Any) -> list[dict[str, Any]]:
     device = arena.device
-    segments = []
+    runs: list[dict[str, Any]] = []
     for addr, size, stream, small, blocks in arena._segments():
         block_dicts = [
-            {
-                "address": a,
-                "size": s,
-                "requested_size": r,
-                "state": "active_allocated" if allocated else "inactive",
-                "frames": [],
-            }
-            for a, s, r, allocated in blocks
+            {"address": a, "size": s, "requested_size": r, "state": state, "frames": []} for a, s, r, state in blocks
         ]
-        allocated_size = sum(b["size"] for b in block_dicts if b["state"] == "active_allocated")
-        segments.append(
+        last = runs[-1] if runs else None
+        if last is not None and last["address"] + last["total_size"] == addr and last["stream"] == stream:
+            last["total_size"] += size
+            last["blocks"].extend(block_dicts)
+            last["_small"] = last["_small"] and small
+            continue
+        runs.append(
             {
                 "device": device,
                 "address": addr,
                 "total_size": size,
-                "allocated_size": allocated_size,
-                "active_size": allocated_size,
-                "requested_size": sum(b["requested_size"] for b in block_dicts),
                 "stream": stream,
-                "segment_type": "small" if small else "large",
                 "segment_pool_id": (0, 0),
                 "is_expandable": True,
                 "frames": [],
                 "blocks": block_dicts,
+                "_small": small,
             }
         )
+    for seg in runs:
+        blocks = seg["blocks"]
+        seg["segment_type"] = "small" if seg.pop("_small") else "large"
+        seg["allocated_size"] = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+        seg["active_size"] = sum(b["size"] for b in blocks if b["state"].startswith("active"))
+        seg["requested_size"] = sum(b["requested_size"] for b in blocks)
+    return runs
+
+
+def _trace_entry(action: str, addr: int, size: int, stream: int, time_us: int, device_free: int) -> dict[str, Any]:
+    entry = {"action": action, "addr": addr, "size": size, "stream": stream, "time_us": time_us, "frames": []}
+    if action == "oom":
+        # What PyTorch reports as the device's free memory; for vmalloc, the capacity not yet reserved.
+        entry["device_free"] = device_free
+    return entry
+
+
+def snapshot_dict(arena: Any) -> dict[str, Any]:
+    """Builds the snapshot dict of a ``vmalloc.Arena`` (or ``_C.Arena``)."""
+    device = arena.device
     traces: list[list[dict[str, Any]]] = [[] for _ in range(device + 1)]
-    traces[device] = [
-        {"action": action, "addr": addr, "size": size, "stream": stream, "time_us": t, "frames": []}
-        for action, addr, size, stream, t in arena._trace()
-    ]
-    return {"segments": segments, "device_traces": traces, "allocator_settings": dict(arena.config)}
+    traces[device] = [_trace_entry(*e) for e in arena._trace()]
+    return {"segments": _segments(arena), "device_traces": traces, "allocator_settings": dict(arena.config)}
 
 
 def dump_snapshot(path: Union[str, Path], snapshot: Any) -> Path:

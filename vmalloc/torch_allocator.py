@@ -3,23 +3,42 @@
 Note [Global configuration]
 The global arenas (one per device) are made on the first CUDA allocation, from the options given to
 ``allocator(**options)`` / ``configure(**options)``, else from ``VMALLOC_CONF`` (e.g.
-``chunk_size=2MiB,capacity=16GiB``). torch.cuda.memory_stats() does not work with pluggable allocators, so
-``vmalloc.stats(device)`` and ``vmalloc.snapshot(device)`` report on them instead.
+``chunk_size=2MiB,capacity=16GiB``).
+
+Note [Two ways into torch]
+``allocator()`` returns the torch adapter (vmalloc/torch_adapter.py: ``torch.cuda.memory_stats``,
+``torch.cuda.OutOfMemoryError``, ``cudnn.benchmark``... work) when it can be built for the installed torch,
+else torch's plain ``CUDAPluggableAllocator`` over vmalloc's C entry points, with a warning saying what is
+missing; then ``vmalloc.stats()`` and ``vmalloc.snapshot()`` are the way to read the arena.
+
+Note [MemPool mode routes every thread]
+``torch.cuda.use_mem_pool(pool)`` routes only the calling thread's allocations, so backward's allocations,
+made on autograd's device threads, would bypass the pool. ``vmalloc.use_mem_pool(pool)`` routes every
+allocation on the device (any thread, any stream) to the pool while it is active. In this mode torch's
+caching allocator calls vmalloc while holding its own lock, so vmalloc never runs its OOM handler there
+(Note [OOM handler and torch's allocator lock] in csrc/torch/adapter.cpp); the swap runtime measures through
+torch's statistics instead of the arena's (swap/memory.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import warnings
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
-from . import _C
+from . import _C, torch_adapter
 from .snapshot import snapshot_dict
 
-_ALLOCATOR: Any = None
+_ALLOCATOR: Any = None  # the global-mode allocator (a torch.cuda.memory._CUDAAllocator)
+_POOL_ALLOCATOR: Any = None  # the allocator MemPools are made with
+_ADAPTER: Any = None  # the adapter module, when in use
 
-# torch hook setter -> our C entry point; wired where the installed torch has the setter.
+# torch hook setter -> our C entry point, wired in plain mode where the installed torch exposes the setter to
+# Python (torch 2.4 to 2.14 expose none: their hooks are reached only from C++, hence the adapter). No init
+# hook: each device's arena is made by its first allocation, as in the adapter.
 _HOOKS = {
-    "set_init_fn": "vmalloc_init",
     "set_reset_fn": "vmalloc_empty_cache",
     "set_memory_fraction_fn": "vmalloc_set_memory_fraction",
     "set_record_stream_fn": "vmalloc_record_stream",
@@ -27,52 +46,149 @@ _HOOKS = {
 
 
 def configure(**options: Any) -> None:
-    """Sets the global arenas' options (backend, capacity, chunk_size, small_max, history, eager_growth)
-    before first use.
+    """Sets the global arenas' options (backend, capacity, chunk_size, small_max, history, eager_growth,
+    devices) before first use.
 
-    Options not given keep their ``VMALLOC_CONF`` value. Raises RuntimeError once an arena exists.
+    Options not given keep their ``VMALLOC_CONF`` value. Raises ValueError for a bad option (checked now),
+    RuntimeError once an arena exists.
     """
-    known = {"backend", "capacity", "chunk_size", "small_max", "history", "eager_growth"}
+    known = {"backend", "capacity", "chunk_size", "small_max", "history", "eager_growth", "devices"}
     unknown = set(options) - known
     if unknown:
         raise TypeError(f"unknown vmalloc option(s) {sorted(unknown)}: use {', '.join(sorted(known))}")
     _C.configure(**options)
 
 
-def allocator(**options: Any) -> Any:
-    """A ``torch.cuda.memory.CUDAPluggableAllocator`` backed by vmalloc, for ``change_current_allocator``.
-
-    Install it before the first CUDA allocation. ``options`` are those of ``configure``. The optional
-    hooks the installed torch offers (empty_cache, memory fraction, record_stream, init) are wired.
-    """
-    global _ALLOCATOR
+def _require_cuda_torch() -> Any:
     import torch
 
-    if options:
-        configure(**options)
-    if _ALLOCATOR is not None:
-        return _ALLOCATOR
-    if not hasattr(torch._C, "_cuda_customAllocator"):
+    if not hasattr(torch._C, "_cuda_changeCurrentAllocator"):
         raise RuntimeError(
             f"vmalloc.allocator() needs a CUDA build of PyTorch; this one ({torch.__version__}) has none. "
             "Without a GPU, use vmalloc.Arena(backend='host') or backend='sim'."
         )
+    return torch
+
+
+def _plain_allocator(malloc_symbol: str) -> Any:
+    """torch's plain pluggable allocator over vmalloc's C entry points, with the hooks this torch offers."""
+    import torch
+
     path = _C.library_path()
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "vmalloc_malloc", "vmalloc_free")
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(path, malloc_symbol, "vmalloc_free")
     lib = ctypes.CDLL(path)
     raw = alloc.allocator()
     for setter, symbol in _HOOKS.items():
         if hasattr(raw, setter):
             getattr(raw, setter)(ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value)
-    _ALLOCATOR = alloc
     return alloc
 
 
-def mem_pool(**options: Any) -> Any:
-    """A ``torch.cuda.MemPool`` whose memory comes from vmalloc, for ``torch.cuda.use_mem_pool(pool)``."""
+def _make_allocators() -> None:
+    global _ALLOCATOR, _POOL_ALLOCATOR, _ADAPTER
+    torch = _require_cuda_torch()
+    adapter = torch_adapter.load()
+    if adapter is not None:
+        _ADAPTER = adapter
+        # One object serves both modes: it knows whether torch calls it as the current allocator.
+        _ALLOCATOR = _POOL_ALLOCATOR = torch.cuda.memory._CUDAAllocator(adapter.allocator())
+        return
+    warnings.warn(
+        f"vmalloc: torch's allocator API is limited without vmalloc's torch adapter ({torch_adapter.reason()}): "
+        "out-of-memory raises RuntimeError instead of torch.cuda.OutOfMemoryError, torch.cuda.memory_stats() and "
+        "cudnn.benchmark=True fail, and torch.cuda.empty_cache() / set_per_process_memory_fraction() do not reach "
+        "vmalloc. Use vmalloc.stats(), vmalloc.snapshot() and vmalloc.global_arena(); fix the cause above to get "
+        "the adapter.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    _ALLOCATOR = _plain_allocator("vmalloc_malloc")
+    _POOL_ALLOCATOR = _plain_allocator("vmalloc_malloc_no_handler")
+
+
+def allocator(**options: Any) -> Any:
+    """vmalloc as a torch CUDA allocator, for ``torch.cuda.memory.change_current_allocator``.
+
+    Install it before the first CUDA allocation. ``options`` are those of ``configure``. See
+    Note [Two ways into torch] for what torch's memory API reports with it.
+    """
+    if options:
+        configure(**options)
+    if _ALLOCATOR is None:
+        _make_allocators()
+    return _ALLOCATOR
+
+
+def adapter_status() -> dict[str, Any]:
+    """Whether the torch adapter serves vmalloc in this process (``adapter``), and if not why (``reason``)."""
+    return {"adapter": _ADAPTER is not None, "reason": torch_adapter.reason()}
+
+
+def installed() -> bool:
+    """Whether vmalloc is torch's current CUDA allocator (global mode), even before its first allocation."""
+    if _ALLOCATOR is None:
+        return False
+    if _ADAPTER is not None:
+        return bool(_ADAPTER.is_current())
     import torch
 
-    return torch.cuda.MemPool(allocator(**options).allocator())
+    getter = getattr(torch._C, "_cuda_getAllocator", None)
+    return getter is not None and getter() is _ALLOCATOR.allocator()
+
+
+def global_arena(device: Optional[int] = None) -> Any:
+    """The global arena of ``device`` (default: the current CUDA device), made now if needed."""
+    if device is None:
+        import torch
+
+        device = torch.cuda.current_device()
+    return _C.global_arena(device)
+
+
+def mem_pool(**options: Any) -> Any:
+    """A ``torch.cuda.MemPool`` whose memory comes from vmalloc; activate it with ``vmalloc.use_mem_pool``."""
+    torch = _require_cuda_torch()
+    if options:
+        configure(**options)
+    if not hasattr(torch.cuda, "MemPool"):
+        raise RuntimeError(f"vmalloc.mem_pool() needs torch.cuda.MemPool (torch >= 2.5); this is {torch.__version__}")
+    if _POOL_ALLOCATOR is None:
+        _make_allocators()
+    if installed():
+        raise RuntimeError(
+            "vmalloc is already torch's global CUDA allocator: every allocation comes from it, so a vmalloc "
+            "MemPool has nothing to add (and torch's pools need torch's own allocator as the current one)"
+        )
+    return torch.cuda.MemPool(_POOL_ALLOCATOR.allocator())
+
+
+def _pool_bindings(torch: Any) -> tuple[Callable, Callable, Callable]:
+    c = torch._C
+    begin = getattr(c, "_cuda_beginAllocateToPool", None)  # filter: every stream, every thread
+    end = getattr(c, "_cuda_endAllocateToPool", None) or getattr(c, "_cuda_endAllocateCurrentStreamToPool", None)
+    release = getattr(c, "_cuda_releasePool", None)
+    if begin is None or end is None or release is None:
+        raise RuntimeError(
+            f"vmalloc.use_mem_pool needs torch._C._cuda_beginAllocateToPool (torch >= 2.5); this is "
+            f"{torch.__version__}: use torch.cuda.use_mem_pool(pool), which routes only the calling thread"
+        )
+    return begin, end, release
+
+
+@contextlib.contextmanager
+def use_mem_pool(pool: Any, device: Any = None) -> Iterator[Any]:
+    """Routes every allocation on ``device`` (all threads, all streams: backward's too) to ``pool`` while
+    active. See Note [MemPool mode routes every thread]."""
+    import torch
+
+    begin, end, release = _pool_bindings(torch)
+    index = torch.cuda.current_device() if device is None else torch.cuda._utils._get_device_index(device)
+    begin(index, pool.id)
+    try:
+        yield pool
+    finally:
+        end(index, pool.id)
+        release(index, pool.id)
 
 
 def _arena(device: int) -> Optional[Any]:
@@ -95,5 +211,6 @@ def snapshot(device: int = 0) -> dict[str, Any]:
 
 def set_oom_handler(fn: Optional[Callable[[int], bool]], device: int = 0) -> None:
     """Calls ``fn(nbytes)`` before the global arena of ``device`` fails an allocation; True means it freed
-    memory and the allocation is tried once more. None removes the handler."""
+    memory and the allocation is tried once more. None removes the handler. Global mode only: MemPool
+    allocations never call it (Note [MemPool mode routes every thread])."""
     _C.global_arena(device).set_oom_handler(fn)

@@ -26,6 +26,8 @@ struct Stats {
   Stat requested_bytes;   // what callers asked for
   Stat allocated_bytes;   // what they got (512 B rounding for small, whole chunks for large)
   Stat allocation;        // live allocations
+  Stat active_bytes;      // allocated bytes plus freed bytes still pending other streams' work or a capture
+  Stat active;            // live allocations plus pending frees
   Stat reserved_bytes;    // physical chunk bytes held (mapped or in the pool)
   Stat mapped_bytes;      // chunk bytes mapped into some range
   Stat segment;           // mapped ranges (slabs included)
@@ -34,6 +36,10 @@ struct Stats {
   std::int64_t num_maps = 0, num_unmaps = 0, num_set_access = 0, num_reclaims = 0, num_reclaimed_chunks = 0;
   std::int64_t num_device_alloc = 0, num_device_free = 0, num_event_syncs = 0, num_stream_waits = 0;
   std::int64_t num_splits = 0, num_merges = 0;
+  std::int64_t num_backend_errors = 0;     // backend calls that failed (each one the arena survived)
+  std::int64_t num_pending_frees = 0;      // frees that waited for other streams (record_stream)
+  std::int64_t num_deferred_frees = 0;     // frees deferred because a stream was being captured
+  std::int64_t num_capture_errors = 0;     // mallocs refused during capture (CaptureError)
 };
 
 }  // namespace vmalloc::detail

@@ -16,6 +16,7 @@ struct TraceEntry {
   std::size_t size;
   Stream stream;
   std::int64_t time_us;
+  std::size_t device_free = 0;  // for kOom: bytes the arena could still obtain (capacity less reserved)
 };
 
 const char* action_name(TraceEntry::Action a);
@@ -31,11 +32,12 @@ class TraceRing {
     entries_.clear();
     next_ = 0;
   }
-  void record(TraceEntry::Action action, std::uintptr_t addr, std::size_t size, Stream stream) {
+  void record(TraceEntry::Action action, std::uintptr_t addr, std::size_t size, Stream stream,
+              std::size_t device_free = 0) {
     if (!capacity_) return;
     const auto now = std::chrono::duration_cast<std::chrono::microseconds>(
                          std::chrono::system_clock::now().time_since_epoch()).count();
-    TraceEntry e{action, addr, size, stream, now};
+    TraceEntry e{action, addr, size, stream, now, device_free};
     if (entries_.size() < capacity_) {
       entries_.push_back(e);
     } else {

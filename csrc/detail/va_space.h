@@ -2,7 +2,8 @@
 //
 // Virtual address space is plentiful, physical chunks are not: the first reservation is several times the
 // capacity, and more are made only when a range does not fit. A range never spans two reservations, so each
-// reservation can be released whole, as cuMemAddressFree requires.
+// reservation can be released whole, as cuMemAddressFree requires. take() changes nothing when the backend
+// cannot reserve (it throws the backend's error); give() cannot fail.
 #pragma once
 
 #include <cstdint>
@@ -18,7 +19,12 @@ class VaSpace {
   VaSpace(Backend& backend, std::size_t reservation_bytes)
       : backend_(backend), reservation_bytes_(reservation_bytes) {}
   ~VaSpace() {
-    for (auto& r : reservations_) backend_.release_reservation(r.base, r.bytes);
+    for (auto& r : reservations_) {
+      try {
+        backend_.release_reservation(r.base, r.bytes);
+      } catch (...) {  // destructors never throw; the address space goes with the process
+      }
+    }
   }
   VaSpace(const VaSpace&) = delete;
   VaSpace& operator=(const VaSpace&) = delete;
@@ -41,9 +47,15 @@ class VaSpace {
         return {addr, i};
       }
     }
-    const std::size_t size = bytes > reservation_bytes_ ? bytes : reservation_bytes_;
+    std::size_t size = bytes > reservation_bytes_ ? bytes : reservation_bytes_;
     Reservation r;
-    r.base = backend_.reserve(size);
+    try {
+      r.base = backend_.reserve(size);
+    } catch (const BackendError&) {
+      if (size == bytes) throw;
+      size = bytes;  // the generous reservation did not fit the address space: take just what is needed
+      r.base = backend_.reserve(size);
+    }
     r.bytes = size;
     if (size > bytes) r.free.emplace(r.base + bytes, size - bytes);
     reservations_.push_back(std::move(r));

@@ -1,50 +1,57 @@
 """Several threads allocate, write, verify and free on one arena at once (the GIL is released inside
-malloc/free, so the C++ lock is what keeps the arena consistent)."""
+malloc/free, so the C++ lock is what keeps the arena consistent), on the host backend and on the cuda
+backend against the emulated driver (stream work, race detector)."""
 
 import random
 import threading
+
+import pytest
+from backends import memory_for
+from run_summary import SUMMARY
 
 import vmalloc
 
 KiB = 1024
 
 
-def test_concurrent_alloc_free_keeps_data_and_books():
-    arena = vmalloc.Arena("host", capacity="8MiB", chunk_size="64KiB", small_max="16KiB")
+@pytest.mark.parametrize("backend", ["host", "cuda"])
+def test_concurrent_alloc_free_keeps_data_and_books(backend):
+    memory = memory_for(backend)
+    chunk = 64 * KiB if backend == "host" else 2 << 20
+    small = 16 * KiB if backend == "host" else 256 * KiB
+    arena = memory.arena(capacity=128 * chunk, chunk_size=chunk, small_max=small)
     errors = []
-    stop = threading.Event()
-
-    def oom_handler(nbytes):
-        return False  # nothing to evict here; OOM is an allowed outcome under contention
-
-    arena.set_oom_handler(oom_handler)
+    arena.set_oom_handler(lambda nbytes: False)  # nothing to evict; OOM is an allowed outcome under contention
+    steps = 1500 if backend == "host" else 400
 
     def worker(seed):
         rng = random.Random(seed)
         live = []
+        stream = memory.streams[seed % len(memory.streams)]
         try:
-            for _ in range(1500):
+            memory.thread_init()
+            for _ in range(steps):
                 if live and (rng.random() < 0.45 or len(live) > 12):
                     addr, size, tag = live.pop(rng.randrange(len(live)))
-                    if bytes(arena.buffer(addr, size)) != tag * size:
-                        errors.append(f"thread {seed}: allocation at {addr:#x} was overwritten")
+                    memory.check(stream, addr, size, tag)
                     arena.free(addr)
                 else:
-                    size = rng.choice([rng.randint(1, 16 * KiB), rng.randint(16 * KiB, 200 * KiB)])
+                    size = rng.choice([rng.randint(1, small), rng.randint(small, 3 * chunk)])
                     try:
-                        addr = arena.malloc(size, stream=seed % 3)
+                        addr = arena.malloc(size, stream=stream)
                     except vmalloc.OutOfMemoryError:
                         continue
-                    tag = bytes([(seed * 31 + len(live)) % 256])
-                    arena.buffer(addr, size)[:] = tag * size
+                    memory.handed_out(stream, addr, size)
+                    tag = (seed * 31 + len(live)) % 255 + 1
+                    memory.write(stream, addr, size, tag, rng)
                     live.append((addr, size, tag))
                 if rng.random() < 0.01:
                     arena.empty_cache()
-            for addr, _, _ in live:
+            for addr, size, tag in live:
+                memory.check(stream, addr, size, tag)
                 arena.free(addr)
         except Exception as e:  # noqa: BLE001 - reported by the main thread
             errors.append(f"thread {seed}: {e!r}")
-            stop.set()
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
     for t in threads:
@@ -54,4 +61,8 @@ def test_concurrent_alloc_free_keeps_data_and_books():
     assert not errors, errors[:5]
     arena.check_invariants()
     s = arena.stats()
-    assert s["allocation.all.current"] == 0 and s["num_alloc"] == s["num_free"] > 1000
+    assert s["allocation.all.current"] == 0 and s["num_alloc"] == s["num_free"] > 6 * steps // 3
+    arena.empty_cache()
+    arena = None  # destroyed (its fences waited for) before the emulator checks for races
+    memory.finish()
+    SUMMARY.count_ops(backend, s["num_alloc"] + s["num_free"])

@@ -1,0 +1,270 @@
+// Allocator: free, record_stream, pending frees and the cache of free ranges (see allocator.h).
+#include "allocator.h"
+
+#include <algorithm>
+
+#include "detail/util.h"
+
+namespace vmalloc {
+
+using detail::hex;
+
+// Note [Stream safety]
+// Reuse on the allocation's own stream is safe by stream order, so a block freed there is reusable at once
+// on that stream. Every other use of the memory goes through unmapping (reclaim, empty_cache), and unmapping
+// is not stream ordered: each free records an event on its stream (the stream's fences, oldest first), and
+// an unmap first waits on the host for the events of the range's stream up to the range's last free.
+//
+// Streams added with record_stream are not folded into the allocation stream (that made the allocation
+// stream wait for all the work queued on them, e.g. every prefetch the swap engine queued after the
+// tensor). As in PyTorch's caching allocator, the free records one event on each such stream and the block
+// waits, in pending_, still mapped and counted in active_bytes, until they complete: malloc queries them
+// (cuEventQuery) and moves completed blocks to the cache; when memory runs short, malloc and empty_cache
+// wait for them on the host. No stream waits on another, and the allocation stream is not delayed.
+void Allocator::free(std::uintptr_t addr) {
+  if (addr == 0) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_.find(addr);
+  if (it == live_.end()) {
+    throw std::invalid_argument("vmalloc: free of " + hex(addr) +
+                                ", which is not a live allocation of this arena (a double free, or a pointer from "
+                                "another allocator)");
+  }
+  Allocation& a = it->second;
+  // Everything that can fail comes first, so that a failure changes nothing (the allocation stays live).
+  bool defer = false;
+  std::vector<std::pair<Stream, Event>> events;
+  Event fence_event = 0;
+  try {
+    defer = backend_->capturing(a.stream);
+    for (Stream s : a.other_streams) defer = defer || backend_->capturing(s);
+    if (!defer) {
+      for (Stream s : a.other_streams)
+        if (Event e = backend_->record_event(s)) events.emplace_back(s, e);
+      fence_event = backend_->record_event(a.stream);
+    }
+  } catch (const BackendError&) {
+    for (auto& [s, e] : events) backend_->release_event(e);
+    ++stats_.num_backend_errors;
+    throw;
+  }
+  const std::uint64_t seq = ++free_seq_;
+  if (fence_event) fences_[a.stream].emplace_back(seq, fence_event);
+  Allocation freed = std::move(a);
+  live_.erase(it);
+  trace_.record(TraceEntry::kFreeRequested, addr, freed.size, freed.stream);
+  stats_.requested_bytes.decrease(static_cast<std::int64_t>(freed.requested));
+  stats_.allocated_bytes.decrease(static_cast<std::int64_t>(freed.size));
+  stats_.allocation.decrease(1);
+  ++stats_.num_free;
+  if (defer || !events.empty()) {
+    if (!freed.small) ranges_.at(addr).kind = Kind::kPending;
+    if (defer) {
+      ++stats_.num_deferred_frees;
+      deferred_.push_back(PendingFree{addr, std::move(freed), {}});
+    } else {
+      ++stats_.num_pending_frees;
+      pending_.emplace(seq, PendingFree{addr, std::move(freed), std::move(events)});
+    }
+  } else {
+    complete_free(addr, freed, seq);
+  }
+  if (fence_event) prune_fences(freed.stream);
+  shrink_if_over_capacity();
+}
+
+// After memory returns to the cache above a lowered capacity. A follow-up the caller did not ask for: a
+// failure is counted, not thrown.
+void Allocator::shrink_if_over_capacity() noexcept {
+  if (num_chunks_ <= capacity_chunks_) return;
+  try {
+    shrink_to_capacity();
+  } catch (const std::exception& e) {
+    note_backend_error(e);
+  }
+}
+
+void Allocator::complete_free(std::uintptr_t addr, const Allocation& a, std::uint64_t seq) {
+  if (a.small) free_small(addr, seq);
+  else cache_range(addr, seq);
+  stats_.active_bytes.decrease(static_cast<std::int64_t>(a.size));
+  stats_.active.decrease(1);
+  trace_.record(TraceEntry::kFreeCompleted, addr, a.size, a.stream);
+}
+
+// Moves frees whose other streams have finished (or, with wait, after waiting for them on the host) to the
+// cache, and frees deferred by a capture that has ended to pending_. Nothing is queried or waited for while
+// a capture is announced.
+void Allocator::settle_frees(bool wait) {
+  if ((pending_.empty() && deferred_.empty()) || quiet()) return;
+  for (auto d = deferred_.begin(); d != deferred_.end();) {
+    bool still = backend_->capturing(d->a.stream);
+    for (Stream s : d->a.other_streams) still = still || backend_->capturing(s);
+    if (still) {
+      ++d;
+      continue;
+    }
+    std::vector<std::pair<Stream, Event>> events;
+    Event fence_event = 0;
+    try {
+      for (Stream s : d->a.other_streams)
+        if (Event e = backend_->record_event(s)) events.emplace_back(s, e);
+      fence_event = backend_->record_event(d->a.stream);
+    } catch (...) {
+      for (auto& [s, e] : events) backend_->release_event(e);
+      throw;
+    }
+    const std::uint64_t seq = ++free_seq_;
+    if (fence_event) fences_[d->a.stream].emplace_back(seq, fence_event);
+    if (events.empty()) {
+      complete_free(d->addr, d->a, seq);
+    } else {
+      d->events = std::move(events);
+      pending_.emplace(seq, std::move(*d));
+    }
+    d = deferred_.erase(d);
+  }
+  // Events on one stream complete in order: once one is not done, later ones on that stream are not either.
+  std::unordered_map<Stream, bool> busy;
+  for (auto p = pending_.begin(); p != pending_.end();) {
+    bool ready = true;
+    for (auto& [s, e] : p->second.events) {
+      if (busy[s]) {
+        ready = false;
+        break;
+      }
+      if (wait) {
+        backend_->event_synchronize(e);
+        ++stats_.num_event_syncs;
+      } else if (!backend_->event_done(e)) {
+        busy[s] = true;
+        ready = false;
+        break;
+      }
+    }
+    if (!ready) {
+      ++p;
+      continue;
+    }
+    for (auto& [s, e] : p->second.events) backend_->release_event(e);
+    complete_free(p->second.addr, p->second.a, p->first);
+    p = pending_.erase(p);
+  }
+  shrink_if_over_capacity();
+}
+
+void Allocator::free_small(std::uintptr_t addr, std::uint64_t seq) {
+  auto it = small_.find(addr);
+  const std::uintptr_t slab_addr = it->second.slab;
+  Range& slab = ranges_.at(slab_addr);
+  slab.slab_used -= it->second.size;
+  slab.free_seq = std::max(slab.free_seq, seq);
+  SizeSet& free_blocks = small_free_[slab.stream];
+  it->second.free = true;
+  auto next = std::next(it);
+  if (next != small_.end() && next->second.slab == slab_addr && next->second.free) {
+    free_blocks.erase({next->second.size, next->first});
+    it->second.size += next->second.size;
+    small_.erase(next);
+  }
+  if (it != small_.begin()) {
+    auto prev = std::prev(it);
+    if (prev->second.slab == slab_addr && prev->second.free) {
+      free_blocks.erase({prev->second.size, prev->first});
+      prev->second.size += it->second.size;
+      small_.erase(it);
+      it = prev;
+    }
+  }
+  free_blocks.insert({it->second.size, it->first});
+  // An empty slab stays a slab (small alloc/free churn then costs no remapping); reclaim and empty_cache
+  // retire it, so its chunk still counts as free for large requests.
+  if (slab.slab_used == 0) empty_slabs_.insert(slab_addr);
+}
+
+void Allocator::cache_range(std::uintptr_t addr, std::uint64_t seq) {
+  auto it = ranges_.find(addr);
+  Range& r = it->second;
+  r.kind = Kind::kCached;
+  r.free_seq = std::max(r.free_seq, seq);
+  auto mergeable = [&](const Range& o) {
+    return o.kind == Kind::kCached && o.stream == r.stream && o.reservation == r.reservation;
+  };
+  auto next = std::next(it);
+  if (next != ranges_.end() && next->first == addr + r.nchunks * chunk_ && mergeable(next->second)) {
+    erase_cached(next->first, next->second);
+    r.nchunks += next->second.nchunks;
+    r.free_seq = std::max(r.free_seq, next->second.free_seq);
+    ranges_.erase(next);
+    stats_.segment.decrease(1);
+    ++stats_.num_merges;
+  }
+  if (it != ranges_.begin()) {
+    auto prev = std::prev(it);
+    if (prev->first + prev->second.nchunks * chunk_ == addr && mergeable(prev->second)) {
+      erase_cached(prev->first, prev->second);
+      prev->second.nchunks += r.nchunks;
+      prev->second.free_seq = std::max(prev->second.free_seq, r.free_seq);
+      ranges_.erase(it);
+      stats_.segment.decrease(1);
+      ++stats_.num_merges;
+      insert_cached(prev->first, prev->second);
+      return;
+    }
+  }
+  insert_cached(addr, r);
+}
+
+void Allocator::insert_cached(std::uintptr_t addr, const Range& r) {
+  cached_[r.stream].insert({r.nchunks, addr});
+  lru_.insert({r.free_seq, addr});
+  cached_chunks_ += r.nchunks;
+}
+
+void Allocator::erase_cached(std::uintptr_t addr, const Range& r) {
+  auto it = cached_.find(r.stream);
+  it->second.erase({r.nchunks, addr});
+  if (it->second.empty()) cached_.erase(it);
+  lru_.erase({r.free_seq, addr});
+  cached_chunks_ -= r.nchunks;
+}
+
+void Allocator::record_stream(std::uintptr_t addr, Stream stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_.find(addr);
+  if (it == live_.end())
+    throw std::invalid_argument("vmalloc: record_stream on " + hex(addr) + ", which is not a live allocation");
+  Allocation& a = it->second;
+  if (stream != a.stream && std::find(a.other_streams.begin(), a.other_streams.end(), stream) == a.other_streams.end())
+    a.other_streams.push_back(stream);
+}
+
+void Allocator::fence(Stream stream, std::uint64_t seq) {
+  auto it = fences_.find(stream);
+  if (it == fences_.end()) return;
+  auto& events = it->second;
+  while (!events.empty() && events.front().first <= seq) {
+    backend_->event_synchronize(events.front().second);  // throws: the event stays, nothing is unmapped
+    backend_->release_event(events.front().second);
+    events.pop_front();
+    ++stats_.num_event_syncs;
+  }
+  if (events.empty()) fences_.erase(it);
+}
+
+// Drops fences that have completed, so that the list stays short on a stream that is never reclaimed.
+void Allocator::prune_fences(Stream stream) noexcept {
+  auto it = fences_.find(stream);
+  if (it == fences_.end() || quiet()) return;
+  auto& events = it->second;
+  try {
+    while (events.size() > 64 && backend_->event_done(events.front().second)) {
+      backend_->release_event(events.front().second);
+      events.pop_front();
+    }
+  } catch (const std::exception& e) {  // querying failed: keep the event, a later fence waits for it
+    note_backend_error(e);
+  }
+}
+
+}  // namespace vmalloc

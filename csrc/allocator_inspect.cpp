@@ -1,0 +1,282 @@
+// Allocator: statistics, segments, trace, messages and the invariant check (see allocator.h).
+#include "allocator.h"
+
+#include <set>
+#include <sstream>
+
+#include "detail/util.h"
+
+namespace vmalloc {
+
+using detail::kSmallRound;
+using detail::round_up;
+
+std::string Allocator::oom_message(std::size_t nbytes) const {
+  const std::size_t allocated = static_cast<std::size_t>(stats_.allocated_bytes.current);
+  const std::size_t active = static_cast<std::size_t>(stats_.active_bytes.current);
+  const std::size_t reserved = num_chunks_ * chunk_;
+  const std::size_t capacity = capacity_chunks_ * chunk_;
+  const std::size_t cached = reserved - std::min(reserved, active);
+  std::ostringstream m;
+  // PyTorch's phrase first on a GPU: tools that catch OOM by its message (e.g. Hugging Face accelerate's
+  // find_executable_batch_size) look for it.
+  if (std::string(backend_->name()) == "cuda") m << "CUDA out of memory. ";
+  m << "vmalloc out of memory: tried to allocate " << format_size(nbytes) << " (" << nbytes << " bytes";
+  if (nbytes > capacity) {
+    m << ", more than the whole capacity";
+  } else {
+    const bool small = nbytes <= small_max_;
+    m << ", " << (small ? round_up(nbytes, kSmallRound) : round_up(nbytes, chunk_)) << " after rounding to "
+      << (small ? "512 B" : format_size(chunk_) + " chunks");
+  }
+  m << ") on the " << backend_->name() << " backend; " << format_size(allocated) << " allocated (" << allocated
+    << " bytes), " << format_size(cached) << " cached free (" << cached << " bytes), " << format_size(reserved)
+    << " reserved (" << reserved << " bytes) of capacity " << format_size(capacity) << " (" << capacity
+    << " bytes)";
+  if (active > allocated)
+    m << "; " << format_size(active - allocated) << " freed but still in use by other streams (record_stream)";
+  if (!quarantine_.empty())
+    m << "; " << quarantine_.size() << " chunk(s) quarantined after backend failures (last: " << last_backend_error_
+      << ")";
+  if (device_full_) m << "; the device itself refused more chunks below the capacity (other processes?)";
+  m << ". Free tensors, lower the batch size, raise the capacity (Arena(capacity=...) or VMALLOC_CONF=capacity=...)"
+       ", or let the swap runtime evict.";
+  return m.str();
+}
+
+std::vector<std::pair<std::string, std::int64_t>> Allocator::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::pair<std::string, std::int64_t>> out;
+  auto stat = [&](const std::string& name, const detail::Stat& s) {
+    out.emplace_back(name + ".all.current", s.current);
+    out.emplace_back(name + ".all.peak", s.peak);
+    out.emplace_back(name + ".all.allocated", s.allocated);
+    out.emplace_back(name + ".all.freed", s.freed);
+  };
+  stat("requested_bytes", stats_.requested_bytes);
+  stat("allocated_bytes", stats_.allocated_bytes);
+  // active = allocated + freed blocks still pending other streams' work (record_stream) or a capture, as in
+  // PyTorch.
+  stat("active_bytes", stats_.active_bytes);
+  stat("allocation", stats_.allocation);
+  stat("active", stats_.active);
+  stat("reserved_bytes", stats_.reserved_bytes);
+  stat("mapped_bytes", stats_.mapped_bytes);
+  stat("segment", stats_.segment);
+  stat("slab_bytes", stats_.slab_bytes);
+  const auto mapped = stats_.mapped_bytes.current, active = stats_.active_bytes.current;
+  out.emplace_back("inactive_split_bytes.all.current", mapped - active);
+  out.emplace_back("cached_free_bytes", stats_.reserved_bytes.current - active);
+  out.emplace_back("pending_free_bytes", active - stats_.allocated_bytes.current);
+  out.emplace_back("internal_fragmentation_bytes", stats_.allocated_bytes.current - stats_.requested_bytes.current);
+  out.emplace_back("num_alloc", stats_.num_alloc);
+  out.emplace_back("num_free", stats_.num_free);
+  out.emplace_back("num_ooms", stats_.num_ooms);
+  out.emplace_back("num_alloc_retries", stats_.num_alloc_retries);
+  out.emplace_back("num_oom_handler_calls", stats_.num_oom_handler_calls);
+  out.emplace_back("num_maps", stats_.num_maps);
+  out.emplace_back("num_unmaps", stats_.num_unmaps);
+  out.emplace_back("num_set_access", stats_.num_set_access);
+  out.emplace_back("num_reclaims", stats_.num_reclaims);
+  out.emplace_back("num_reclaimed_chunks", stats_.num_reclaimed_chunks);
+  out.emplace_back("num_device_alloc", stats_.num_device_alloc);
+  out.emplace_back("num_device_free", stats_.num_device_free);
+  out.emplace_back("num_event_syncs", stats_.num_event_syncs);
+  out.emplace_back("num_stream_waits", stats_.num_stream_waits);
+  out.emplace_back("num_splits", stats_.num_splits);
+  out.emplace_back("num_merges", stats_.num_merges);
+  out.emplace_back("num_pending_frees", stats_.num_pending_frees);
+  out.emplace_back("num_deferred_frees", stats_.num_deferred_frees);
+  out.emplace_back("num_capture_errors", stats_.num_capture_errors);
+  out.emplace_back("num_backend_errors", stats_.num_backend_errors);
+  out.emplace_back("num_quarantined_chunks", static_cast<std::int64_t>(quarantine_.size()));
+  out.emplace_back("num_chunks", static_cast<std::int64_t>(num_chunks_));
+  out.emplace_back("num_pool_chunks", static_cast<std::int64_t>(pool_.size()));
+  out.emplace_back("num_cached_chunks", static_cast<std::int64_t>(cached_chunks_));
+  out.emplace_back("num_empty_slabs", static_cast<std::int64_t>(empty_slabs_.size()));
+  out.emplace_back("va_reserved_bytes", static_cast<std::int64_t>(va_.reserved_bytes()));
+  out.emplace_back("chunk_size", static_cast<std::int64_t>(chunk_));
+  out.emplace_back("small_max", static_cast<std::int64_t>(small_max_));
+  out.emplace_back("capacity", static_cast<std::int64_t>(capacity_chunks_ * chunk_));
+  return out;
+}
+
+std::vector<SegmentInfo> Allocator::segments() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::unordered_map<std::uintptr_t, const Allocation*> pending;
+  for (const auto& [seq, p] : pending_) pending.emplace(p.addr, &p.a);
+  for (const auto& p : deferred_) pending.emplace(p.addr, &p.a);
+  auto requested = [&](std::uintptr_t addr, bool& is_pending) -> std::size_t {
+    auto l = live_.find(addr);
+    if (l != live_.end()) return l->second.requested;
+    is_pending = true;
+    return pending.at(addr)->requested;
+  };
+  std::vector<SegmentInfo> out;
+  out.reserve(ranges_.size());
+  for (const auto& [addr, r] : ranges_) {
+    SegmentInfo s{addr, r.nchunks * chunk_, r.stream, r.kind == Kind::kSlab, {}};
+    if (r.kind == Kind::kSlab) {
+      for (auto b = small_.lower_bound(addr); b != small_.end() && b->second.slab == addr; ++b) {
+        bool is_pending = false;
+        const std::size_t req = b->second.free ? 0 : requested(b->first, is_pending);
+        s.blocks.push_back({b->first, b->second.size, req, !b->second.free && !is_pending, is_pending});
+      }
+    } else if (r.kind == Kind::kAllocated || r.kind == Kind::kPending) {
+      bool is_pending = false;
+      const std::size_t req = requested(addr, is_pending);
+      s.blocks.push_back({addr, s.size, req, !is_pending, is_pending});
+    } else {
+      s.blocks.push_back({addr, s.size, 0, false});
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+std::vector<TraceEntry> Allocator::trace() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return trace_.entries();
+}
+
+bool Allocator::owns(std::uintptr_t addr) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return live_.count(addr) != 0;
+}
+
+bool Allocator::is_live(std::uintptr_t addr, std::size_t nbytes) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (addr + nbytes < addr) return false;
+  auto r = ranges_.upper_bound(addr);
+  if (r == ranges_.begin()) return false;
+  --r;
+  if (r->second.kind == Kind::kAllocated) {
+    const auto& a = live_.at(r->first);
+    return addr + nbytes <= r->first + a.requested;
+  }
+  if (r->second.kind != Kind::kSlab) return false;
+  auto b = small_.upper_bound(addr);
+  if (b == small_.begin()) return false;
+  --b;
+  if (b->second.free) return false;
+  auto a = live_.find(b->first);  // a used block that is not live is a pending free
+  return a != live_.end() && addr + nbytes <= b->first + a->second.requested;
+}
+
+void Allocator::check_invariants() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto require = [](bool ok, const std::string& what) {
+    if (!ok) throw std::logic_error("vmalloc invariant violated: " + what);
+  };
+  std::unordered_map<std::uintptr_t, const Allocation*> pending;
+  for (const auto& [seq, p] : pending_) {
+    require(pending.emplace(p.addr, &p.a).second, "a block is pending twice");
+    require(!p.events.empty(), "a pending free waits for no event");
+  }
+  for (const auto& p : deferred_) require(pending.emplace(p.addr, &p.a).second, "a block is pending twice");
+  std::int64_t requested = 0, allocated = 0, active_bytes = 0;
+  auto check_block = [&](std::uintptr_t addr, const Allocation& a, Kind large_kind) {
+    if (a.small) {
+      auto b = small_.find(addr);
+      require(b != small_.end() && !b->second.free && b->second.size == a.size, "small allocation without its block");
+    } else {
+      auto r = ranges_.find(addr);
+      require(r != ranges_.end() && r->second.kind == large_kind && r->second.nchunks * chunk_ == a.size,
+              large_kind == Kind::kPending ? "pending free without its range" : "large allocation without its range");
+    }
+  };
+  for (const auto& [addr, a] : live_) {
+    require(pending.count(addr) == 0, "a live allocation is also pending");
+    requested += static_cast<std::int64_t>(a.requested);
+    allocated += static_cast<std::int64_t>(a.size);
+    check_block(addr, a, Kind::kAllocated);
+  }
+  active_bytes = allocated;
+  for (const auto& [addr, a] : pending) {
+    active_bytes += static_cast<std::int64_t>(a->size);
+    check_block(addr, *a, Kind::kPending);
+  }
+  require(requested == stats_.requested_bytes.current, "requested_bytes != recount");
+  require(allocated == stats_.allocated_bytes.current, "allocated_bytes != recount");
+  require(active_bytes == stats_.active_bytes.current, "active_bytes != recount");
+  require(static_cast<std::int64_t>(live_.size()) == stats_.allocation.current, "allocation count != recount");
+  require(static_cast<std::int64_t>(live_.size() + pending.size()) == stats_.active.current, "active count != recount");
+
+  std::set<std::uintptr_t> stuck_addrs;
+  for (const Stuck& s : quarantine_)
+    if (s.addr) require(stuck_addrs.insert(s.addr).second, "a quarantined address twice");
+  std::size_t mapped = 0, cached = 0, slabs = 0, empty = 0;
+  std::uintptr_t prev_end = 0;
+  const Range* prev = nullptr;
+  for (const auto& [addr, r] : ranges_) {
+    require(r.nchunks > 0, "an empty range");
+    require(addr >= prev_end, "mapped ranges overlap");
+    if (prev && prev_end == addr && prev->kind == Kind::kCached && r.kind == Kind::kCached &&
+        prev->stream == r.stream && prev->reservation == r.reservation)
+      require(false, "adjacent cached ranges of one stream were not merged");
+    prev_end = addr + r.nchunks * chunk_;
+    prev = &r;
+    mapped += r.nchunks;
+    for (std::size_t i = 0; i < r.nchunks; ++i) {
+      require(chunk_at_.count(addr + i * chunk_) == 1, "a mapped chunk address has no chunk");
+      require(stuck_addrs.count(addr + i * chunk_) == 0, "a quarantined chunk's address is inside a range");
+    }
+    if (r.kind == Kind::kCached) {
+      cached += r.nchunks;
+      auto c = cached_.find(r.stream);
+      require(c != cached_.end() && c->second.count({r.nchunks, addr}), "cached range missing from its stream's set");
+      require(lru_.count({r.free_seq, addr}) == 1, "cached range missing from the LRU order");
+    } else if (r.kind == Kind::kSlab) {
+      ++slabs;
+      std::size_t covered = 0, used = 0;
+      bool prev_free = false;
+      for (auto b = small_.lower_bound(addr); b != small_.end() && b->second.slab == addr; ++b) {
+        require(b->first == addr + covered, "slab blocks do not tile the slab");
+        covered += b->second.size;
+        if (b->second.free) {
+          require(!prev_free, "adjacent free small blocks were not merged");
+          auto f = small_free_.find(r.stream);
+          require(f != small_free_.end() && f->second.count({b->second.size, b->first}), "free block missing from its set");
+        } else {
+          used += b->second.size;
+          require(live_.count(b->first) + pending.count(b->first) == 1,
+                  "used small block is neither a live allocation nor a pending free");
+        }
+        prev_free = b->second.free;
+      }
+      require(covered == chunk_, "slab blocks do not cover the slab");
+      require(used == r.slab_used, "slab_used != recount");
+      if (used == 0) {
+        ++empty;
+        require(empty_slabs_.count(addr) == 1, "empty slab not listed");
+      }
+    } else if (r.kind == Kind::kAllocated) {
+      require(live_.count(addr) == 1, "allocated range is not a live allocation");
+    } else {
+      require(pending.count(addr) == 1, "pending range is not a pending free");
+    }
+  }
+  std::size_t cached_entries = 0, free_block_entries = 0, free_blocks = 0;
+  for (const auto& [s, set] : cached_) cached_entries += set.size();
+  for (const auto& [s, set] : small_free_) free_block_entries += set.size();
+  for (const auto& [a, b] : small_) free_blocks += b.free ? 1 : 0;
+  require(cached_entries == lru_.size(), "per-stream cache and LRU order disagree");
+  require(free_block_entries == free_blocks, "free small block sets hold stale entries");
+  require(cached == cached_chunks_, "cached chunk count != recount");
+  require(empty == empty_slabs_.size(), "empty slab list != recount");
+  require(mapped == chunk_at_.size(), "chunk table != mapped chunks");
+  require(static_cast<std::int64_t>(mapped * chunk_) == stats_.mapped_bytes.current, "mapped_bytes != recount");
+  require(static_cast<std::int64_t>(slabs * chunk_) == stats_.slab_bytes.current, "slab_bytes != recount");
+  require(static_cast<std::int64_t>(ranges_.size()) == stats_.segment.current, "segment count != recount");
+  require(num_chunks_ == pool_.size() + mapped + quarantine_.size(), "chunks held != pool + mapped + quarantined");
+  require(static_cast<std::int64_t>(num_chunks_ * chunk_) == stats_.reserved_bytes.current, "reserved_bytes != recount");
+  require(!over_capacity_with_cache() || shrink_blocked_,
+          "reserved bytes exceed the capacity while cached memory could be released");
+  for (const auto& [s, events] : fences_) {
+    require(!events.empty(), "an empty fence list");
+    for (std::size_t i = 1; i < events.size(); ++i)
+      require(events[i - 1].first < events[i].first, "a stream's fences are out of order");
+  }
+}
+
+}  // namespace vmalloc

@@ -1,0 +1,131 @@
+"""The swap runtime on CUDA in one process per allocator: trains without swapping, then under a budget of
+60% of that run's peak, and prints one JSON line (gradient digests, peaks by the allocator's own statistics
+and by the cuda-python oracle). tests/gpu/test_swap_cuda.py drives it.
+
+    python swap_worker.py {vmalloc,native} [--model resnet|gpt] [--policy window|fixed_distance|all]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MODELS = {  # builder, batch, input size: activations of tens of MiB, a few seconds per run on an H100
+    "resnet": (lambda m: m.resnet((2, 2, 2, 2), width=32, num_classes=10), 32, 96),
+    "gpt": (lambda m: m.gpt(n_layer=4, n_head=8, d_model=256, vocab=1024, seq_len=256), 16, 256),
+}
+
+
+def train(name: str, iterations: int, manager: Optional[Any] = None, poller: Optional[Any] = None) -> dict[str, Any]:
+    import contextlib
+
+    import torch
+
+    from bench import models
+
+    build, batch, size = MODELS[name]
+    torch.manual_seed(0)
+    model = build(models).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses, digests = [], []
+    with contextlib.ExitStack() as stack:
+        if manager is not None:
+            stack.enter_context(manager)
+        for it in range(iterations):
+            x, y = models.example_batch(model, batch, size, torch.Generator().manual_seed(it), device="cuda")
+            if poller is not None and it == iterations - 1:
+                stack.enter_context(poller)  # the last (planned) iteration, under the oracle
+            loss = models.loss_fn(model, model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            losses.append(repr(loss.item()))
+            d = hashlib.sha256()
+            for p in model.parameters():
+                d.update(p.grad.detach().cpu().numpy().tobytes())
+            digests.append(d.hexdigest())
+            opt.step()
+    from cuda_oracle import vmm_backed
+
+    # Whether the parameters live in driver VMM mappings (vmalloc's chunks), checked while they are alive.
+    vmm = all(vmm_backed(p.data_ptr()) for p in model.parameters())
+    return {"losses": losses, "grad_sha256": digests, "params_vmm_backed": vmm}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("allocator", choices=["vmalloc", "native"])
+    p.add_argument("--model", choices=sorted(MODELS), default="resnet")
+    p.add_argument("--policy", default="window")
+    p.add_argument("--iterations", type=int, default=4)
+    args = p.parse_args(argv)
+
+    import torch
+
+    import swap
+    import vmalloc
+
+    from cuda_oracle import UsedMemoryPoller, make_context_current
+
+    torch.use_deterministic_algorithms(True, warn_only=True)  # see torch_worker.deterministic
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    out: dict[str, Any] = {"allocator": args.allocator, "model": args.model, "policy": args.policy}
+    if args.allocator == "vmalloc":
+        # The budget comes from this process's own no-swap run (the allocator is process-wide).
+        torch.cuda.memory.change_current_allocator(vmalloc.allocator())
+    make_context_current(0)
+
+    base = train(args.model, args.iterations)
+    if args.allocator == "vmalloc":
+        peak = vmalloc.stats(0)["allocated_bytes.all.peak"]
+    else:
+        peak = torch.cuda.max_memory_allocated(0)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    budget = int(0.6 * peak)
+    out.update(no_swap_peak=peak, budget=budget, base=base)
+
+    if args.allocator == "vmalloc":
+        vmalloc.global_arena(0).set_capacity(budget)  # physical memory itself is capped at the budget
+        vmalloc.global_arena(0).reset_peak_stats()
+    else:
+        torch.cuda.reset_peak_memory_stats(0)
+    baseline_used = UsedMemoryPoller(0)
+    baseline_used.sample()
+    held_before = (vmalloc.stats(0)["reserved_bytes.all.current"] if args.allocator == "vmalloc"
+                   else torch.cuda.memory_reserved(0))  # fmt: skip
+    poller = UsedMemoryPoller(0)
+    sm = swap.SwapManager(budget=budget, policy=args.policy, min_bytes="256KiB")
+    swapped = train(args.model, args.iterations, manager=sm, poller=poller)
+    report = sm.report()
+    out["swapped"] = swapped
+    out["report"] = {k: report[k] for k in ("peak_device_bytes", "budget_bytes", "swapped_out_bytes",
+                                            "demand_fetches", "declined", "memory_source")}  # fmt: skip
+    if args.allocator == "vmalloc":
+        s = vmalloc.stats(0)
+        out["allocator_peak_allocated"] = s["allocated_bytes.all.peak"]
+        out["allocator_peak_reserved"] = s["reserved_bytes.all.peak"]
+    else:
+        # The manager reads torch's peak per step and resets it (TorchCudaMemory): its maximum is the peak.
+        out["allocator_peak_allocated"] = report["peak_device_bytes"]
+        out["allocator_peak_reserved"] = torch.cuda.max_memory_reserved(0)
+    # The oracle: device memory the driver reports in use, relative to before the swapped run, plus what the
+    # allocator already held then. It counts everything (workspaces, other allocations), so it bounds the
+    # allocator's physical peak from above.
+    out["oracle_peak_bytes"] = poller.peak - baseline_used.peak + held_before
+    out["oracle_samples"] = poller.samples
+    print("RESULT " + json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

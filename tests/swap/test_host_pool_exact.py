@@ -1,0 +1,87 @@
+"""The host pool pins exactly its blocks and unpins every one at close (Note [Exact-size pinned blocks]).
+
+A recording pinner stands in for the CUDA driver, so the accounting is checked without a GPU; tests/gpu
+checks the real registration with cuPointerGetAttribute.
+"""
+
+import pytest
+import torch
+
+from swap.host_pool import PAGE, HostPool, HostPoolExhausted
+
+MiB = 1 << 20
+
+
+class RecordingPinner:
+    def __init__(self):
+        self.pinned: dict[int, int] = {}  # address -> bytes
+        self.calls: list[tuple[str, int]] = []
+
+    def pin(self, addr, nbytes):
+        assert addr not in self.pinned, "a block was pinned twice"
+        self.pinned[addr] = nbytes
+        self.calls.append(("pin", addr))
+
+    def unpin(self, addr):
+        assert addr in self.pinned, "unpin of a range that is not pinned"
+        del self.pinned[addr]
+        self.calls.append(("unpin", addr))
+
+
+def test_pinned_bytes_equal_the_blocks_exactly_and_all_are_unpinned_at_close():
+    pinner = RecordingPinner()
+    pool = HostPool(pinned=True, block_size=3 * MiB + 512, pinner=pinner)
+    held = [pool.alloc(MiB + 1), pool.alloc(2 * MiB), pool.alloc(5 * MiB)]  # the last needs its own block
+    assert pool.reserved == (3 * MiB + 512) + 5 * MiB
+    assert sum(pinner.pinned.values()) == pool.reserved == pool.pinned_bytes
+    for addr in pinner.pinned:
+        assert addr % PAGE == 0, "blocks are page-aligned, so registration pins no neighbouring bytes"
+    # Each view lies inside its pinned block.
+    for hb in held:
+        base = hb.view.data_ptr() - hb.offset
+        assert pinner.pinned[base] >= hb.offset + hb.nbytes
+    pool.close()
+    assert pinner.pinned == {} and pool.pinned_bytes == 0 and pool.reserved == 0
+    assert [c for c, _ in pinner.calls] == ["pin", "pin", "unpin", "unpin"]
+
+
+def test_no_power_of_two_rounding_under_a_limit():
+    pinner = RecordingPinner()
+    pool = HostPool(pinned=True, limit=5 * MiB, block_size=3 * MiB, pinner=pinner)
+    pool.alloc(3 * MiB)
+    pool.alloc(MiB + 4096)  # the last block is only what the limit leaves (2 MiB), not 4 MiB
+    assert sorted(pinner.pinned.values()) == [2 * MiB, 3 * MiB]
+    with pytest.raises(HostPoolExhausted, match="host_pool_limit"):
+        pool.alloc(2 * MiB)
+    assert pool.pinned_bytes == 5 * MiB
+    pool.close()
+    assert pool.pinned_bytes == 0
+
+
+def test_unpinned_pool_never_calls_the_pinner():
+    pinner = RecordingPinner()
+    pool = HostPool(pinned=False, block_size=MiB, pinner=pinner)
+    pool.alloc(100)
+    pool.close()
+    assert pinner.calls == [] and pool.pinned_bytes == 0
+
+
+def test_views_stay_valid_after_close():
+    pool = HostPool(pinned=True, block_size=MiB, pinner=RecordingPinner())
+    hb = pool.alloc(4096)
+    hb.view.copy_(torch.arange(4096, dtype=torch.int64).to(torch.uint8))
+    pool.close()
+    # The numpy block is still owned by the view: reading it is safe (it is merely unpinned now).
+    assert torch.equal(hb.view, torch.arange(4096, dtype=torch.int64).to(torch.uint8))
+
+
+def test_pinning_failure_leaves_the_pool_consistent():
+    class Refusing(RecordingPinner):
+        def pin(self, addr, nbytes):
+            raise RuntimeError("cuMemHostRegister failed: CUDA_ERROR_OUT_OF_MEMORY")
+
+    pool = HostPool(pinned=True, block_size=MiB, pinner=Refusing())
+    with pytest.raises(RuntimeError, match="cuMemHostRegister"):
+        pool.alloc(100)
+    assert pool.reserved == 0 and pool.pinned_bytes == 0 and pool.used == 0
+    pool.close()

@@ -1,0 +1,201 @@
+"""The torch-facing edge without a GPU: header search, the adapter's build plan and fallback, the C entry
+points the adapter and MemPool mode use (on the host backend), and how swap finds vmalloc."""
+
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import vmalloc
+from vmalloc import cuda_paths, torch_adapter
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_python(code: str, env_conf: str = "backend=host,capacity=8MiB,chunk_size=1MiB,small_max=4KiB") -> str:
+    """Runs code in a fresh interpreter (the global arenas are process-wide) with VMALLOC_CONF set."""
+    import os
+
+    env = dict(os.environ, VMALLOC_CONF=env_conf, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+# -- finding the CUDA headers (issue 8 item 7) ---------------------------------------------------------------
+
+
+def make_header(d: Path, name: str = "cuda.h") -> Path:
+    d.mkdir(parents=True)
+    (d / name).write_text("/* test */\n")
+    return d
+
+
+def test_cuda_h_found_in_the_cu13_wheel_layout(tmp_path):
+    site = tmp_path / "site"
+    expected = make_header(site / "nvidia" / "cu13" / "include")
+    assert cuda_paths.find_header("cuda.h", env={}, sites=[str(site)]) in (expected, Path("/usr/local/cuda/include"))
+    # With /usr/local/cuda out of the way (it is tried before the wheels), the wheel is what is found.
+    found = [d for d in cuda_paths.candidate_dirs(env={}, sites=[str(site)]) if (d / "cuda.h").is_file()]
+    assert expected in found
+
+
+def test_cuda_h_found_in_the_cu12_wheel_layout_and_cuda_home_first(tmp_path):
+    site = tmp_path / "site"
+    cu12 = make_header(site / "nvidia" / "cuda_runtime" / "include")
+    home = tmp_path / "toolkit"
+    make_header(home / "include")
+    dirs = cuda_paths.candidate_dirs(env={"CUDA_HOME": str(home)}, sites=[str(site)])
+    assert dirs[0] == home / "include"
+    assert cu12 in dirs
+    assert cuda_paths.find_header("cuda.h", env={"CUDA_HOME": str(home)}, sites=[str(site)]) == home / "include"
+    assert cuda_paths.find_header("no_such_header.h", env={}, sites=[str(site)]) is None
+
+
+def test_setup_py_uses_the_shared_header_search():
+    text = (ROOT / "setup.py").read_text()
+    assert "cuda_paths.py" in text and "find_header(\"cuda.h\")" in text
+
+
+# -- the adapter's build plan and its fallback ---------------------------------------------------------------
+
+
+def test_extension_name_is_per_torch_version():
+    assert torch_adapter.extension_name("2.11.0+cu130") == "vmalloc_torch_2_11_0_cu130"
+    assert torch_adapter.extension_name("2.4.0") != torch_adapter.extension_name("2.5.0")
+
+
+def test_build_arguments_link_the_core_and_torch_cuda(tmp_path, monkeypatch):
+    monkeypatch.setenv("VMALLOC_CACHE", str(tmp_path / "cache"))
+    cuda = make_header(tmp_path / "cuda" / "include", "cuda_runtime_api.h")
+    monkeypatch.setenv("CUDA_HOME", str(cuda.parent))
+    fake_torch = types.SimpleNamespace(__version__="2.11.0+cu130", __file__=str(tmp_path / "torch" / "__init__.py"))
+    src = torch_adapter.source_dir()
+    assert src is not None and (src / "adapter.cpp").is_file()
+    args = torch_adapter.build_arguments(fake_torch, str(tmp_path / "lib" / "libvmalloc.so"), src)
+    assert args["name"] == "vmalloc_torch_2_11_0_cu130"
+    assert str(cuda) in args["extra_include_paths"]
+    flags = " ".join(args["extra_ldflags"])
+    assert "-lvmalloc" in flags and f"-L{tmp_path / 'lib'}" in flags and "-ltorch_cuda" in flags
+    assert args["build_directory"].startswith(str(tmp_path / "cache"))
+    assert args["with_cuda"] is False
+
+
+def test_build_arguments_name_a_missing_cuda_runtime_header(tmp_path, monkeypatch):
+    monkeypatch.setattr(cuda_paths, "find_header", lambda name, *a, **k: None)
+    fake_torch = types.SimpleNamespace(__version__="2.11.0", __file__=str(tmp_path / "t" / "__init__.py"))
+    with pytest.raises(RuntimeError, match="cuda_runtime_api.h not found"):
+        torch_adapter.build_arguments(fake_torch, "/x/libvmalloc.so", torch_adapter.source_dir())
+
+
+def test_loaded_library_reads_the_process_maps(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r-xp 00000000 08:01 123 /opt/x/nvidia/cu13/lib/libcudart.so.13\n"
+        "7f02-7f03 rw-p 00000000 00:00 0 \n"
+    )
+    assert torch_adapter.loaded_library("libcudart.so", str(maps)) == "/opt/x/nvidia/cu13/lib/libcudart.so.13"
+    assert torch_adapter.loaded_library("libnccl", str(maps)) is None
+
+
+def test_adapter_declines_with_a_reason_on_this_torch():
+    code = """
+        from vmalloc import torch_adapter
+        import torch
+        print(torch_adapter.load() is None, '|', torch_adapter.reason())
+    """
+    out = run_python(code)
+    if torch.version.cuda:
+        pytest.skip("a CUDA build of torch: the adapter may build here")
+    assert out.startswith("True |") and "not a CUDA build" in out
+
+
+def test_adapter_can_be_switched_off():
+    out = run_python("""
+        import os; os.environ['VMALLOC_TORCH_ADAPTER'] = '0'
+        from vmalloc import torch_adapter
+        print(torch_adapter.load(), torch_adapter.reason())
+    """)
+    assert out.strip() == "None VMALLOC_TORCH_ADAPTER=0"
+
+
+def test_allocator_on_a_cpu_torch_says_what_is_needed():
+    if torch.version.cuda:
+        pytest.skip("a CUDA build of torch")
+    with pytest.raises(RuntimeError, match="CUDA build of PyTorch"):
+        vmalloc.allocator()
+    assert vmalloc.installed() is False
+
+
+# -- the C entry points (host backend through ctypes) -------------------------------------------------------
+
+
+def test_out_of_memory_error_is_a_runtime_and_a_memory_error():
+    assert issubclass(vmalloc.OutOfMemoryError, RuntimeError)
+    assert issubclass(vmalloc.OutOfMemoryError, MemoryError)
+
+
+def test_adapter_entry_points_respect_call_handler_and_report_stats():
+    out = run_python("""
+        import ctypes, vmalloc
+        from vmalloc import _C
+        lib = ctypes.CDLL(_C.library_path())
+        calls = []
+        vmalloc.set_oom_handler(lambda n: calls.append(n) or False)
+        m = lib.vmalloc_adapter_malloc
+        m.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                      ctypes.c_char_p, ctypes.c_size_t]
+        out, err = ctypes.c_void_p(), ctypes.create_string_buffer(1024)
+        assert m(ctypes.byref(out), 3 << 20, 0, None, 1, err, 1024) == 0 and out.value
+        # 3 + 6 MiB > the 8 MiB capacity: out of memory (1) with the explanation; the handler runs only when
+        # asked.
+        assert m(ctypes.byref(ctypes.c_void_p()), 6 << 20, 0, None, 0, err, 1024) == 1
+        assert calls == [] and b"out of memory" in err.value, err.value
+        assert m(ctypes.byref(ctypes.c_void_p()), 6 << 20, 0, None, 1, err, 1024) == 1
+        assert calls == [6 << 20]
+        # MemPool's malloc: null on out of memory, never the handler.
+        nh = lib.vmalloc_malloc_no_handler
+        nh.restype, nh.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        assert nh(6 << 20, 0, None) is None and calls == [6 << 20]
+        assert nh(4096, 0, None)
+        # Statistics by name, as the adapter's getDeviceStats reads them.
+        names = [b"allocated_bytes.all.current", b"num_ooms", b"no.such.stat"]
+        arr = (ctypes.c_char_p * 3)(*names)
+        vals = (ctypes.c_int64 * 3)()
+        st = lib.vmalloc_adapter_stats
+        st.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+        assert st(0, arr, vals, 3) == 2
+        s = vmalloc.stats(0)
+        assert vals[0] == s["allocated_bytes.all.current"] and vals[1] == s["num_ooms"] == 3 and vals[2] == 0
+        assert st(5, arr, vals, 3) == -1 and list(vals) == [0, 0, 0]   # no arena on device 5
+        peak = s["allocated_bytes.all.peak"]
+        lib.vmalloc_free(ctypes.c_void_p(out.value), 0, 0, None)
+        lib.vmalloc_adapter_reset_peak(0)
+        assert vmalloc.stats(0)["allocated_bytes.all.peak"] < peak
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+# -- swap finds vmalloc before its first allocation (issue 8 item 3) -----------------------------------------
+
+
+def test_swap_uses_vmalloc_when_installed_even_before_the_arena_exists():
+    out = run_python("""
+        import torch, vmalloc
+        from vmalloc import _C
+        from swap.memory import vmalloc_arena
+        assert _C.existing_global_arena(0) is None
+        assert vmalloc_arena(torch.device("cuda", 0)) is None      # not torch's allocator: torch's stats
+        vmalloc.installed = lambda: True                          # as after change_current_allocator(...)
+        arena = vmalloc_arena(torch.device("cuda", 0))
+        assert arena is not None and arena.backend == "host" and _C.existing_global_arena(0) is not None
+        assert vmalloc_arena(torch.device("cpu")) is None
+        print("ok")
+    """)
+    assert out.strip() == "ok"
