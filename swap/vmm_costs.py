@@ -26,17 +26,17 @@ For scale: GMLake users report 20-40 ms per stitch (antgroup/glake#22), and this
 takes 10-110 us per 2 MiB chunk reclaimed (issue 11).
 
 Note [vmm_latency.json]
-The schema ``load`` reads (the GPU benchmark writes it; one file per device)::
+``load`` reads what ``make gpu`` writes, bench/results/gpu/<device>/vmm_latency.json (bench/gpu/vmm_latency.py:
+each call timed alone, for each chunk size)::
 
-    {"format": "vmalloc.vmm_latency/1",
-     "device": "NVIDIA H100 80GB HBM3", "driver": "580.65", "cuda": "13.0",
-     "records": [{"op": "map", "chunk_size": 2097152, "chunks_per_call": 1, "calls": 4096,
-                  "mean_us": 1.4, "p50_us": 1.0, "p99_us": 5.0}, ...]}
+    {"environment": {"device": "NVIDIA H100 80GB HBM3", ...},
+     "results_us": {"2": {"cuMemCreate": {"median_us": 190.0, "p90_us": 330.0, "n": 200},
+                          "cuMemMap": {...}, "cuMemSetAccess": {...}, "cuMemUnmap": {...}, "cuMemRelease": {...}},
+                    "20": {...}}}
 
-``op`` is one of create, map, set_access, unmap, release; a call covers ``chunks_per_call`` chunks of
-``chunk_size`` bytes (create and release: one chunk per call). ``load`` uses the mean of the records with
-``chunks_per_call`` 1, per op; the per-chunk cost of an op for another chunk size is the record with the
-nearest chunk size (create scaled by bytes).
+Keys of ``results_us`` are chunk sizes in MiB; every call maps or sets access on one whole chunk. ``load`` takes
+the medians for the measured chunk size nearest to the one asked for (creating scaled by bytes, Note [VMM
+cost figures]).
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ from typing import Any, Union
 
 MiB = 1 << 20
 US = 1e-6
-OPS = ("create", "map", "set_access", "unmap", "release")
 
 
 @dataclass(frozen=True)
@@ -112,19 +111,23 @@ def for_device(name: str, chunk_size: int = 2 * MiB) -> VmmCosts:
     return COSTS[gen].for_chunk(chunk_size)
 
 
+CALLS = {"create": "cuMemCreate", "map": "cuMemMap", "set_access": "cuMemSetAccess", "unmap": "cuMemUnmap",
+         "release": "cuMemRelease"}
+
+
 def load(path: Union[str, Path], chunk_size: int = 2 * MiB) -> VmmCosts:
     """Costs measured on a GPU (Note [vmm_latency.json])."""
     data: dict[str, Any] = json.loads(Path(path).read_text())
-    if data.get("format") != "vmalloc.vmm_latency/1":
-        raise ValueError(f"{path} is not a VMM latency file (format 'vmalloc.vmm_latency/1', Note [vmm_latency.json])")
+    results = data.get("results_us")
+    if not isinstance(results, dict) or not results:
+        raise ValueError(f"{path} is not a VMM latency file (no 'results_us'; see Note [vmm_latency.json])")
+    mib = min(results, key=lambda k: abs(int(k) * MiB - chunk_size))
     per_op: dict[str, float] = {}
-    for op in OPS:
-        recs = [r for r in data.get("records", []) if r.get("op") == op and r.get("chunks_per_call", 1) == 1]
-        if not recs:
-            raise ValueError(f"{path}: no record for op {op!r} with chunks_per_call 1")
-        best = min(recs, key=lambda r: abs(int(r["chunk_size"]) - chunk_size))
-        per_op[op] = float(best["mean_us"]) * US
-        if op == "create":
-            per_op[op] *= chunk_size / int(best["chunk_size"])
-    name = f"{data.get('device', 'measured')} (measured)"
-    return VmmCosts(name, str(path), chunk_size, **per_op)
+    for op, call in CALLS.items():
+        rec = results[mib].get(call)
+        if not rec or "median_us" not in rec:
+            raise ValueError(f"{path}: no median for {call} at {mib} MiB")
+        per_op[op] = float(rec["median_us"]) * US
+    per_op["create"] *= chunk_size / (int(mib) * MiB)
+    device = data.get("environment", {}).get("device", "measured")
+    return VmmCosts(f"{device} (measured)", f"{path}, {mib} MiB chunks", chunk_size, **per_op)

@@ -31,18 +31,18 @@ def test_published_figures_and_chunk_scaling():
         a100.for_chunk(0)
 
 
-def test_load_reads_the_measured_file(tmp_path):
-    recs = [{"op": op, "chunk_size": cs, "chunks_per_call": 1, "calls": 100, "mean_us": us * (cs // (2 * MiB)),
-             "p50_us": us, "p99_us": us} for op, us in (("create", 100.0), ("map", 2.0), ("set_access", 10.0),
-             ("unmap", 20.0), ("release", 30.0)) for cs in (2 * MiB, 8 * MiB)]  # fmt: skip
-    recs.append({"op": "map", "chunk_size": 2 * MiB, "chunks_per_call": 8, "calls": 10, "mean_us": 999.0})
+def test_load_reads_the_file_make_gpu_writes(tmp_path):
+    calls = {"cuMemCreate": 100.0, "cuMemMap": 2.0, "cuMemSetAccess": 10.0, "cuMemUnmap": 20.0, "cuMemRelease": 30.0}
+    results = {str(mib): {c: {"median_us": us * (1 if c != "cuMemMap" else mib // 2), "p90_us": us, "n": 9}
+                          for c, us in calls.items()} for mib in (2, 8)}  # fmt: skip
     path = tmp_path / "vmm_latency.json"
-    path.write_text(json.dumps({"format": "vmalloc.vmm_latency/1", "device": "GPU X", "records": recs}))
+    path.write_text(json.dumps({"environment": {"device": "GPU X"}, "results_us": results}))
     c = load(path)
     assert (c.create, c.map, c.set_access, c.unmap, c.release) == pytest.approx((100 * US, 2 * US, 10 * US, 20 * US,
                                                                                   30 * US))  # fmt: skip
     assert "GPU X" in c.name
     assert load(path, chunk_size=8 * MiB).map == pytest.approx(8 * US)  # the nearest measured chunk size
+    assert load(path, chunk_size=4 * MiB).create == pytest.approx(200 * US)  # 2 MiB's, scaled by bytes
     path.write_text(json.dumps({"format": "other"}))
     with pytest.raises(ValueError, match="not a VMM latency file"):
         load(path)
