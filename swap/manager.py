@@ -24,6 +24,7 @@ from .engines import CudaEngine, HostEngine
 from .executor import DECLINED, Counters, Executor
 from .host_pool import HostPool
 from .memory import ArenaMemory, DeviceMemory, MeterMemory, TorchCudaMemory, vmalloc_arena
+from .recompute import RecomputeHooks
 from .report import SwapReport
 from .scheduler import POLICIES, Schedule, plan, validate
 from .sequence import Sequence
@@ -77,6 +78,8 @@ class SwapManager:
         exclude: tensors or modules (their parameters and buffers) that stay put, or predicates(tensor)->bool.
         arena: a ``vmalloc.Arena`` whose OOM handler the manager becomes (found automatically when vmalloc is
             the global CUDA allocator).
+        recompute: rebuild saved outputs of GELU/SiLU/leaky ReLU from their saved inputs at backward instead
+            of swapping them (bitwise exact; fewer bytes over the link; swap.recompute).
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class SwapManager:
         swapout_threshold: int = 2,
         swapin_ahead: int = 1,
         arena: Any = None,
+        recompute: bool = False,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
@@ -128,6 +132,7 @@ class SwapManager:
         self._notes: list[str] = []
         self._window_used: Optional[int] = self.window
         self._active = False
+        self._recompute = RecomputeHooks() if recompute else None  # Note [Recompute or swap]
 
     def _default_budget(self) -> int:
         if self.arena is not None:
@@ -182,9 +187,13 @@ class SwapManager:
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._eligible(t):
             return t
+        if self._recompute is not None and (rebuilt := self._recompute.pack(t)) is not None:
+            return rebuilt
         return self.executor.pack(t)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if self._recompute is not None and self._recompute.intercepts(packed):
+            return self._recompute.unpack(packed, self.executor.unpack)
         return self.executor.unpack(packed)
 
     # -- context manager --------------------------------------------------------------------------------
