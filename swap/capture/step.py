@@ -172,6 +172,8 @@ class _Recorder(TorchDispatchMode):
             for t in tree_flatten((args, kwargs))[0]:
                 if isinstance(t, torch.Tensor):
                     self.moved += t.numel() * t.element_size()
+            for t in _written_without_return(func, args, kwargs):
+                self.moved += t.numel() * t.element_size()
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == "meta":
                 if not view:
@@ -192,6 +194,22 @@ class _Recorder(TorchDispatchMode):
         f, m = self.flops, self.moved
         self.flops = self.moved = 0.0
         return f, m
+
+
+def _written_without_return(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an operator writes in place without returning them (the in-place foreach kernels
+    optimizers use on CUDA return nothing). Their writes are memory traffic like the returned ``self`` of an
+    ordinary in-place operator, which the bytes moved count as an output; without this a foreach optimizer
+    step would count only its reads."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or schema.returns:
+        return []
+    out: list[torch.Tensor] = []
+    for k, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = args[k] if k < len(args) else kwargs.get(a.name)
+            out.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    return out
 
 
 # -- the target device's kernels (Note [The target device's kernels]) --------------------------------------
