@@ -177,9 +177,10 @@ PAPER_MULTIPLIERS = {
 }
 
 
-def fits(model: str, batch: int, column: str, dev: DeviceProfile, budget: int, costs: VmmCosts) -> bool:
+def fits(model: str, batch: int, column: str, dev: DeviceProfile, budget: int, costs: VmmCosts,
+         size: Optional[int] = None) -> bool:  # fmt: skip
     """Whether ``column`` trains ``model`` at ``batch`` within ``budget`` (the allocator holding it)."""
-    trace = cached_capture(model, batch, STEPS)
+    trace = cached_capture(model, batch, STEPS, size)
     seq = sequence(trace, dev)
     if column == "none":
         return seq.no_swap_peak() <= budget and measure(trace, "pytorch_native", capacity=budget)["ok"]
@@ -189,15 +190,36 @@ def fits(model: str, batch: int, column: str, dev: DeviceProfile, budget: int, c
     return window_with_allocator(trace, seq, dev, budget, alloc, costs) is not None
 
 
-def max_batch(model: str, batches: list[int], column: str, dev: DeviceProfile, budget: int, costs: VmmCosts) -> int:
-    """The largest of ``batches`` (ascending) that fits; fitting is monotone in the batch (binary search)."""
+def max_batch(model: str, batches: list[int], column: str, dev: DeviceProfile, budget: int, costs: VmmCosts,
+              size: Optional[int] = None) -> int:  # fmt: skip
+    """The largest batch that fits, exactly: a binary search over the candidate ``batches`` (ascending; fitting
+    is monotone in the batch), then a bisection between the largest candidate that fits and the next one,
+    which does not. (Candidates alone under-report: ResNet-50's best-fit column fits 889, not the candidate
+    512.) When the largest candidate fits, it is the answer: nothing above it was tried."""
+    known: dict[int, bool] = {}
+
+    def ok(n: int) -> bool:
+        if n not in known:
+            known[n] = fits(model, n, column, dev, budget, costs, size)
+        return known[n]
+
     lo, hi, best = 0, len(batches) - 1, 0
     while lo <= hi:
         mid = (lo + hi) // 2
-        if fits(model, batches[mid], column, dev, budget, costs):
+        if ok(batches[mid]):
             best, lo = batches[mid], mid + 1
         else:
             hi = mid - 1
+    above = [b for b in batches if b > best]
+    if not above:
+        return best
+    fail = above[0]
+    while fail - best > 1:
+        mid = (best + fail) // 2
+        if ok(mid):
+            best = mid
+        else:
+            fail = mid
     return best
 
 
