@@ -192,10 +192,12 @@ def fits(model: str, batch: int, column: str, dev: DeviceProfile, budget: int, c
 
 def max_batch(model: str, batches: list[int], column: str, dev: DeviceProfile, budget: int, costs: VmmCosts,
               size: Optional[int] = None) -> int:  # fmt: skip
-    """The largest batch that fits, exactly: a binary search over the candidate ``batches`` (ascending; fitting
-    is monotone in the batch), then a bisection between the largest candidate that fits and the next one,
-    which does not. (Candidates alone under-report: ResNet-50's best-fit column fits 889, not the candidate
-    512.) When the largest candidate fits, it is the answer: nothing above it was tried."""
+    """The largest batch that fits: the largest candidate of ``batches`` (ascending) that fits, then a bisection
+    between it and the next candidate, which does not. The candidates are tried from the largest down because
+    fitting need not be monotone in the batch: with PyTorch's best-fit allocator DenseNet-121 fits at 500 and
+    at 520-700 but not at 512, and ResNet-50 at 889 and at 895-989 but not at 890 (the allocator's blocks
+    split differently). With vmalloc and with an ideal allocator the bisection lands where ``swap.plan``'s
+    search does (tests/perf/test_max_batch.py). When the largest candidate fits, it is the answer."""
     known: dict[int, bool] = {}
 
     def ok(n: int) -> bool:
@@ -203,17 +205,11 @@ def max_batch(model: str, batches: list[int], column: str, dev: DeviceProfile, b
             known[n] = fits(model, n, column, dev, budget, costs, size)
         return known[n]
 
-    lo, hi, best = 0, len(batches) - 1, 0
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if ok(batches[mid]):
-            best, lo = batches[mid], mid + 1
-        else:
-            hi = mid - 1
-    above = [b for b in batches if b > best]
-    if not above:
+    top = next((i for i in reversed(range(len(batches))) if ok(batches[i])), None)
+    best = 0 if top is None else batches[top]
+    if top == len(batches) - 1:
         return best
-    fail = above[0]
+    fail = batches[0] if top is None else batches[top + 1]
     while fail - best > 1:
         mid = (best + fail) // 2
         if ok(mid):
