@@ -3,10 +3,11 @@
     python -m bench.fragmentation            # full: 5 workloads x 2 batches, with and without swapping
     python -m bench.fragmentation --quick    # a smoke run (< 3 minutes)
 
-Each workload's training steps are captured on the meta device (bench.traces) and, for the swapped
-variant, rewritten with the swap runtime's schedule for a budget (bench.swap_trace). Every trace is then
-replayed on vmalloc (sim backend, 2 MiB chunks), PyTorch's native caching allocator and its
-expandable_segments mode (bench.torch_policy), with unlimited capacity, and measured (bench.replay). Also:
+Each workload's training steps are captured on the meta device (bench.traces, swap.capture) and, for the
+swapped variant, rewritten with the swap runtime's schedule for a budget (swap.capture.swapped). Every trace
+is then replayed on vmalloc (sim backend, 2 MiB chunks), PyTorch's native caching allocator and its
+expandable_segments mode (swap.replay.torch_policy), with unlimited capacity, and measured (swap.replay);
+vmalloc's maps per steady iteration come from bench.vmm_work. Also:
 a chunk-size sweep for vmalloc, the largest ResNet-50 batch that fits 16 GiB per allocator with and without
 swapping, and a host-backend replay that must give the sim backend's figures.
 
