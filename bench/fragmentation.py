@@ -3,10 +3,11 @@
     python -m bench.fragmentation            # full: 5 workloads x 2 batches, with and without swapping
     python -m bench.fragmentation --quick    # a smoke run (< 3 minutes)
 
-Each workload's training steps are captured on the meta device (bench.traces) and, for the swapped
-variant, rewritten with the swap runtime's schedule for a budget (bench.swap_trace). Every trace is then
-replayed on vmalloc (sim backend, 2 MiB chunks), PyTorch's native caching allocator and its
-expandable_segments mode (bench.torch_policy), with unlimited capacity, and measured (bench.replay). Also:
+Each workload's training steps are captured on the meta device (bench.traces, swap.capture) and, for the
+swapped variant, rewritten with the swap runtime's schedule for a budget (swap.capture.swapped). Every trace
+is then replayed on vmalloc (sim backend, 2 MiB chunks), PyTorch's native caching allocator and its
+expandable_segments mode (swap.replay.torch_policy), with unlimited capacity, and measured (swap.replay);
+vmalloc's maps per steady iteration come from bench.vmm_work. Also:
 a chunk-size sweep for vmalloc, the largest ResNet-50 batch that fits 16 GiB per allocator with and without
 swapping, and a host-backend replay that must give the sim backend's figures.
 
@@ -25,11 +26,14 @@ from typing import Any, Optional
 
 import torch
 
+import vmalloc
 from bench.plotting import pyplot, save
 from bench.replay import ALLOCATORS, measure
 from bench.swap_trace import sequence_from_trace, swapped
 from bench.traces import Trace, cached_capture, live_peak
+from bench.vmm_work import step_work
 from swap.replay import fitting_budget
+from swap.vmm_costs import for_device
 
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +47,7 @@ FULL = {
 }
 QUICK = {"resnet50": (32,), "unet": (2,)}
 SWAP_BUDGET = 16 * GiB  # seed 001's V100
+VMM_DEVICE = "v100"  # whose driver-call costs price the maps (swap.vmm_costs)
 
 
 def log(msg: str) -> None:
@@ -57,6 +62,14 @@ def swap_budget(trace: Trace) -> Optional[int]:
     return max(budget, int(floor * 1.05))
 
 
+def steady_vmm(trace: Trace, chunk: str | int = "2MiB") -> dict[str, Any]:
+    """vmalloc's chunk maps and unmaps in the last (steady) iteration, and their modelled host time."""
+    w = step_work(trace, chunk_size=chunk)
+    costs = for_device(VMM_DEVICE, vmalloc.parse_size(chunk))
+    return {"steady_maps": w.totals["num_maps"], "steady_unmaps": w.totals["num_unmaps"],
+            "steady_vmm_seconds": sum(w.seconds(costs))}  # fmt: skip
+
+
 def run_trace(trace: Trace, label: dict[str, Any], chunk_sweep: list[str]) -> dict[str, Any]:
     row = dict(label)
     row["events"] = len(trace)
@@ -65,11 +78,14 @@ def run_trace(trace: Trace, label: dict[str, Any], chunk_sweep: list[str]) -> di
     for name in ALLOCATORS:
         m = measure(trace, name, series_every=max(1, len(trace) // 400))
         m["efficiency"] = row["requested_peak"] / m["peak_reserved"] if m["peak_reserved"] else 1.0
+        if name == "vmalloc":
+            m.update(steady_vmm(trace))
         row["allocators"][name] = m
     row["chunk_sweep"] = {}
     for chunk in chunk_sweep:
         m = measure(trace, "vmalloc", chunk_size=chunk)
         m["efficiency"] = row["requested_peak"] / m["peak_reserved"]
+        m.update(steady_vmm(trace, chunk))
         m.pop("series")
         row["chunk_sweep"][chunk] = m
     return row
@@ -117,26 +133,33 @@ def markdown(results: dict[str, Any]) -> str:
         "rounding as waste); steady = allocated / reserved per iteration after the first, averaged (STAlloc). "
         "Unlimited capacity; reserved and requested in GiB.",
         "",
-        "| trace | requested | allocator | reserved | utilization | efficiency | steady | maps / unmaps |",
-        "|---|---|---|---|---|---|---|---|",
+        "Maps / unmaps: chunk maps and unmaps over the whole trace (all iterations); per steady iteration: in the "
+        f"last one, with their modelled host time (driver-call costs of swap.vmm_costs, {VMM_DEVICE}).",
+        "",
+        "| trace | requested | allocator | reserved | utilization | efficiency | steady | maps / unmaps "
+        "| maps / unmaps per steady iteration | modelled ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["traces"]:
         name = f"{row['model']} b{row['batch']}" + (f" swap@{gib(row['budget'])}" if row["swapped"] else "")
         for a, m in row["allocators"].items():
+            steady = (f"{m['steady_maps']} / {m['steady_unmaps']} | {1e3 * m['steady_vmm_seconds']:.0f}"
+                      if "steady_maps" in m else "- | -")  # fmt: skip
             lines.append(
                 f"| {name} | {gib(row['requested_peak'])} | {a} | {gib(m['peak_reserved'])} | {m['utilization']:.3f} "
-                f"| {m['efficiency']:.3f} | {m['steady_utilization']:.3f} | {m['num_maps']} / {m['num_unmaps']} |"
+                f"| {m['efficiency']:.3f} | {m['steady_utilization']:.3f} | {m['num_maps']} / {m['num_unmaps']} "
+                f"| {steady} |"
             )
-    lines += ["", "vmalloc chunk-size sweep (utilization / efficiency / maps):", ""]
+    lines += ["", "vmalloc chunk-size sweep (utilization / efficiency / maps per steady iteration, modelled ms):", ""]
     chunks = list(results["traces"][0]["chunk_sweep"]) if results["traces"] else []
     lines.append("| trace | " + " | ".join(["2MiB"] + chunks) + " |")
     lines.append("|---|" + "---|" * (1 + len(chunks)))
     for row in results["traces"]:
         name = f"{row['model']} b{row['batch']}" + (" swap" if row["swapped"] else "")
         v = row["allocators"]["vmalloc"]
-        cells = [f"{v['utilization']:.3f} / {v['efficiency']:.3f} / {v['num_maps']}"]
-        cells += [
-            f"{m['utilization']:.3f} / {m['efficiency']:.3f} / {m['num_maps']}" for m in row["chunk_sweep"].values()
+        cells = [
+            f"{m['utilization']:.3f} / {m['efficiency']:.3f} / {m['steady_maps']}, {1e3 * m['steady_vmm_seconds']:.0f}"
+            for m in [v, *row["chunk_sweep"].values()]
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     mb = results.get("max_batch")

@@ -13,6 +13,7 @@ from swap.zoo import (  # noqa: F401 - re-exported
     example_batch,
     gpt,
     gpt2,
+    gpt2_medium,
     loss_fn,
     resnet,
     resnet50,

@@ -6,7 +6,10 @@
 //   1. small (n <= small_max): a 512 B-rounded block from a slab (one chunk) of the same stream, best fit;
 //   2. large: ceil(n / chunk) chunks; best fit among cached free ranges of the same stream, split at a chunk
 //      boundary;
-//   3. free chunks from the pool (created while under capacity), mapped into a fresh virtual range;
+//   3. grow in place: the stream's largest cached range that has free address space around it takes the
+//      missing chunks (from the pool, reclaimed, or created) next to it, so only those are mapped;
+//      otherwise free chunks from the pool (created while under capacity), mapped into a fresh virtual range
+//      placed with room around it (Note [Grow in place]);
 //   4. reclaim: unmap chunks of cached free ranges, least recently freed first, and map them into the new
 //      range, so a request of k chunks succeeds whenever k chunks are free in total;
 //   5. the OOM handler (the swap runtime evicts), then one more try from 1;
@@ -168,6 +171,8 @@ class VMALLOC_API Allocator {
   std::uintptr_t malloc_large(std::size_t nchunks, Stream stream, bool cached_only);  // a kAllocated range, or 0
   std::uintptr_t take_cached(std::uintptr_t addr, std::size_t nchunks);
   std::uintptr_t map_fresh(std::size_t nchunks, Stream stream);
+  std::uintptr_t grow_cached(std::size_t nchunks, Stream stream);
+  void map_into(std::uintptr_t at, std::size_t nchunks, std::uint32_t reservation, Stream stream);
   void unmap_for_rollback(std::uintptr_t addr, ChunkHandle chunk, std::uint32_t reservation);
   bool reclaim(std::size_t nchunks);
   void retire_empty_slabs();

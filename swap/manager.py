@@ -30,6 +30,7 @@ from .engines import CudaEngine, HostEngine
 from .executor import DECLINED, PLANNED, PROFILE, Counters, Executor, Profiled
 from .host_pool import HostPool
 from .memory import ArenaMemory, DeviceMemory, MeterMemory, TorchCudaMemory, vmalloc_arena
+from .recompute import RecomputeHooks
 from .report import SwapReport
 from .scheduler import POLICIES, Schedule, plan, validate
 from .sequence import Sequence
@@ -125,6 +126,8 @@ class SwapManager:
             them: saved tensors they match stay put.
         arena: a ``vmalloc.Arena`` whose OOM handler the manager becomes (found automatically when vmalloc is
             the global CUDA allocator).
+        recompute: rebuild saved outputs of GELU/SiLU/leaky ReLU from their saved inputs at backward instead
+            of swapping them (bitwise exact; fewer bytes over the link; swap.recompute).
 
     Raises ``InfeasibleBudget`` (at the first saved tensor of the iteration after the one that showed it)
     when no schedule can keep the budget; warns once with ``BudgetWarning`` per cause when it cannot help
@@ -145,6 +148,7 @@ class SwapManager:
         swapout_threshold: int = 2,
         swapin_ahead: int = 1,
         arena: Any = None,
+        recompute: bool = False,
     ) -> None:
         if not isinstance(policy, str) or policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(repr(p) for p in POLICIES)}")
@@ -186,6 +190,9 @@ class SwapManager:
         self._warned: set[Any] = set()
         self._window_used: Optional[int] = self.window
         self._active = False
+        if not isinstance(recompute, bool):
+            raise TypeError(f"recompute must be True or False, not {recompute!r} ({type(recompute).__name__})")
+        self._recompute = RecomputeHooks() if recompute else None  # Note [Recompute or swap]
         self._final: Optional[dict[str, Any]] = None
         self._skipped: dict[str, list[int]] = {}  # profiling: why saved tensors stayed -> [count, bytes]
         self._other_devices: set[str] = set()
@@ -317,6 +324,8 @@ class SwapManager:
             return ex.pack(t)
         reason = self._skip_reason(t)
         if reason is None:
+            if self._recompute is not None and (rebuilt := self._recompute.pack(t)) is not None:
+                return rebuilt
             return ex.pack(t)
         ex.observe(t)
         if ex.mode == PROFILE:
@@ -334,6 +343,8 @@ class SwapManager:
         entry[1] += t.untyped_storage().nbytes()
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if self._recompute is not None and self._recompute.intercepts(packed):
+            return self._recompute.unpack(packed, self.executor.unpack)
         return self.executor.unpack(packed)
 
     # -- context manager --------------------------------------------------------------------------------

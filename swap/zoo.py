@@ -5,7 +5,8 @@ Defined in the project (torchvision's compiled ops do not load with the CPU torc
 - ``resnet(layers, width)``: bottleneck ResNet; ``resnet50()`` is the paper's ResNet-50 (25.6 M params).
 - ``densenet(blocks, growth)``: DenseNet-BC; ``densenet121()``.
 - ``unet(depth, width)``: 2-D U-Net, long skip connections by concatenation.
-- ``gpt(n_layer, n_head, d_model, vocab, seq_len)``: GPT-2-style decoder; ``gpt2()`` is GPT-2 small.
+- ``gpt(n_layer, n_head, d_model, vocab, seq_len)``: GPT-2-style decoder; ``gpt2()`` is GPT-2 small,
+  ``gpt2_medium()`` GPT-2 medium.
 
 Each builder takes small sizes for CPU tests and full sizes for the benchmarks; ``example_batch(model, ...)``
 returns matching inputs and targets. ``ZOO`` names the full-size workloads: how to build each, its batches
@@ -231,6 +232,11 @@ def gpt2(seq_len: int = 1024) -> GPT:
     return GPT(12, 12, 768, 50257, seq_len)
 
 
+def gpt2_medium(seq_len: int = 1024) -> GPT:
+    """GPT-2 medium's shape (24 layers, 16 heads, d_model 1024; 355 M parameters with the untied head)."""
+    return GPT(24, 16, 1024, 50257, seq_len)
+
+
 # -- inputs -------------------------------------------------------------------------------------------------
 def example_batch(model: nn.Module, batch: int, size: int = 224, generator: torch.Generator | None = None,
                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -295,5 +301,6 @@ ZOO = {
         Workload("unet", lambda: unet(depth=4, width=64), 256, "segment", 2),
         Workload("gpt2", gpt2, 1024, "language", 50257),
         Workload("gpt2-bf16", gpt2, 1024, "language", 50257, torch.bfloat16),
+        Workload("gpt2-medium-bf16", gpt2_medium, 1024, "language", 50257, torch.bfloat16),
     )
 }

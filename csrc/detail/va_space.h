@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <iterator>
 #include <map>
 #include <vector>
 
@@ -60,6 +61,58 @@ class VaSpace {
     if (size > bytes) r.free.emplace(r.base + bytes, size - bytes);
     reservations_.push_back(std::move(r));
     return {reservations_.back().base, static_cast<std::uint32_t>(reservations_.size() - 1)};
+  }
+
+  // Note [Spread placement]: in the middle of the largest free interval (aligned to `align`) when it is at
+  // least four times `bytes`, else at its start; a new reservation (as take makes) when no interval fits. A range
+  // placed so has free address space on both sides to grow into (Note [Grow in place] in allocator.cpp).
+  Slice take_spread(std::size_t bytes, std::size_t align) {
+    std::uint32_t best_r = 0;
+    std::uintptr_t best_a = 0;
+    std::size_t best_n = 0;
+    for (std::uint32_t i = 0; i < reservations_.size(); ++i) {
+      for (const auto& [a, n] : reservations_[i].free) {
+        if (n > best_n) {
+          best_r = i;
+          best_a = a;
+          best_n = n;
+        }
+      }
+    }
+    if (best_n < bytes) {  // reserve more, then place in it as above
+      const Slice fresh = take(bytes);
+      give(fresh.reservation, fresh.addr, bytes);
+      return take_spread(bytes, align);
+    }
+    const std::uintptr_t addr = best_n >= 4 * bytes ? best_a + (best_n / 2) / align * align : best_a;
+    take_at(best_r, addr, bytes);
+    return {addr, best_r};
+  }
+
+  // Free address bytes of reservation i that start exactly at `end` / end exactly at `begin`.
+  std::size_t free_after(std::uint32_t i, std::uintptr_t end) const {
+    const auto& free = reservations_[i].free;
+    auto it = free.find(end);
+    return it == free.end() ? 0 : it->second;
+  }
+  std::size_t free_before(std::uint32_t i, std::uintptr_t begin) const {
+    const auto& free = reservations_[i].free;
+    auto it = free.lower_bound(begin);
+    if (it == free.begin()) return 0;
+    --it;
+    return it->first + it->second == begin ? it->second : 0;
+  }
+
+  // Takes [addr, addr + bytes) of reservation i, which must lie inside one free interval (a caller checked
+  // it with free_after / free_before, or found the interval itself).
+  void take_at(std::uint32_t i, std::uintptr_t addr, std::size_t bytes) {
+    auto& free = reservations_[i].free;
+    auto it = std::prev(free.upper_bound(addr));
+    const std::uintptr_t a = it->first;
+    const std::size_t n = it->second;
+    free.erase(it);
+    if (addr > a) free.emplace(a, addr - a);
+    if (a + n > addr + bytes) free.emplace(addr + bytes, a + n - (addr + bytes));
   }
 
   // Returns [addr, addr + bytes) of reservation i to its free list, merging with free neighbours.

@@ -18,6 +18,10 @@ the phase, and what to do):
 - custom kernels (C++/CUDA extensions, Triton) without a meta implementation: register one with
   ``torch.library.register_fake``, or give the planner a stand-in module built from standard operators.
 
+Autograd's gradient sums are recorded where eager PyTorch does them: in place where its engine sums in
+place, although the capturing dispatch mode makes it sum out of place (Note [In-place gradient accumulation
+under a dispatch mode], swap.grad_accumulation).
+
 Not modelled: ``torch.autocast`` (autocast acts on CUDA tensors only; build the model in the training dtype,
 ``dtype=torch.bfloat16``), ``torch.compile`` fusion, and memory an operator allocates internally.
 
@@ -50,6 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
+from ..grad_accumulation import EngineAccumulation
 from .trace import ALLOC, FORMAT_VERSION, FREE, ITER_BEGIN, ITER_END, SAVE, TAG, UNREF, USE, Trace, TraceBuilder
 
 ModelFn = Callable[[], nn.Module]
@@ -111,6 +116,8 @@ class _Recorder(TorchDispatchMode):
         self.moved = 0.0
         self.watch: dict[int, tuple[weakref.ref, int]] = {}  # allocation id -> (storage ref, aliases we hold)
         self.failed_op: Optional[str] = None
+        self.accumulation = EngineAccumulation()  # Note [In-place gradient accumulation under a dispatch mode]
+        self.superseded: set[int] = set()  # storages whose allocation an in-place sum's result took over
 
     def alloc_id(self, st: torch.UntypedStorage, tag: Optional[int] = None) -> int:
         key = id(st)
@@ -129,7 +136,19 @@ class _Recorder(TorchDispatchMode):
         known = self.ids.get(id(st))
         return known[1] if known is not None and known[0]() is st else None
 
+    def _take_over(self, old: torch.UntypedStorage, new: torch.UntypedStorage) -> None:
+        """``new`` continues ``old``'s allocation: no alloc is recorded for it, and no free for ``old``."""
+        ident = self.known(old)
+        if ident is None:  # not a storage this capture tracks (not on the meta device)
+            return
+        key, n = id(new), new.nbytes()
+        self.superseded.add(id(old))
+        self.ids[key] = (weakref.ref(new, lambda _r: self._freed(key, ident, n)), ident)
+
     def _freed(self, key: int, ident: int, n: int) -> None:
+        if key in self.superseded:
+            self.superseded.discard(key)
+            return
         self.ids.pop(key, None)
         self.watch.pop(ident, None)
         self.b.add(FREE, ident, n)
@@ -137,11 +156,14 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
         self.failed_op = None
+        summed_into = self.accumulation.in_place_operand(func, args)
         try:
             out = func(*args, **kwargs)
         except Exception:
             self.failed_op = str(func)
             raise
+        if summed_into is not None:  # eager PyTorch writes this sum into the first operand's memory
+            self._take_over(summed_into.untyped_storage(), out.untyped_storage())
         flop_fn = flop_registry.get(func._overloadpacket)
         if flop_fn is not None:
             self.flops += flop_fn(*args, **kwargs, out_val=out)
@@ -150,6 +172,8 @@ class _Recorder(TorchDispatchMode):
             for t in tree_flatten((args, kwargs))[0]:
                 if isinstance(t, torch.Tensor):
                     self.moved += t.numel() * t.element_size()
+            for t in _written_without_return(func, args, kwargs):
+                self.moved += t.numel() * t.element_size()
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == "meta":
                 if not view:
@@ -170,6 +194,22 @@ class _Recorder(TorchDispatchMode):
         f, m = self.flops, self.moved
         self.flops = self.moved = 0.0
         return f, m
+
+
+def _written_without_return(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an operator writes in place without returning them (the in-place foreach kernels
+    optimizers use on CUDA return nothing). Their writes are memory traffic like the returned ``self`` of an
+    ordinary in-place operator, which the bytes moved count as an output; without this a foreach optimizer
+    step would count only its reads."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or schema.returns:
+        return []
+    out: list[torch.Tensor] = []
+    for k, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = args[k] if k < len(args) else kwargs.get(a.name)
+            out.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    return out
 
 
 # -- the target device's kernels (Note [The target device's kernels]) --------------------------------------
@@ -408,7 +448,11 @@ def capture(
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"loss_fn must return a scalar tensor, not {type(loss).__name__}")
         where.phase = "backward"
-        loss.backward()
+        rec.accumulation.watch(loss.grad_fn)
+        try:
+            loss.backward()
+        finally:
+            rec.accumulation.remove()
         where.phase = "optimizer step"
         for p in net.parameters():
             if p.grad is not None:

@@ -29,7 +29,8 @@ import numpy as np
 ALLOC, FREE, SAVE, USE, ITER_BEGIN, ITER_END, UNREF = range(7)
 TAGS = ("temporary", "activation", "weight", "grad", "optimizer_state", "input")
 TAG = {name: i for i, name in enumerate(TAGS)}
-FORMAT_VERSION = 4  # 4: meta-device storages only; CUDA kernel choices (swap.capture.step)
+# 4: meta-device storages only, CUDA kernel choices; 5: also in-place gradient sums, foreach writes counted
+FORMAT_VERSION = 5
 
 
 @dataclass

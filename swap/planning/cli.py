@@ -3,11 +3,12 @@
     python -m swap.plan --model my_model.py:model_fn --batch my_model.py:batch_fn --budget 24GiB --device h100-pcie
     python -m swap.plan --model resnet50 --budget 16GiB --device v100-16gb
 
-``--model`` is a built-in model (resnet50, densenet121, unet, gpt2, gpt2-bf16) or ``FILE.py:FUNCTION`` /
-``package.module:FUNCTION`` returning an nn.Module; ``--batch`` (``FUNCTION(n)`` returns a batch of n) and
-``--loss`` (``FUNCTION(model, batch)`` returns the loss) likewise; without ``:FUNCTION`` the names
-model_fn, batch_fn and loss_fn are looked up. The training step is captured on the meta device (no memory
-is used, whatever the batch), planned against the budget and simulated on the device profile.
+``--model`` is a built-in model (resnet50, densenet121, unet, gpt2, gpt2-bf16, gpt2-medium-bf16) or
+``FILE.py:FUNCTION`` / ``package.module:FUNCTION`` returning an nn.Module; ``--batch`` (``FUNCTION(n)``
+returns a batch of n) and ``--loss`` (``FUNCTION(model, batch)`` returns the loss) likewise; without
+``:FUNCTION`` the names model_fn, batch_fn and loss_fn are looked up. The training step is captured on the
+meta device (no memory is used, whatever the batch), planned against the budget and simulated on the device
+profile.
 """
 
 from __future__ import annotations

@@ -70,6 +70,21 @@ def test_the_target_devices_attention_kernels():
     assert live_peak(cuda) < live_peak(cpu)
 
 
+def test_a_foreach_optimizer_step_moves_the_bytes_of_the_for_loop():
+    # SGD with momentum reads and writes the same tensors whether it loops over parameters (CPU) or uses the
+    # in-place foreach kernels (CUDA), which return nothing: their writes count too.
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+    cpu = capture(TinyCNN, cnn_batch, 4, optimizer=sgd, target="cpu")
+    cuda = capture(TinyCNN, cnn_batch, 4, optimizer=sgd, target="cuda")
+    end = cpu.iterations()[-1][1]
+    assert cuda.iterations()[-1][1] == end
+    params = sum(p.numel() * 4 for p in TinyCNN().parameters())
+    # Per parameter byte: momentum *= m (read, write), += grad (read two, write), param -= lr * buf (idem).
+    assert cuda.bytes[end] == cpu.bytes[end] >= 8 * params
+
+
 def test_traces_scale_linearly_with_the_batch_and_say_when_they_do_not():
     lt = LinearTrace.fit(capture(TinyCNN, cnn_batch, 2), capture(TinyCNN, cnn_batch, 4))
     assert lt is not None

@@ -19,7 +19,9 @@ def make_snapshot():
     ps = [a.malloc(n) for n in (100, 4000, 3 * MiB, 5 * MiB)]
     a.free(ps[1])
     a.free(ps[2])
-    a.malloc(24 * MiB - 1)  # every free chunk: forces a reclaim: segment_unmap + segment_map
+    # Every free chunk, on another stream (so stream 0's cached range cannot grow in place): forces a
+    # reclaim, segment_unmap + segment_map.
+    a.malloc(24 * MiB - 1, 1)
     return a, a.snapshot()
 
 

@@ -1,0 +1,212 @@
+"""Recompute instead of swap: saved tensors that are a cheap, bitwise-exact function of another saved tensor.
+
+Note [Recompute or swap]
+A transformer's MLP saves both the input of its activation (for the activation's own backward) and the
+activation's output (for the next Linear's weight gradient): ``out(gelu(fc(x)))`` saves ``u = fc(x)`` and
+``gelu(u)``. The second is a pure elementwise function of the first, so instead of copying it to the host and
+back, the runtime can rebuild it at its backward use from ``u``, which comes back anyway one step later. That
+moves fewer bytes over the link (half of the MLP's, a third of a GPT block's activation bytes) at the cost of
+one elementwise kernel. The rebuild runs the same kernel on the same bits, so it is bitwise equal to the
+original and gradients do not change (tests/perf/test_recompute.py trains with and without it).
+
+Eligible: a saved tensor (or a view of one) whose storage was produced by an operator in ``RULES`` whose
+backward node saved its *input*: GELU, SiLU, leaky ReLU. Operators that save their output (ReLU, sigmoid,
+tanh) give nothing to rebuild from. Adds are exact too, but their backward saves no input, so there is no
+saved operand to rebuild from.
+
+Three parts:
+
+- ``RecomputeHooks`` (runtime): wraps the swap manager's pack/unpack. An eligible tensor is not packed; its
+  handle keeps the rule and the *packed input* (found by reading the node's saved input, which calls our
+  unpack hook: we answer it without touching the executor). At unpack the input is unpacked through the
+  executor (a use, so the plan prefetches it), the rule runs, and the original view is rebuilt.
+- ``recipes`` (planning): which variables of a model's sequence are eligible, and from which variable.
+- ``with_recompute`` (simulation): the sequence the runtime records when those variables are rebuilt, so
+  the scheduler and the simulator plan it unchanged; ``choose`` keeps the rebuilds that make the simulated
+  iteration faster.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .sequence import SAVE, USE, Sequence
+
+Rule = Callable[[torch.Tensor], torch.Tensor]
+
+# Node class -> a function of the node returning the rebuild (its saved input -> its output).
+RULES: dict[str, Callable[[Any], Rule]] = {
+    "GeluBackward0": lambda node: lambda x: F.gelu(x, approximate=node._saved_approximate),
+    "SiluBackward0": lambda node: F.silu,
+    "LeakyReluBackward0": lambda node: lambda x: F.leaky_relu(x, node._saved_negative_slope),
+}
+ELEMENTWISE_FLOPS = 8  # per element of a rebuild, for the roofline (GELU's erf is the dearest)
+
+
+def _producer(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """The tensor that owns ``t``'s storage (``t`` or its base) and the node that made it."""
+    root = t._base if t._base is not None else t
+    return root, root.grad_fn
+
+
+@dataclass
+class Recomputed:
+    """What autograd stores in place of an eligible saved tensor."""
+
+    rule: Rule
+    source: Any  # the input's packed handle (or the input itself, if it is not swapped)
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class RecomputeHooks:
+    """The runtime side: ``pack`` returns a ``Recomputed`` handle or None (swap it as usual); ``unpack``
+    rebuilds. ``intercepts(packed)`` says whether an unpack is ours (a handle, or the peek at a saved input)."""
+
+    def __init__(self) -> None:
+        self._peeking = False
+        self._peeked: Any = None
+        self.rebuilt = 0
+
+    def pack(self, t: torch.Tensor) -> Optional[Recomputed]:
+        root, node = _producer(t)
+        make = RULES.get(type(node).__name__) if node is not None else None
+        if make is None or root.requires_grad is False:
+            return None
+        self._peeking, self._peeked = True, None
+        try:
+            _ = node._saved_self  # unpacks through our hook: see intercepts()/unpack()
+        finally:
+            self._peeking = False
+        source, self._peeked = self._peeked, None
+        if source is None:
+            return None
+        return Recomputed(make(node), source, t.dtype, t.size(), t.stride(), t.storage_offset())
+
+    def intercepts(self, packed: Any) -> bool:
+        return self._peeking or isinstance(packed, Recomputed)
+
+    def unpack(self, packed: Any, unpack: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+        if self._peeking:  # the node's saved input, read at pack time: remember its handle, move nothing
+            self._peeked = packed
+            return torch.empty(0)
+        x = unpack(packed.source) if not isinstance(packed.source, torch.Tensor) else packed.source
+        with torch.no_grad():
+            out = packed.rule(x)
+        self.rebuilt += 1
+        return torch.empty(0, dtype=packed.dtype, device=out.device).set_(
+            out.untyped_storage(), packed.offset, packed.size, packed.stride
+        )
+
+
+# -- planning and simulation ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Recipe:
+    source: int  # the variable it is rebuilt from
+    flops: float
+    nbytes: float  # read + written by the rebuild
+
+
+def recipes(model: torch.nn.Module, inputs: tuple, exclude: Callable[[torch.Tensor], bool] = lambda t: False,
+            min_bytes: int = 0, expect_sizes: Optional[list[int]] = None) -> dict[int, Recipe]:  # fmt: skip
+    """Runs ``model(*inputs)`` once (any device, e.g. meta) and returns, per eligible variable, its recipe.
+    Variables are numbered as the runtime and the trace capture number them: distinct storages in the order
+    of their first save, parameters and ``exclude``d tensors left out. ``expect_sizes``: the variable sizes of
+    the sequence the recipes are for; a ValueError if this forward numbers its variables differently."""
+    def key_of(st: torch.UntypedStorage) -> int:  # meta storages all have data_ptr 0
+        return id(st) if st.device.type == "meta" else st.data_ptr()
+
+    params = {key_of(p.untyped_storage()) for p in list(model.parameters()) + list(model.buffers())}
+    index: dict[int, int] = {}
+    sizes: list[int] = []
+    found: dict[int, Recipe] = {}
+    peeked: list[Any] = []
+
+    def pack(t: torch.Tensor) -> Any:
+        st = t.untyped_storage()
+        key = key_of(st)
+        if key in params or exclude(t) or t.requires_grad and t.is_leaf or st.nbytes() < min_bytes:
+            return ("keep", t)
+        if key not in index:
+            index[key] = len(sizes)
+            sizes.append(st.nbytes())
+            root, node = _producer(t)
+            if node is not None and type(node).__name__ in RULES:
+                peeked.clear()
+                _ = node._saved_self  # our unpack hook records its handle
+                if peeked and peeked[0][0] == "var":
+                    n = root.numel()
+                    found[index[key]] = Recipe(peeked[0][1], ELEMENTWISE_FLOPS * n, 2 * n * root.element_size())
+        return ("var", index[key], t)
+
+    def unpack(h: Any) -> torch.Tensor:
+        peeked.append(h)
+        return h[-1]
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        model(*inputs)
+    if expect_sizes is not None and sizes != expect_sizes[: len(sizes)]:
+        raise ValueError("the forward saves other variables than the sequence has (another model, batch or input?)")
+    return found
+
+
+def with_recompute(seq: Sequence, chosen: dict[int, Recipe], seconds: Callable[[Recipe], float]) -> Sequence:
+    """The sequence the runtime records when the ``chosen`` variables are rebuilt (Note [Recompute or swap]):
+    a chosen variable is never saved (its forward bytes stay until the forward drops them, not ours to move);
+    each backward use of it becomes a use of its source, whose step also computes the rebuild and holds its
+    result."""
+    for v, r in chosen.items():
+        if seq.sizes[r.source] <= 0 or r.source in chosen:
+            raise ValueError(f"variable {v} would be rebuilt from {r.source}, which is not a kept variable")
+    # Step indices move: a removed forward save's step joins the step before it.
+    removed = [i for i, (v, k) in enumerate(zip(seq.var, seq.kind)) if v in chosen and k == SAVE]
+
+    def moved(step: int) -> int:
+        return step - bisect.bisect_left(removed, step)
+
+    var, kind, nonswap, compute, transient, kept, node_last = [], [], [], [], [], [], []
+    first_save = {v: seq.var.index(v) for v in chosen}
+    for i, (v, k) in enumerate(zip(seq.var, seq.kind)):
+        extra = sum(seq.sizes[c] for c in chosen if first_save[c] <= i < seq.held_until[c])  # in the forward
+        if v in chosen and k == SAVE:
+            if var:  # the step disappears: its compute and memory join the step before
+                compute[-1] += seq.compute[i]
+                nonswap[-1] = max(nonswap[-1], seq.nonswap[i] + extra)
+                transient[-1] = max(transient[-1], seq.transient[i])
+                kept[-1] = max(kept[-1], seq.kept[i])
+            continue
+        rebuilt = seq.sizes[v] if v in chosen else 0  # the rebuild's output, made during the use
+        var.append(chosen[v].source if v in chosen else v)
+        kind.append(USE if v in chosen else k)
+        nonswap.append(seq.nonswap[i] + extra + rebuilt)
+        compute.append(seq.compute[i] + (seconds(chosen[v]) if v in chosen else 0.0))
+        transient.append(seq.transient[i] + rebuilt)
+        kept.append(seq.kept[i])
+        node_last.append(max(len(var) - 1, moved(seq.node_last[i])))
+    held = [moved(h) if v not in chosen else 0 for v, h in enumerate(seq.held_until)]
+    freed = [moved(f) for f in seq.freed]
+    return replace(seq, var=var, kind=kind, nonswap=nonswap, compute=compute, held_until=held, freed=freed,
+                   transient=transient, kept=kept, node_last=node_last)  # fmt: skip
+
+
+def choose(seq: Sequence, found: dict[int, Recipe], seconds: Callable[[Recipe], float],
+           step_time: Callable[[Sequence], float]) -> tuple[dict[int, Recipe], float]:  # fmt: skip
+    """Greedy: rebuild the largest eligible variables first, keeping each that makes ``step_time`` (e.g. the
+    simulated window schedule) shorter. Returns the chosen recipes and the step time."""
+    chosen: dict[int, Recipe] = {}
+    best = step_time(seq)
+    for v in sorted(found, key=lambda v: -seq.sizes[v]):
+        if v not in seq.var or found[v].source in chosen:
+            continue
+        trial = {**chosen, v: found[v]}
+        t = step_time(with_recompute(seq, trial, seconds))
+        if t < best:
+            chosen, best = trial, t
+    return chosen, best
