@@ -97,6 +97,16 @@ void Allocator::complete_free(std::uintptr_t addr, const Allocation& a, std::uin
 // a capture is announced.
 void Allocator::settle_frees(bool wait) {
   if ((pending_.empty() && deferred_.empty()) || quiet()) return;
+  try {
+    settle_frees_now(wait);
+  } catch (...) {
+    shrink_if_over_capacity();  // what settled before the failure is cached: above a lowered capacity, it goes
+    throw;
+  }
+  shrink_if_over_capacity();
+}
+
+void Allocator::settle_frees_now(bool wait) {
   for (auto d = deferred_.begin(); d != deferred_.end();) {
     bool still = backend_->capturing(d->a.stream);
     for (Stream s : d->a.other_streams) still = still || backend_->capturing(s);
@@ -150,7 +160,6 @@ void Allocator::settle_frees(bool wait) {
     complete_free(p->second.addr, p->second.a, p->first);
     p = pending_.erase(p);
   }
-  shrink_if_over_capacity();
 }
 
 void Allocator::free_small(std::uintptr_t addr, std::uint64_t seq) {

@@ -1,9 +1,10 @@
 // Host backend: the VMM contract on ordinary memory.
 //
 // Note [Host backend]
-// Physical chunks are slots of one memfd; a chunk is "mapped" by mmap'ing its slot MAP_SHARED|MAP_FIXED
-// into a PROT_NONE reservation, so a chunk unmapped from one range and mapped into another really carries
-// its bytes along, exactly as a cuMemCreate handle would. set_access is an mprotect, so code that forgets
+// Physical blocks are slots of one memfd; a run of a block's chunks is "mapped" by mmap'ing that part of its
+// slot MAP_SHARED|MAP_FIXED into a PROT_NONE reservation (one mmap per run: one kernel mapping, not one per
+// chunk), so a chunk unmapped from one range and mapped into another really carries its bytes along, exactly
+// as a cuMemCreate handle mapped at an offset would. set_access is an mprotect, so code that forgets
 // it faults here as it would on a GPU. Released chunks give their pages back with a punched hole.
 //
 // Note [Host mapping limit]
@@ -129,10 +130,10 @@ class HostBackend final : public Backend {
     free_slots_[bytes].push_back(offset);
   }
 
-  void map(std::uintptr_t addr, std::size_t bytes, ChunkHandle chunk) override {
+  void map(std::uintptr_t addr, std::size_t bytes, ChunkHandle chunk, std::size_t offset) override {
     budget_.before_map("mapping a chunk");
     void* p = mmap(reinterpret_cast<void*>(addr), bytes, PROT_NONE, MAP_SHARED | MAP_FIXED, fd_,
-                   static_cast<off_t>(chunk));
+                   static_cast<off_t>(chunk + offset));
     if (p == MAP_FAILED) {
       const int err = errno;
       // A failed MAP_FIXED may have dropped the reservation there: put it back, so the range stays ours.
