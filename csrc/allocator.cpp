@@ -444,13 +444,18 @@ bool Allocator::reclaim(std::size_t need) {
     const auto [seq, addr] = *it;
     ++it;  // release_tail erases (and may re-insert) this entry; the next one stays valid
     const Range& r = ranges_.at(addr);
-    const std::size_t take = std::min(need, r.nchunks);
+    std::size_t take = std::min(need, r.nchunks);
+    if (take < r.nchunks) {  // the whole mapping the cut falls in, if it lies in this range: Note [Reclaim]
+      const std::uintptr_t cut = addr + (r.nchunks - take) * chunk_;
+      auto m = std::prev(mappings_.upper_bound(cut));
+      if (m->first < cut && m->first >= addr) take += (cut - m->first) / chunk_;
+    }
     fence(r.stream, seq);  // a failure changes nothing
     // The chunks are free whatever happens to the unmapping of mappings they leave (a failure there is
     // counted, and the mapping retried by empty_cache): the caller does not need it.
     release_tail(addr, take);
     stats_.num_reclaimed_chunks += static_cast<std::int64_t>(take);
-    need -= take;
+    need -= std::min(need, take);
   }
   return need == 0;
 }
