@@ -98,15 +98,19 @@ Allocator::Allocator(const Config& config, std::unique_ptr<Backend> backend)
 // Every backend call can fail (another process took the memory, the driver is in a bad state, the host ran
 // out of mappings). Each operation keeps one of two promises, and check_invariants() holds after either:
 //   - nothing changed: a failed reserve, create_chunk, record_event or capture query happens before any
-//     state is touched (chunks created so far go to the pool, where they are counted and reusable);
-//   - consistently degraded: map_fresh rolls back what it mapped; reclaim and empty_cache stop at the
-//     failing chunk with everything before it done. A chunk that cannot be unmapped (or released) is
-//     quarantined: kept out of every range and out of the pool, its address kept out of the address space,
-//     counted in reserved bytes and in stats()["num_quarantined_chunks"]; empty_cache() tries it again.
+//     state is touched (blocks created so far go to the pool, where they are counted and reusable; a block
+//     the device refuses for want of memory is tried again half as large);
+//   - consistently degraded: mapping a range rolls back what it mapped (map_runs); reclaim, empty_cache and
+//     shrinking take chunks out of their ranges before unmapping (Note [Blocks and slices]), so a mapping
+//     that cannot be unmapped loses nothing: it is kept stuck, its address out of the address space,
+//     counted in stats()["num_stuck_mappings"] and tried again by empty_cache() and shrinking. A block that
+//     cannot be released is quarantined: kept out of the pool, counted in reserved bytes and in
+//     stats()["num_quarantined_chunks"]; empty_cache() tries it again.
 // The error propagates to the caller (BackendError names the call and the system's reason), except where
-// the failing work was a follow-up the caller did not ask for (free() shrinking to a lowered capacity,
-// retrying quarantined chunks): there it is counted in "num_backend_errors" and kept in
-// last_backend_error(). The destructor tries every release and never throws.
+// the failing work was a follow-up the caller did not need (unmapping the mapping reclaimed chunks leave,
+// free() shrinking to a lowered capacity, retrying stuck or quarantined ones): there it is counted in
+// "num_backend_errors" and kept in last_backend_error(). empty_cache and set_capacity report an unmap
+// failure when it kept them from their goal. The destructor tries every release and never throws.
 Allocator::~Allocator() {
   auto attempt = [this](auto&& fn) {
     try {
@@ -352,9 +356,9 @@ std::uintptr_t Allocator::map_fresh(std::size_t k, Stream stream) {
 // [Spread placement] in va_space.h), not packed first-fit. Smaller ones stay packed: they are many (slabs),
 // rarely grow, and on the host backend every chunk that is not next to its neighbours costs a kernel
 // mapping of its own (vm.max_map_count). Per steady iteration of the swapped ResNet-50 batch-1440 trace
-// (bench/fragmentation.py) the maps fall from 29 363 to 17 362 with 2 MiB chunks, and to 3 111 with 8 MiB
-// chunks (9.4x fewer; utilization 0.999, efficiency 0.981); on the swapped GPT-2 batch-16 trace from 5 062
-// to 3 142 and 792 (6.4x). A failure while mapping unmaps what this call mapped and leaves the
+// (bench/fragmentation.py, 2 MiB chunks, one chunk per block) the chunks mapped fall from 29 363 to 17 362,
+// on the swapped GPT-2 batch-16 trace from 5 062 to 3 142; blocks then map them in fewer calls (Note
+// [Blocks and slices]). A failure while mapping unmaps what this call mapped and leaves the
 // range cached as it was (Note [Failure guarantees]); a failure on its second side keeps the first side's
 // growth, mapped and cached.
 std::uintptr_t Allocator::grow_cached(std::size_t k, Stream stream) {
@@ -430,11 +434,16 @@ void Allocator::map_into(std::uintptr_t at, std::size_t n, std::uint32_t reserva
 }
 
 // Note [Reclaim]
-// When neither the stream's cache nor the pool can serve k chunks, chunks are unmapped from cached free
-// ranges, least recently freed first, and mapped into the new range. Because a chunk is interchangeable,
-// this stitches scattered free memory into one contiguous allocation: a request succeeds whenever enough
-// chunks are free in total. Each range gives up its tail, so what is left keeps its address and can still
-// serve its stream. Nothing is reclaimed while a capture is announced (Note [Graph capture]).
+// When neither the stream's cache nor the pool can serve k chunks, chunks leave cached free ranges, least
+// recently freed first (after waiting for the range's stream), and are mapped into the new range. Because a
+// chunk is interchangeable, this stitches scattered free memory into one contiguous allocation: a request
+// succeeds whenever enough chunks are free in total. Each range gives up its tail, so what is left keeps its
+// address and can still serve its stream. When the cut falls inside a mapping that lies in the range, the
+// range gives up that whole mapping (the chunks beyond the need go to the pool): the mapping is unmapped now
+// rather than left half used, and its slices stay one run, mapped again with one call (Note [Blocks and
+// slices]). Per steady iteration of the swapped traces with 64 MiB blocks this took the map calls of
+// ResNet-50 batch 1440 from 1 070 to 719 and of the five traces measured from 1 585 to 1 260 (GPT-2 batch 16
+// alone went from 174 to 211). Nothing is reclaimed while a capture is announced (Note [Graph capture]).
 bool Allocator::reclaim(std::size_t need) {
   if (need == 0) return true;
   if (quiet()) return false;

@@ -14,7 +14,7 @@
 //      missing chunks (from the pool, reclaimed, or created) next to it, so only those are mapped;
 //      otherwise free chunks from the pool (created while under capacity), mapped into a fresh virtual range
 //      placed with room around it (Note [Grow in place]);
-//   4. reclaim: unmap chunks of cached free ranges, least recently freed first, and map them into the new
+//   4. reclaim: chunks leave cached free ranges, least recently freed first, and are mapped into the new
 //      range, so a request of k chunks succeeds whenever k chunks are free in total;
 //   5. the OOM handler (the swap runtime evicts), then one more try from 1;
 //   6. OutOfMemory, with the allocator's state intact.
@@ -107,10 +107,12 @@ class VMALLOC_API Allocator {
   // The allocation is also used on `stream`: its memory is not reused before that stream's work so far
   // (Note [Stream safety]).
   void record_stream(std::uintptr_t addr, Stream stream);
-  // Unmaps every cached free range and releases every unmapped chunk (waiting for frees pending on other
-  // streams first). Ranges of streams being captured stay (Note [Graph capture]).
+  // Unmaps every cached free range and releases every block whose chunks are all free (waiting for frees
+  // pending on other streams first); a block with a chunk in use stays (Note [Blocks and slices]). Ranges of
+  // streams being captured stay (Note [Graph capture]).
   void empty_cache();
-  // Changes the capacity; cached memory above it is released now, allocated memory as it is freed.
+  // Changes the capacity; cached memory above it is released now, in whole blocks, and the rest as it is
+  // freed (Note [Blocks and slices]).
   void set_capacity(std::size_t bytes);
   void set_oom_handler(OomHandler handler);
   void set_history(std::size_t entries);

@@ -11,9 +11,12 @@ using detail::hex;
 
 // Note [Stream safety]
 // Reuse on the allocation's own stream is safe by stream order, so a block freed there is reusable at once
-// on that stream. Every other use of the memory goes through unmapping (reclaim, empty_cache), and unmapping
-// is not stream ordered: each free records an event on its stream (the stream's fences, oldest first), and
-// an unmap first waits on the host for the events of the range's stream up to the range's last free.
+// on that stream. Every other use of the memory goes through chunks leaving their range (reclaim,
+// empty_cache, shrinking), to be mapped elsewhere or unmapped, neither of which is stream ordered: each free
+// records an event on its stream (the stream's fences, oldest first), and before chunks leave a cached range
+// the host waits for the events of the range's stream up to the range's last free. A mapping is unmapped
+// only once all its chunks have left their ranges, each after such a wait, so no work in flight can touch it
+// (Note [Blocks and slices]).
 //
 // Streams added with record_stream are not folded into the allocation stream (that made the allocation
 // stream wait for all the work queued on them, e.g. every prefetch the swap engine queued after the

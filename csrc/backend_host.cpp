@@ -8,11 +8,11 @@
 // it faults here as it would on a GPU. Released chunks give their pages back with a punched hole.
 //
 // Note [Host mapping limit]
-// Every mapped chunk whose neighbours are not the next slots of the memfd is a mapping of its own, and the
-// kernel caps a process's mappings (vm.max_map_count, 65530 by default). Stitching scattered chunks into one
-// range therefore costs one mapping per chunk: 4 GiB of 64 KiB chunks stitched needs more mappings than the
-// default allows, and cannot succeed. The kernel merges neighbouring mappings of consecutive slots by itself,
-// so merging here gains nothing. What the backend does instead (detail/map_budget.h):
+// Every mapped run whose neighbours are not the next offsets of the memfd is a mapping of its own, and the
+// kernel caps a process's mappings (vm.max_map_count, 65530 by default). A run of a block's chunks is one
+// mmap (Note [Blocks and slices] in allocator_blocks.cpp), but stitching chunks of many blocks into one range
+// costs one mapping per run: 4 GiB of 64 KiB chunks each from its own block needs more mappings than the
+// default allows, and cannot succeed. What the backend does (detail/map_budget.h):
 //   - it never takes the process into the last mappings (1/16 of the limit): a map or a splitting unmap
 //     there fails with an error that names the count, the limit and the ways out (a larger chunk_size, a
 //     higher vm.max_map_count), so the interpreter and libraries can still mmap after the failure;

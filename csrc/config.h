@@ -12,7 +12,7 @@ namespace vmalloc {
 constexpr std::size_t kMaxCapacity = std::size_t{1} << 50;
 constexpr int kMaxDevices = 64;
 // The largest physical block (one backend allocation of several chunks) by default: Note [Blocks and slices].
-constexpr std::size_t kDefaultBlockBytes = std::size_t{64} << 20;
+constexpr std::size_t kDefaultBlockBytes = std::size_t{32} << 20;
 
 struct Config {
   std::string backend = "cuda";

@@ -59,7 +59,8 @@ class SlicePool {
   std::vector<Run> take(std::size_t k) {
     std::vector<Run> out;
     while (k > 0) {
-      auto it = by_len_.lower_bound({static_cast<std::uint32_t>(std::min<std::size_t>(k, std::numeric_limits<std::uint32_t>::max())), 0, 0});
+      const auto want = static_cast<std::uint32_t>(std::min<std::size_t>(k, std::numeric_limits<std::uint32_t>::max()));
+      auto it = by_len_.lower_bound({want, 0, 0});
       if (it == by_len_.end()) it = std::prev(by_len_.end());
       const auto [n, block, first] = *it;
       const std::uint32_t got = static_cast<std::uint32_t>(std::min<std::size_t>(n, k));

@@ -113,6 +113,6 @@ def test_cuda_arena_on_the_emulated_driver(offsets):
     assert calls["cuMemMap"] == out["maps"] + 1 and calls["cuMemUnmap"] == out["maps"] + probe_mapped
     assert out["calls"]["cuEventSynchronize"] > 0 and out["calls"]["cuStreamWaitEvent"] >= ops["record_stream"]
     if offsets == "1":
-        assert out["block_size"] == 64 * MiB and out["maps"] < out["mapped_chunks"]
+        assert out["block_size"] == 32 * MiB and out["maps"] < out["mapped_chunks"]
     else:
         assert out["block_size"] == 2 * MiB and out["maps"] == out["mapped_chunks"]

@@ -114,7 +114,7 @@ def test_block_size_must_be_a_multiple_of_the_chunk_size():
         vmalloc.Arena("host", capacity="1MiB", chunk_size="64KiB", small_max="16KiB", block_size="32KiB")
     a = vmalloc.Arena("host", capacity="1MiB", chunk_size="64KiB", small_max="16KiB", block_size="256KiB")
     assert a.stats()["block_size"] == 256 * KiB and a.config["block_size"] == 256 * KiB
-    assert vmalloc.Arena("sim").stats()["block_size"] == 64 * MiB  # the default
+    assert vmalloc.Arena("sim").stats()["block_size"] == 32 * MiB  # the default
 
 
 def test_device_is_checked_against_the_device_count():
