@@ -8,6 +8,7 @@ It runs in a fresh process, because VMALLOC_LIBCUDA is read when the cuda backen
 import json
 
 import pytest
+
 from fakecuda.build import ensure_built
 from fakecuda.isolated import run_isolated
 
