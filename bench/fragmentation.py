@@ -31,7 +31,6 @@ from bench.plotting import pyplot, save
 from bench.replay import ALLOCATORS, measure
 from bench.swap_trace import sequence_from_trace, swapped
 from bench.traces import Trace, cached_capture, live_peak
-from bench.vmm_work import step_work
 from swap.replay import fitting_budget
 from swap.vmm_costs import for_device
 
@@ -62,15 +61,56 @@ def swap_budget(trace: Trace) -> Optional[int]:
     return max(budget, int(floor * 1.05))
 
 
+# vmalloc's block_size; 2 MiB = one chunk per block, as before blocks; 32 MiB is the default.
+BLOCK_SWEEP = ("2MiB", "16MiB", "32MiB", "64MiB", "256MiB")
+
+
 def steady_vmm(trace: Trace, chunk: str | int = "2MiB") -> dict[str, Any]:
-    """vmalloc's chunk maps and unmaps in the last (steady) iteration, and their modelled host time."""
-    w = step_work(trace, chunk_size=chunk)
+    """vmalloc's map and unmap calls in the last (steady) iteration, the chunks they mapped, and their modelled
+    host time: swap.vmm_costs prices map (with its share of set_access), unmap and release per call, and
+    creating per chunk (creating clears the pages it hands out: its cost grows with bytes)."""
+    c = steady_calls(trace, chunk)
     costs = for_device(VMM_DEVICE, vmalloc.parse_size(chunk))
-    return {"steady_maps": w.totals["num_maps"], "steady_unmaps": w.totals["num_unmaps"],
-            "steady_vmm_seconds": sum(w.seconds(costs))}  # fmt: skip
+    seconds = costs.seconds(c["num_maps"], c["num_unmaps"], c["num_created_chunks"], c["num_device_free"])
+    return {
+        "steady_maps": c["num_maps"],
+        "steady_unmaps": c["num_unmaps"],
+        "steady_vmm_seconds": seconds,
+        "steady_mapped_chunks": c["num_mapped_chunks"],
+        "steady_created_chunks": c["num_created_chunks"],
+    }
 
 
-def run_trace(trace: Trace, label: dict[str, Any], chunk_sweep: list[str]) -> dict[str, Any]:
+def steady_calls(trace: Trace, chunk: str | int = "2MiB", block: str | int = 0) -> dict[str, int]:
+    """vmalloc's driver calls and the chunks they moved in the last iteration (the steady state), with
+    block_size ``block`` (0: the default). A run of a block's chunks maps with one call (Note [Blocks and
+    slices] in csrc/allocator_blocks.cpp). Also ``held_after_empty_cache``: the free bytes empty_cache could
+    not give back at the end of the trace, because their block holds a chunk still in use."""
+    from bench.traces import ALLOC, FREE
+
+    arena = vmalloc.Arena("sim", capacity=4 << 40, chunk_size=chunk, block_size=block)
+    begin, end = trace.iterations()[-1]
+    ops, ids, sizes, streams = trace.op.tolist(), trace.id.tolist(), trace.size.tolist(), trace.stream.tolist()
+    keys = ("num_maps", "num_unmaps", "num_set_access", "num_mapped_chunks", "num_unmapped_chunks",
+            "num_device_alloc", "num_created_chunks", "num_device_free")  # fmt: skip
+    addr: dict[int, int] = {}
+    before: dict[str, int] = {}
+    for k in range(end + 1):
+        if k == begin:
+            before = arena.stats()
+        if ops[k] == ALLOC:
+            addr[ids[k]] = arena.malloc(sizes[k], streams[k])
+        elif ops[k] == FREE and ids[k] in addr:
+            arena.free(addr.pop(ids[k]))
+    after = arena.stats()
+    out = {key: after[key] - before[key] for key in keys}
+    arena.empty_cache()
+    out["held_after_empty_cache"] = arena.stats()["num_pool_chunks"] * arena.chunk_size
+    return out
+
+
+def run_trace(trace: Trace, label: dict[str, Any], chunk_sweep: list[str],
+              block_sweep: bool = False) -> dict[str, Any]:  # fmt: skip
     row = dict(label)
     row["events"] = len(trace)
     row["requested_peak"] = live_peak(trace)
@@ -88,6 +128,8 @@ def run_trace(trace: Trace, label: dict[str, Any], chunk_sweep: list[str]) -> di
         m.update(steady_vmm(trace, chunk))
         m.pop("series")
         row["chunk_sweep"][chunk] = m
+    if block_sweep:
+        row["block_sweep"] = {block: steady_calls(trace, "2MiB", block) for block in BLOCK_SWEEP}
     return row
 
 
@@ -133,24 +175,26 @@ def markdown(results: dict[str, Any]) -> str:
         "rounding as waste); steady = allocated / reserved per iteration after the first, averaged (STAlloc). "
         "Unlimited capacity; reserved and requested in GiB.",
         "",
-        "Maps / unmaps: chunk maps and unmaps over the whole trace (all iterations); per steady iteration: in the "
-        f"last one, with their modelled host time (driver-call costs of swap.vmm_costs, {VMM_DEVICE}).",
+        "Maps / unmaps: driver calls (cuMemMap / cuMemUnmap; one per run of a physical block's chunks, Note [Blocks "
+        "and slices]) over the whole trace (all iterations); per steady iteration: in the last one, with the chunks "
+        f"they mapped and their modelled host time (per-call costs of swap.vmm_costs, {VMM_DEVICE}).",
         "",
         "| trace | requested | allocator | reserved | utilization | efficiency | steady | maps / unmaps "
-        "| maps / unmaps per steady iteration | modelled ms |",
+        "| maps / unmaps per steady iteration (chunks mapped) | modelled ms |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["traces"]:
         name = f"{row['model']} b{row['batch']}" + (f" swap@{gib(row['budget'])}" if row["swapped"] else "")
         for a, m in row["allocators"].items():
-            steady = (f"{m['steady_maps']} / {m['steady_unmaps']} | {1e3 * m['steady_vmm_seconds']:.0f}"
-                      if "steady_maps" in m else "- | -")  # fmt: skip
+            steady = (f"{m['steady_maps']} / {m['steady_unmaps']} ({m['steady_mapped_chunks']}) "
+                      f"| {1e3 * m['steady_vmm_seconds']:.0f}" if "steady_maps" in m else "- | -")  # fmt: skip
             lines.append(
                 f"| {name} | {gib(row['requested_peak'])} | {a} | {gib(m['peak_reserved'])} | {m['utilization']:.3f} "
                 f"| {m['efficiency']:.3f} | {m['steady_utilization']:.3f} | {m['num_maps']} / {m['num_unmaps']} "
                 f"| {steady} |"
             )
-    lines += ["", "vmalloc chunk-size sweep (utilization / efficiency / maps per steady iteration, modelled ms):", ""]
+    lines += ["", "vmalloc chunk-size sweep (utilization / efficiency / map calls per steady iteration, modelled ms):",
+              ""]  # fmt: skip
     chunks = list(results["traces"][0]["chunk_sweep"]) if results["traces"] else []
     lines.append("| trace | " + " | ".join(["2MiB"] + chunks) + " |")
     lines.append("|---|" + "---|" * (1 + len(chunks)))
@@ -162,6 +206,18 @@ def markdown(results: dict[str, Any]) -> str:
             for m in [v, *row["chunk_sweep"].values()]
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    swept = [r for r in results["traces"] if "block_sweep" in r]
+    if swept:
+        lines += ["", "vmalloc block-size sweep at 2 MiB chunks, swapped traces: map / unmap calls per steady "
+                  "iteration, and the free MiB that empty_cache cannot give back at the end of the trace (their "
+                  "block holds a chunk in use; memory is released in whole blocks). block_size 2MiB is one chunk "
+                  f"per block, vmalloc before blocks; the default is {vmalloc.Arena('sim').stats()['block_size'] >> 20}"
+                  "MiB (the first table).", "",
+                  "| trace | " + " | ".join(BLOCK_SWEEP) + " |", "|---|" + "---|" * len(BLOCK_SWEEP)]  # fmt: skip
+        for row in swept:
+            cells = [f"{c['num_maps']} / {c['num_unmaps']}, {c['held_after_empty_cache'] >> 20}"
+                     for c in row["block_sweep"].values()]  # fmt: skip
+            lines.append(f"| {row['model']} b{row['batch']} swap | " + " | ".join(cells) + " |")
     mb = results.get("max_batch")
     if mb:
         lines += [
@@ -215,6 +271,25 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
         ax.set_title("Utilization per trace (GMLake's metric)")
         ax.legend(fontsize=8, loc="lower left")
         written.append(save(fig, out / "fragmentation_utilization.png"))
+    swept = [r for r in results["traces"] if "block_sweep" in r]
+    if swept:
+        fig, ax = plt.subplots(figsize=(max(7, len(swept) * 1.3), 4.5))
+        bars = [
+            ("2 MiB chunks, one per block (before)", [r["block_sweep"]["2MiB"]["num_maps"] for r in swept]),
+            ("2 MiB chunks in blocks (default)", [r["allocators"]["vmalloc"]["steady_maps"] for r in swept]),
+        ]
+        if all("8MiB" in r["chunk_sweep"] for r in swept):
+            bars.append(("8 MiB chunks in blocks", [r["chunk_sweep"]["8MiB"]["steady_maps"] for r in swept]))
+        width = 0.8 / len(bars)
+        for j, (label, values) in enumerate(bars):
+            ax.bar([i + j * width for i in range(len(swept))], [max(v, 0.5) for v in values], width, label=label)
+        ax.set_yscale("log")
+        ax.set_xticks([i + width * (len(bars) - 1) / 2 for i in range(len(swept))])
+        ax.set_xticklabels([f"{r['model']}\nb{r['batch']} swap" for r in swept], fontsize=7)
+        ax.set_ylabel("cuMemMap calls per steady iteration")
+        ax.set_title("vmalloc's mapping work: chunks in blocks, one call per run")
+        ax.legend(fontsize=8)
+        written.append(save(fig, out / "fragmentation_map_calls.png"))
     mb = results.get("max_batch")
     if mb:
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -261,7 +336,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             results["traces"].append(run_trace(trace, {**base, "swapped": False, "budget": None}, chunk_sweep))
             budget = swap_budget(trace)
             st = swapped(trace, budget)
-            results["traces"].append(run_trace(st, {**base, "swapped": True, "budget": budget}, chunk_sweep))
+            results["traces"].append(run_trace(st, {**base, "swapped": True, "budget": budget}, chunk_sweep, True))
             v = results["traces"][-2]["allocators"]["vmalloc"]
             w = results["traces"][-1]["allocators"]["vmalloc"]
             log(f"{model} batch {batch}: vmalloc utilization {v['utilization']:.3f}, swapped (budget "

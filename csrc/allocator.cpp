@@ -49,6 +49,14 @@ std::size_t initial_capacity_chunks(const Config& c, const Backend& b) {
   return cap / c.chunk_size;
 }
 
+// Note [Blocks and slices]: chunks per block at most (block_size was validated with the capacity). 0 means
+// kDefaultBlockBytes, at least one chunk; a backend that cannot map at an offset gets one chunk per block.
+std::size_t block_chunks(const Config& c, Backend& b) {
+  const std::size_t bytes = c.block_size ? c.block_size : kDefaultBlockBytes;
+  const std::size_t n = std::clamp<std::size_t>(bytes / c.chunk_size, 1, std::size_t{1} << 30);
+  return n > 1 && !b.maps_at_offsets() ? 1 : n;
+}
+
 std::unique_ptr<Backend> make_checked_backend(const Config& c) {
   if (c.backend != "cuda" && c.backend != "host" && c.backend != "sim") validate(c);  // names the choices
   check_device(c, c.device);
@@ -81,6 +89,7 @@ Allocator::Allocator(const Config& config, std::unique_ptr<Backend> backend)
       // Address space is cheap; reserve 4x the capacity up front so ranges rarely need a new reservation.
       // (capacity <= kMaxCapacity = 2^50, so this cannot overflow.)
       va_(*backend_, 4 * capacity_chunks_ * chunk_),
+      max_block_chunks_(block_chunks(config_, *backend_)),
       trace_(config.history) {
   config_.capacity = capacity_chunks_ * chunk_;
 }
@@ -89,15 +98,19 @@ Allocator::Allocator(const Config& config, std::unique_ptr<Backend> backend)
 // Every backend call can fail (another process took the memory, the driver is in a bad state, the host ran
 // out of mappings). Each operation keeps one of two promises, and check_invariants() holds after either:
 //   - nothing changed: a failed reserve, create_chunk, record_event or capture query happens before any
-//     state is touched (chunks created so far go to the pool, where they are counted and reusable);
-//   - consistently degraded: map_fresh rolls back what it mapped; reclaim and empty_cache stop at the
-//     failing chunk with everything before it done. A chunk that cannot be unmapped (or released) is
-//     quarantined: kept out of every range and out of the pool, its address kept out of the address space,
-//     counted in reserved bytes and in stats()["num_quarantined_chunks"]; empty_cache() tries it again.
+//     state is touched (blocks created so far go to the pool, where they are counted and reusable; a block
+//     the device refuses for want of memory is tried again half as large);
+//   - consistently degraded: mapping a range rolls back what it mapped (map_runs); reclaim, empty_cache and
+//     shrinking take chunks out of their ranges before unmapping (Note [Blocks and slices]), so a mapping
+//     that cannot be unmapped loses nothing: it is kept stuck, its address out of the address space,
+//     counted in stats()["num_stuck_mappings"] and tried again by empty_cache() and shrinking. A block that
+//     cannot be released is quarantined: kept out of the pool, counted in reserved bytes and in
+//     stats()["num_quarantined_chunks"]; empty_cache() tries it again.
 // The error propagates to the caller (BackendError names the call and the system's reason), except where
-// the failing work was a follow-up the caller did not ask for (free() shrinking to a lowered capacity,
-// retrying quarantined chunks): there it is counted in "num_backend_errors" and kept in
-// last_backend_error(). The destructor tries every release and never throws.
+// the failing work was a follow-up the caller did not need (unmapping the mapping reclaimed chunks leave,
+// free() shrinking to a lowered capacity, retrying stuck or quarantined ones): there it is counted in
+// "num_backend_errors" and kept in last_backend_error(). empty_cache and set_capacity report an unmap
+// failure when it kept them from their goal. The destructor tries every release and never throws.
 Allocator::~Allocator() {
   auto attempt = [this](auto&& fn) {
     try {
@@ -119,20 +132,11 @@ Allocator::~Allocator() {
       backend_->release_event(event);
     }
   }
-  // Live allocations' chunks are released too: whoever still holds them is past caring (process exit).
-  for (auto& [addr, chunk] : chunk_at_) {
-    attempt([&] {
-      backend_->unmap(addr, chunk_);
-      backend_->release_chunk(chunk, chunk_);
-    });
-  }
-  for (const Stuck& s : quarantine_) {
-    attempt([&] {
-      if (s.addr) backend_->unmap(s.addr, chunk_);
-      backend_->release_chunk(s.chunk, chunk_);
-    });
-  }
-  for (ChunkHandle c : pool_) attempt([&] { backend_->release_chunk(c, chunk_); });
+  // Live allocations' chunks are released too: whoever still holds them is past caring (process exit). A
+  // block is released even if one of its mappings could not be unmapped (its memory then goes with that
+  // mapping, as the driver documents).
+  for (const auto& [addr, m] : mappings_) attempt([&] { backend_->unmap(addr, m.n * chunk_); });
+  for (const auto& [id, b] : blocks_) attempt([&] { backend_->release_chunk(b.handle, b.nchunks * chunk_); });
 }
 
 std::size_t Allocator::capacity() const {
@@ -324,72 +328,14 @@ std::uintptr_t Allocator::take_cached(std::uintptr_t addr, std::size_t k) {
   return addr;
 }
 
-// Unmaps a chunk that map_fresh mapped before a later step failed, returning it to the pool and its address
-// to the address space; a chunk that cannot be unmapped is quarantined with its address.
-void Allocator::unmap_for_rollback(std::uintptr_t addr, ChunkHandle chunk, std::uint32_t reservation) {
-  try {
-    backend_->unmap(addr, chunk_);
-  } catch (const std::exception& e) {
-    note_backend_error(e);
-    quarantine_.push_back({addr, chunk, reservation});
-    return;
-  }
-  pool_.push_back(chunk);
-  va_.give(reservation, addr, chunk_);
-}
-
 std::uintptr_t Allocator::map_fresh(std::size_t k, Stream stream) {
-  std::vector<ChunkHandle> chunks;
-  chunks.reserve(k);
-  while (chunks.size() < k && !pool_.empty()) {
-    chunks.push_back(pool_.back());
-    pool_.pop_back();
-  }
-  // From here until the chunks are mapped, each one is either in `chunks` or back in the pool.
-  try {
-    while (chunks.size() < k && creatable_chunks() > 0) {
-      chunks.push_back(backend_->create_chunk(chunk_));
-      ++num_chunks_;
-      ++stats_.num_device_alloc;
-      stats_.reserved_bytes.increase(static_cast<std::int64_t>(chunk_));
-    }
-  } catch (const BackendOutOfMemory& e) {
-    note_backend_error(e);
-    device_full_ = true;  // the device has less than our capacity: work with the chunks we have
-  } catch (...) {
-    pool_.insert(pool_.end(), chunks.begin(), chunks.end());
-    throw;
-  }
-  if (chunks.size() < k) {
-    pool_.insert(pool_.end(), chunks.begin(), chunks.end());
-    return 0;
-  }
-  detail::VaSpace::Slice slice{};
-  try {
-    // Room around it to grow (Note [Grow in place]); small ranges (slabs among them) stay packed.
-    slice = k >= kSpreadMinChunks ? va_.take_spread(k * chunk_, chunk_) : va_.take(k * chunk_);
-  } catch (...) {  // no address space: the chunks stay in the pool, created and counted
-    pool_.insert(pool_.end(), chunks.begin(), chunks.end());
-    throw;
-  }
-  std::size_t mapped = 0;
-  try {
-    for (; mapped < k; ++mapped) backend_->map(slice.addr + mapped * chunk_, chunk_, chunks[mapped]);
-    backend_->set_access(slice.addr, k * chunk_);
-  } catch (...) {
-    const std::size_t stuck = quarantine_.size();
-    for (std::size_t i = 0; i < mapped; ++i) unmap_for_rollback(slice.addr + i * chunk_, chunks[i], slice.reservation);
-    for (std::size_t i = mapped; i < k; ++i) {
-      pool_.push_back(chunks[i]);
-      va_.give(slice.reservation, slice.addr + i * chunk_, chunk_);
-    }
-    stats_.num_maps += static_cast<std::int64_t>(mapped);
-    stats_.num_unmaps += static_cast<std::int64_t>(mapped - (quarantine_.size() - stuck));
-    throw;
-  }
-  for (std::size_t i = 0; i < k; ++i) chunk_at_.emplace(slice.addr + i * chunk_, chunks[i]);
-  stats_.num_maps += static_cast<std::int64_t>(k);
-  ++stats_.num_set_access;
+  create_blocks(k);  // a failure leaves the blocks made so far in the pool, created and counted
+  if (pool_.size() < k) return 0;
+  // Room around it to grow (Note [Grow in place]); small ranges (slabs among them) stay packed. A failure to
+  // reserve address space changes nothing else.
+  const detail::VaSpace::Slice slice =
+      k >= kSpreadMinChunks ? va_.take_spread(k * chunk_, chunk_) : va_.take(k * chunk_);
+  map_runs(slice.addr, k, slice.reservation);
   stats_.mapped_bytes.increase(static_cast<std::int64_t>(k * chunk_));
   stats_.segment.increase(1);
   ranges_.emplace(slice.addr, Range{k, stream, slice.reservation, Kind::kAllocated});
@@ -410,9 +356,9 @@ std::uintptr_t Allocator::map_fresh(std::size_t k, Stream stream) {
 // [Spread placement] in va_space.h), not packed first-fit. Smaller ones stay packed: they are many (slabs),
 // rarely grow, and on the host backend every chunk that is not next to its neighbours costs a kernel
 // mapping of its own (vm.max_map_count). Per steady iteration of the swapped ResNet-50 batch-1440 trace
-// (bench/fragmentation.py) the maps fall from 29 363 to 17 362 with 2 MiB chunks, and to 3 111 with 8 MiB
-// chunks (9.4x fewer; utilization 0.999, efficiency 0.981); on the swapped GPT-2 batch-16 trace from 5 062
-// to 3 142 and 792 (6.4x). A failure while mapping unmaps what this call mapped and leaves the
+// (bench/fragmentation.py, 2 MiB chunks, one chunk per block) the chunks mapped fall from 29 363 to 17 362,
+// on the swapped GPT-2 batch-16 trace from 5 062 to 3 142; blocks then map them in fewer calls (Note
+// [Blocks and slices]). A failure while mapping unmaps what this call mapped and leaves the
 // range cached as it was (Note [Failure guarantees]); a failure on its second side keeps the first side's
 // growth, mapped and cached.
 std::uintptr_t Allocator::grow_cached(std::size_t k, Stream stream) {
@@ -445,15 +391,7 @@ std::uintptr_t Allocator::grow_cached(std::size_t k, Stream stream) {
       retire_empty_slabs();
       reclaim(std::min(need - pool_.size(), cached_chunks_));
     }
-    while (pool_.size() < need && creatable_chunks() > 0) {
-      pool_.push_back(backend_->create_chunk(chunk_));
-      ++num_chunks_;
-      ++stats_.num_device_alloc;
-      stats_.reserved_bytes.increase(static_cast<std::int64_t>(chunk_));
-    }
-  } catch (const BackendOutOfMemory& e) {
-    note_backend_error(e);
-    device_full_ = true;
+    create_blocks(need);
   } catch (...) {
     restore(addr);
     throw;
@@ -490,36 +428,22 @@ std::uintptr_t Allocator::grow_cached(std::size_t k, Stream stream) {
 void Allocator::map_into(std::uintptr_t at, std::size_t n, std::uint32_t reservation, Stream stream) {
   if (n == 0) return;
   va_.take_at(reservation, at, n * chunk_);
-  std::size_t mapped = 0;
-  try {
-    for (; mapped < n; ++mapped) backend_->map(at + mapped * chunk_, chunk_, pool_[pool_.size() - 1 - mapped]);
-    backend_->set_access(at, n * chunk_);
-  } catch (...) {
-    const std::size_t stuck = quarantine_.size();
-    std::vector<ChunkHandle> done(pool_.end() - static_cast<std::ptrdiff_t>(mapped), pool_.end());
-    pool_.resize(pool_.size() - mapped);
-    for (std::size_t i = 0; i < mapped; ++i) unmap_for_rollback(at + i * chunk_, done[mapped - 1 - i], reservation);
-    if (mapped < n) va_.give(reservation, at + mapped * chunk_, (n - mapped) * chunk_);  // never 0 bytes
-    stats_.num_maps += static_cast<std::int64_t>(mapped);
-    stats_.num_unmaps += static_cast<std::int64_t>(mapped - (quarantine_.size() - stuck));
-    throw;
-  }
-  for (std::size_t i = 0; i < n; ++i) {
-    chunk_at_.emplace(at + i * chunk_, pool_.back());
-    pool_.pop_back();
-  }
-  stats_.num_maps += static_cast<std::int64_t>(n);
-  ++stats_.num_set_access;
+  map_runs(at, n, reservation);
   stats_.mapped_bytes.increase(static_cast<std::int64_t>(n * chunk_));
   trace_.record(TraceEntry::kSegmentMap, at, n * chunk_, stream);
 }
 
 // Note [Reclaim]
-// When neither the stream's cache nor the pool can serve k chunks, chunks are unmapped from cached free
-// ranges, least recently freed first, and mapped into the new range. Because a chunk is interchangeable,
-// this stitches scattered free memory into one contiguous allocation: a request succeeds whenever enough
-// chunks are free in total. Each range gives up its tail, so what is left keeps its address and can still
-// serve its stream. Nothing is reclaimed while a capture is announced (Note [Graph capture]).
+// When neither the stream's cache nor the pool can serve k chunks, chunks leave cached free ranges, least
+// recently freed first (after waiting for the range's stream), and are mapped into the new range. Because a
+// chunk is interchangeable, this stitches scattered free memory into one contiguous allocation: a request
+// succeeds whenever enough chunks are free in total. Each range gives up its tail, so what is left keeps its
+// address and can still serve its stream. When the cut falls inside a mapping that lies in the range, the
+// range gives up that whole mapping (the chunks beyond the need go to the pool): the mapping is unmapped now
+// rather than left half used, and its slices stay one run, mapped again with one call (Note [Blocks and
+// slices]). Per steady iteration of the swapped traces with 64 MiB blocks this took the map calls of
+// ResNet-50 batch 1440 from 1 070 to 719 and of the five traces measured from 1 585 to 1 260 (GPT-2 batch 16
+// alone went from 174 to 211). Nothing is reclaimed while a capture is announced (Note [Graph capture]).
 bool Allocator::reclaim(std::size_t need) {
   if (need == 0) return true;
   if (quiet()) return false;
@@ -527,19 +451,20 @@ bool Allocator::reclaim(std::size_t need) {
   auto it = lru_.begin();
   while (need > 0 && it != lru_.end()) {
     const auto [seq, addr] = *it;
-    ++it;  // unmap_tail erases (and may re-insert) this entry; the next one stays valid
+    ++it;  // release_tail erases (and may re-insert) this entry; the next one stays valid
     const Range& r = ranges_.at(addr);
-    const std::size_t take = std::min(need, r.nchunks);
-    fence(r.stream, seq);
-    const std::size_t pooled = pool_.size();
-    try {
-      unmap_tail(addr, take);
-    } catch (...) {
-      stats_.num_reclaimed_chunks += static_cast<std::int64_t>(pool_.size() - pooled);
-      throw;
+    std::size_t take = std::min(need, r.nchunks);
+    if (take < r.nchunks) {  // the whole mapping the cut falls in, if it lies in this range: Note [Reclaim]
+      const std::uintptr_t cut = addr + (r.nchunks - take) * chunk_;
+      auto m = std::prev(mappings_.upper_bound(cut));
+      if (m->first < cut && m->first >= addr) take += (cut - m->first) / chunk_;
     }
+    fence(r.stream, seq);  // a failure changes nothing
+    // The chunks are free whatever happens to the unmapping of mappings they leave (a failure there is
+    // counted, and the mapping retried by empty_cache): the caller does not need it.
+    release_tail(addr, take);
     stats_.num_reclaimed_chunks += static_cast<std::int64_t>(take);
-    need -= take;
+    need -= std::min(need, take);
   }
   return need == 0;
 }
@@ -554,49 +479,6 @@ void Allocator::retire_empty_slabs() {
     stats_.slab_bytes.decrease(static_cast<std::int64_t>(chunk_));
     cache_range(slab, r.free_seq);
   }
-}
-
-// Unmaps the last m chunks of the cached range at addr, last chunk first, so that after a failure the range
-// still holds the chunks before the failing one, all mapped; the failing chunk is quarantined.
-void Allocator::unmap_tail(std::uintptr_t addr, std::size_t m) {
-  auto it = ranges_.find(addr);
-  Range& r = it->second;
-  erase_cached(addr, r);
-  const std::size_t keep = r.nchunks - m;
-  std::size_t end = r.nchunks;  // chunks [keep, end) are still to unmap; [end, nchunks) are done
-  const std::size_t total = r.nchunks;
-  std::exception_ptr failure;
-  while (end > keep) {
-    const std::uintptr_t a = addr + (end - 1) * chunk_;
-    auto c = chunk_at_.find(a);
-    try {
-      backend_->unmap(a, chunk_);
-    } catch (...) {  // counted by the public entry point the error leaves through
-      quarantine_.push_back({a, c->second, r.reservation});
-      chunk_at_.erase(c);
-      failure = std::current_exception();
-      break;
-    }
-    pool_.push_back(c->second);
-    chunk_at_.erase(c);
-    va_.give(r.reservation, a, chunk_);
-    --end;
-  }
-  // A failure quarantined chunk end - 1: the range keeps [0, end - 1).
-  const std::size_t left = failure ? end - 1 : keep;
-  const std::size_t gone = total - left;
-  const std::size_t unmapped = failure ? gone - 1 : gone;
-  stats_.num_unmaps += static_cast<std::int64_t>(unmapped);
-  stats_.mapped_bytes.decrease(static_cast<std::int64_t>(gone * chunk_));
-  trace_.record(TraceEntry::kSegmentUnmap, addr + left * chunk_, gone * chunk_, r.stream);
-  if (left == 0) {
-    ranges_.erase(it);
-    stats_.segment.decrease(1);
-  } else {
-    r.nchunks = left;
-    insert_cached(addr, r);
-  }
-  if (failure) std::rethrow_exception(failure);
 }
 
 // Note [Graph capture]

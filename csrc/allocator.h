@@ -3,6 +3,10 @@
 // fragmentation; the only waste is the tail of each large allocation's last chunk.
 //
 // Request path, malloc(n, stream):
+// Physical memory is created in blocks of several chunks, and a chunk is a slice of a block; a run of a
+// block's slices maps with one backend call (Note [Blocks and slices] in allocator_blocks.cpp). The chunk
+// stays the unit of everything else: capacity, the pool, reclaim, stats and the guarantees count chunks.
+//
 //   1. small (n <= small_max): a 512 B-rounded block from a slab (one chunk) of the same stream, best fit;
 //   2. large: ceil(n / chunk) chunks; best fit among cached free ranges of the same stream, split at a chunk
 //      boundary;
@@ -10,7 +14,7 @@
 //      missing chunks (from the pool, reclaimed, or created) next to it, so only those are mapped;
 //      otherwise free chunks from the pool (created while under capacity), mapped into a fresh virtual range
 //      placed with room around it (Note [Grow in place]);
-//   4. reclaim: unmap chunks of cached free ranges, least recently freed first, and map them into the new
+//   4. reclaim: chunks leave cached free ranges, least recently freed first, and are mapped into the new
 //      range, so a request of k chunks succeeds whenever k chunks are free in total;
 //   5. the OOM handler (the swap runtime evicts), then one more try from 1;
 //   6. OutOfMemory, with the allocator's state intact.
@@ -20,6 +24,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -32,6 +37,7 @@
 
 #include "backend.h"
 #include "config.h"
+#include "detail/slice_pool.h"
 #include "detail/stats.h"
 #include "detail/trace.h"
 #include "detail/va_space.h"
@@ -101,10 +107,12 @@ class VMALLOC_API Allocator {
   // The allocation is also used on `stream`: its memory is not reused before that stream's work so far
   // (Note [Stream safety]).
   void record_stream(std::uintptr_t addr, Stream stream);
-  // Unmaps every cached free range and releases every unmapped chunk (waiting for frees pending on other
-  // streams first). Ranges of streams being captured stay (Note [Graph capture]).
+  // Unmaps every cached free range and releases every block whose chunks are all free (waiting for frees
+  // pending on other streams first); a block with a chunk in use stays (Note [Blocks and slices]). Ranges of
+  // streams being captured stay (Note [Graph capture]).
   void empty_cache();
-  // Changes the capacity; cached memory above it is released now, allocated memory as it is freed.
+  // Changes the capacity; cached memory above it is released now, in whole blocks, and the rest as it is
+  // freed (Note [Blocks and slices]).
   void set_capacity(std::size_t bytes);
   void set_oom_handler(OomHandler handler);
   void set_history(std::size_t entries);
@@ -159,9 +167,17 @@ class VMALLOC_API Allocator {
     Allocation a;
     std::vector<std::pair<Stream, Event>> events;
   };
-  struct Stuck {  // a chunk the backend failed to unmap (addr != 0) or to release (addr == 0): quarantined
-    std::uintptr_t addr;
-    ChunkHandle chunk;
+  struct Block {  // one physical allocation of nchunks chunks (Note [Blocks and slices])
+    ChunkHandle handle;
+    std::uint32_t nchunks;
+    std::uint32_t mappings = 0;  // mappings of its slices, stuck ones included
+    bool quarantined = false;    // its release failed: kept out of the pool, retried by empty_cache
+  };
+  struct Mapping {  // one backend mapping: slices [first, first + n) of a block at consecutive chunk addresses
+    detail::BlockId block;
+    std::uint32_t first;
+    std::uint32_t n;
+    std::uint32_t live;  // its chunk addresses that lie in a range; 0 only while stuck (its unmap failed)
     std::uint32_t reservation;
   };
   using SizeSet = std::set<std::pair<std::size_t, std::uintptr_t>>;  // (size, address): best fit
@@ -173,18 +189,25 @@ class VMALLOC_API Allocator {
   std::uintptr_t map_fresh(std::size_t nchunks, Stream stream);
   std::uintptr_t grow_cached(std::size_t nchunks, Stream stream);
   void map_into(std::uintptr_t at, std::size_t nchunks, std::uint32_t reservation, Stream stream);
-  void unmap_for_rollback(std::uintptr_t addr, ChunkHandle chunk, std::uint32_t reservation);
+  // allocator_blocks.cpp (Note [Blocks and slices])
+  void create_blocks(std::size_t pooled);
+  void map_runs(std::uintptr_t at, std::size_t nchunks, std::uint32_t reservation);
+  std::vector<std::uintptr_t> leave_ranges(std::uintptr_t addr, std::size_t nchunks);
+  std::exception_ptr unmap_dead(const std::vector<std::uintptr_t>& dead);
+  bool unmap_mapping(std::uintptr_t addr, std::exception_ptr* error) noexcept;
+  std::size_t releasable_chunks() const;
   bool reclaim(std::size_t nchunks);
   void retire_empty_slabs();
-  void shrink_to_capacity();
+  std::exception_ptr shrink_to_capacity();
   void shrink_if_over_capacity() noexcept;
   bool over_capacity_with_cache() const;
   void free_small(std::uintptr_t addr, std::uint64_t seq);
   void cache_range(std::uintptr_t addr, std::uint64_t seq);
   void complete_free(std::uintptr_t addr, const Allocation& a, std::uint64_t seq);
   void settle_frees(bool wait);
-  void unmap_tail(std::uintptr_t addr, std::size_t nchunks);
-  void release_pool_chunks(std::size_t keep);
+  void settle_frees_now(bool wait);
+  std::exception_ptr release_tail(std::uintptr_t addr, std::size_t nchunks);
+  void release_free_blocks(std::size_t chunks);
   void retry_quarantine() noexcept;
   void fence(Stream stream, std::uint64_t seq);
   void prune_fences(Stream stream) noexcept;
@@ -204,9 +227,14 @@ class VMALLOC_API Allocator {
 
   mutable std::mutex mu_;
   detail::VaSpace va_;
-  std::vector<ChunkHandle> pool_;                             // created, unmapped chunks
-  std::unordered_map<std::uintptr_t, ChunkHandle> chunk_at_;  // the chunk mapped at each mapped chunk address
-  std::vector<Stuck> quarantine_;                             // chunks the backend failed to unmap or release
+  std::size_t max_block_chunks_;                              // chunks per block at most (Note [Blocks and slices])
+  std::unordered_map<detail::BlockId, Block> blocks_;         // every block created and not released
+  detail::BlockId next_block_ = 0;
+  detail::SlicePool pool_;                                    // free chunks: slices in no range
+  std::map<std::uintptr_t, Mapping> mappings_;                // every backend mapping, by address
+  std::set<std::uintptr_t> stuck_;                            // mappings the backend failed to unmap
+  std::size_t mapping_chunks_ = 0;                            // chunk addresses covered by mappings_
+  std::size_t quarantined_chunks_ = 0;                        // chunks of quarantined blocks
   std::set<std::uintptr_t> empty_slabs_;                      // slabs with no block in use
   bool device_full_ = false;                                  // the backend refused a chunk below capacity
   bool shrink_blocked_ = false;                               // the last shrink could not release everything

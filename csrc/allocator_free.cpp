@@ -11,9 +11,12 @@ using detail::hex;
 
 // Note [Stream safety]
 // Reuse on the allocation's own stream is safe by stream order, so a block freed there is reusable at once
-// on that stream. Every other use of the memory goes through unmapping (reclaim, empty_cache), and unmapping
-// is not stream ordered: each free records an event on its stream (the stream's fences, oldest first), and
-// an unmap first waits on the host for the events of the range's stream up to the range's last free.
+// on that stream. Every other use of the memory goes through chunks leaving their range (reclaim,
+// empty_cache, shrinking), to be mapped elsewhere or unmapped, neither of which is stream ordered: each free
+// records an event on its stream (the stream's fences, oldest first), and before chunks leave a cached range
+// the host waits for the events of the range's stream up to the range's last free. A mapping is unmapped
+// only once all its chunks have left their ranges, each after such a wait, so no work in flight can touch it
+// (Note [Blocks and slices]).
 //
 // Streams added with record_stream are not folded into the allocation stream (that made the allocation
 // stream wait for all the work queued on them, e.g. every prefetch the swap engine queued after the
@@ -97,6 +100,16 @@ void Allocator::complete_free(std::uintptr_t addr, const Allocation& a, std::uin
 // a capture is announced.
 void Allocator::settle_frees(bool wait) {
   if ((pending_.empty() && deferred_.empty()) || quiet()) return;
+  try {
+    settle_frees_now(wait);
+  } catch (...) {
+    shrink_if_over_capacity();  // what settled before the failure is cached: above a lowered capacity, it goes
+    throw;
+  }
+  shrink_if_over_capacity();
+}
+
+void Allocator::settle_frees_now(bool wait) {
   for (auto d = deferred_.begin(); d != deferred_.end();) {
     bool still = backend_->capturing(d->a.stream);
     for (Stream s : d->a.other_streams) still = still || backend_->capturing(s);
@@ -150,7 +163,6 @@ void Allocator::settle_frees(bool wait) {
     complete_free(p->second.addr, p->second.a, p->first);
     p = pending_.erase(p);
   }
-  shrink_if_over_capacity();
 }
 
 void Allocator::free_small(std::uintptr_t addr, std::uint64_t seq) {

@@ -35,8 +35,8 @@ std::string Allocator::oom_message(std::size_t nbytes) const {
     << " bytes)";
   if (active > allocated)
     m << "; " << format_size(active - allocated) << " freed but still in use by other streams (record_stream)";
-  if (!quarantine_.empty())
-    m << "; " << quarantine_.size() << " chunk(s) quarantined after backend failures (last: " << last_backend_error_
+  if (quarantined_chunks_ > 0)
+    m << "; " << quarantined_chunks_ << " chunk(s) quarantined after backend failures (last: " << last_backend_error_
       << ")";
   if (device_full_) m << "; the device itself refused more chunks below the capacity (other processes?)";
   m << ". Free tensors, lower the batch size, raise the capacity (Arena(capacity=...) or VMALLOC_CONF=capacity=...)"
@@ -74,9 +74,14 @@ std::vector<std::pair<std::string, std::int64_t>> Allocator::stats() const {
   out.emplace_back("num_ooms", stats_.num_ooms);
   out.emplace_back("num_alloc_retries", stats_.num_alloc_retries);
   out.emplace_back("num_oom_handler_calls", stats_.num_oom_handler_calls);
+  // Backend calls (Note [Blocks and slices]: one map per run of a block's chunks), and the chunks they moved.
   out.emplace_back("num_maps", stats_.num_maps);
   out.emplace_back("num_unmaps", stats_.num_unmaps);
   out.emplace_back("num_set_access", stats_.num_set_access);
+  out.emplace_back("num_mapped_chunks", stats_.num_mapped_chunks);
+  out.emplace_back("num_unmapped_chunks", stats_.num_unmapped_chunks);
+  out.emplace_back("num_created_chunks", stats_.num_created_chunks);
+  out.emplace_back("num_released_chunks", stats_.num_released_chunks);
   out.emplace_back("num_reclaims", stats_.num_reclaims);
   out.emplace_back("num_reclaimed_chunks", stats_.num_reclaimed_chunks);
   out.emplace_back("num_device_alloc", stats_.num_device_alloc);
@@ -89,14 +94,24 @@ std::vector<std::pair<std::string, std::int64_t>> Allocator::stats() const {
   out.emplace_back("num_deferred_frees", stats_.num_deferred_frees);
   out.emplace_back("num_capture_errors", stats_.num_capture_errors);
   out.emplace_back("num_backend_errors", stats_.num_backend_errors);
-  out.emplace_back("num_quarantined_chunks", static_cast<std::int64_t>(quarantine_.size()));
+  out.emplace_back("num_quarantined_chunks", static_cast<std::int64_t>(quarantined_chunks_));
+  out.emplace_back("num_stuck_mappings", static_cast<std::int64_t>(stuck_.size()));
   out.emplace_back("num_chunks", static_cast<std::int64_t>(num_chunks_));
+  out.emplace_back("num_blocks", static_cast<std::int64_t>(blocks_.size()));
+  // Chunks of wholly free, unmapped blocks: what empty_cache would give back without unmapping anything.
+  out.emplace_back("num_releasable_chunks", static_cast<std::int64_t>(releasable_chunks()));
+  out.emplace_back("num_mappings", static_cast<std::int64_t>(mappings_.size()));
+  // Chunk addresses still mapped although out of every range (their mapping also holds chunks in use).
+  out.emplace_back("num_idle_mapped_chunks",
+                   static_cast<std::int64_t>(mapping_chunks_) - stats_.mapped_bytes.current / static_cast<std::int64_t>(chunk_));
   out.emplace_back("num_pool_chunks", static_cast<std::int64_t>(pool_.size()));
+  out.emplace_back("num_pool_runs", static_cast<std::int64_t>(pool_.runs()));
   out.emplace_back("num_cached_chunks", static_cast<std::int64_t>(cached_chunks_));
   out.emplace_back("num_empty_slabs", static_cast<std::int64_t>(empty_slabs_.size()));
   out.emplace_back("va_reserved_bytes", static_cast<std::int64_t>(va_.reserved_bytes()));
   out.emplace_back("chunk_size", static_cast<std::int64_t>(chunk_));
   out.emplace_back("small_max", static_cast<std::int64_t>(small_max_));
+  out.emplace_back("block_size", static_cast<std::int64_t>(max_block_chunks_ * chunk_));
   out.emplace_back("capacity", static_cast<std::int64_t>(capacity_chunks_ * chunk_));
   return out;
 }
@@ -202,12 +217,13 @@ void Allocator::check_invariants() const {
   require(static_cast<std::int64_t>(live_.size()) == stats_.allocation.current, "allocation count != recount");
   require(static_cast<std::int64_t>(live_.size() + pending.size()) == stats_.active.current, "active count != recount");
 
-  std::set<std::uintptr_t> stuck_addrs;
-  for (const Stuck& s : quarantine_)
-    if (s.addr) require(stuck_addrs.insert(s.addr).second, "a quarantined address twice");
   std::size_t mapped = 0, cached = 0, slabs = 0, empty = 0;
   std::uintptr_t prev_end = 0;
   const Range* prev = nullptr;
+  // Note [Blocks and slices]: every chunk address of a range lies in a mapping, whose slice there is in no
+  // other range and not in the pool.
+  std::unordered_map<std::uintptr_t, std::uint32_t> live_in;  // mapping address -> its chunks in ranges
+  std::set<std::pair<detail::BlockId, std::uint32_t>> live_slices;
   for (const auto& [addr, r] : ranges_) {
     require(r.nchunks > 0, "an empty range");
     require(addr >= prev_end, "mapped ranges overlap");
@@ -218,8 +234,15 @@ void Allocator::check_invariants() const {
     prev = &r;
     mapped += r.nchunks;
     for (std::size_t i = 0; i < r.nchunks; ++i) {
-      require(chunk_at_.count(addr + i * chunk_) == 1, "a mapped chunk address has no chunk");
-      require(stuck_addrs.count(addr + i * chunk_) == 0, "a quarantined chunk's address is inside a range");
+      const std::uintptr_t p = addr + i * chunk_;
+      auto m = mappings_.upper_bound(p);
+      require(m != mappings_.begin() && p < std::prev(m)->first + std::prev(m)->second.n * chunk_,
+              "a chunk address of a range is not mapped");
+      --m;
+      require(m->second.reservation == r.reservation, "a range and its mapping are in different reservations");
+      ++live_in[m->first];
+      const auto slice = static_cast<std::uint32_t>(m->second.first + (p - m->first) / chunk_);
+      require(live_slices.insert({m->second.block, slice}).second, "a chunk is in two ranges");
     }
     if (r.kind == Kind::kCached) {
       cached += r.nchunks;
@@ -264,11 +287,47 @@ void Allocator::check_invariants() const {
   require(free_block_entries == free_blocks, "free small block sets hold stale entries");
   require(cached == cached_chunks_, "cached chunk count != recount");
   require(empty == empty_slabs_.size(), "empty slab list != recount");
-  require(mapped == chunk_at_.size(), "chunk table != mapped chunks");
+  // Mappings: disjoint, inside their blocks; a mapping with no chunk in a range is stuck, and only then.
+  std::unordered_map<detail::BlockId, std::uint32_t> block_mappings;
+  std::size_t mapping_chunks = 0;
+  std::uintptr_t mapping_end = 0;
+  for (const auto& [a, m] : mappings_) {
+    require(a >= mapping_end, "mappings overlap");
+    mapping_end = a + m.n * chunk_;
+    auto b = blocks_.find(m.block);
+    require(b != blocks_.end() && !b->second.quarantined && m.n > 0 && m.first + m.n <= b->second.nchunks,
+            "a mapping outside a live block");
+    ++block_mappings[m.block];
+    mapping_chunks += m.n;
+    auto l = live_in.find(a);
+    const std::uint32_t live = l == live_in.end() ? 0 : l->second;
+    require(live == m.live, "a mapping's count of chunks in ranges != recount");
+    require((live == 0) == (stuck_.count(a) == 1), "a mapping with no chunk in a range is not stuck, or the reverse");
+  }
+  require(stuck_.size() <= mappings_.size(), "a stuck mapping that does not exist");
+  require(mapping_chunks == mapping_chunks_, "mapped chunk addresses != recount");
+  // Blocks: each slice is in a range, in the pool or in a quarantined block, exactly once.
+  require(pool_.consistent(), "the pool's runs are inconsistent");
+  std::size_t block_chunks = 0, quarantined = 0;
+  for (const auto& [id, b] : blocks_) {
+    auto n = block_mappings.find(id);
+    require((n == block_mappings.end() ? 0 : n->second) == b.mappings, "a block's mapping count != recount");
+    block_chunks += b.nchunks;
+    if (b.quarantined) quarantined += b.nchunks;
+  }
+  for (const detail::Run& run : pool_.all()) {
+    auto b = blocks_.find(run.block);
+    require(b != blocks_.end() && !b->second.quarantined && run.first + run.n <= b->second.nchunks,
+            "a pooled chunk outside a live block");
+    for (std::uint32_t i = run.first; i < run.first + run.n; ++i)
+      require(live_slices.count({run.block, i}) == 0, "a chunk is both pooled and in a range");
+  }
+  require(block_chunks == num_chunks_, "chunks held != the blocks' chunks");
+  require(quarantined == quarantined_chunks_, "quarantined chunk count != recount");
   require(static_cast<std::int64_t>(mapped * chunk_) == stats_.mapped_bytes.current, "mapped_bytes != recount");
   require(static_cast<std::int64_t>(slabs * chunk_) == stats_.slab_bytes.current, "slab_bytes != recount");
   require(static_cast<std::int64_t>(ranges_.size()) == stats_.segment.current, "segment count != recount");
-  require(num_chunks_ == pool_.size() + mapped + quarantine_.size(), "chunks held != pool + mapped + quarantined");
+  require(num_chunks_ == pool_.size() + mapped + quarantined_chunks_, "chunks held != pool + mapped + quarantined");
   require(static_cast<std::int64_t>(num_chunks_ * chunk_) == stats_.reserved_bytes.current, "reserved_bytes != recount");
   require(!over_capacity_with_cache() || shrink_blocked_,
           "reserved bytes exceed the capacity while cached memory could be released");

@@ -1,52 +1,18 @@
 // Allocator: giving memory back (empty_cache, capacity, quarantine) and settings (see allocator.h).
 #include "allocator.h"
 
+#include <cstdint>
+
 namespace vmalloc {
 
-void Allocator::release_pool_chunks(std::size_t keep) {
-  while (pool_.size() > keep) {
-    const ChunkHandle c = pool_.back();
-    try {
-      backend_->release_chunk(c, chunk_);
-    } catch (...) {
-      pool_.pop_back();
-      quarantine_.push_back({0, c, 0});
-      throw;
-    }
-    pool_.pop_back();
-    --num_chunks_;
-    ++stats_.num_device_free;
-    stats_.reserved_bytes.decrease(static_cast<std::int64_t>(chunk_));
-  }
-  device_full_ = false;
-}
-
-void Allocator::retry_quarantine() noexcept {
-  for (auto s = quarantine_.begin(); s != quarantine_.end();) {
-    try {
-      if (s->addr) {
-        backend_->unmap(s->addr, chunk_);
-        ++stats_.num_unmaps;
-        va_.give(s->reservation, s->addr, chunk_);
-        s->addr = 0;
-      }
-      backend_->release_chunk(s->chunk, chunk_);
-    } catch (const std::exception& e) {
-      note_backend_error(e);
-      ++s;
-      continue;
-    }
-    --num_chunks_;
-    ++stats_.num_device_free;
-    stats_.reserved_bytes.decrease(static_cast<std::int64_t>(chunk_));
-    s = quarantine_.erase(s);
-  }
-}
-
 // Note [Empty cache]
-// empty_cache keeps going past a range it fails to unmap (the chunk is quarantined) and then retries: at the
-// host's mapping limit, unmapping other ranges is what makes the failing one possible again. It throws the
-// first backend error only if it could not empty the cache in the end; errors it got past are counted.
+// empty_cache releases every cached range (their chunks leave them, and mappings left with none are
+// unmapped), then every block that is wholly free; it keeps going past a failure (a mapping that cannot be
+// unmapped stays stuck, a block that cannot be released is quarantined) and then retries: at the host's
+// mapping limit, unmapping other ranges is what makes the failing one possible again. It throws the first
+// backend error only if it could not empty the cache in the end; errors it got past are counted. A block
+// with a chunk still in use (a live allocation, a slab, a pending free) stays: empty_cache gives memory back
+// in whole blocks (Note [Blocks and slices]).
 void Allocator::empty_cache() {
   std::lock_guard<std::mutex> lock(mu_);
   std::exception_ptr first;
@@ -63,47 +29,61 @@ void Allocator::empty_cache() {
     }
   };
   attempt([&] { settle_frees(/*wait=*/true); });
-  if (quiet()) {  // a capture is announced: no waiting and no unmapping; the pool can go
-    attempt([&] { release_pool_chunks(0); });
+  if (quiet()) {  // a capture is announced: no waiting and no unmapping; wholly free blocks can go
+    attempt([&] { release_free_blocks(SIZE_MAX); });
     shrink_blocked_ = over_capacity_with_cache();
-    if (first && !pool_.empty()) std::rethrow_exception(first);
+    if (first && releasable_chunks() > 0) std::rethrow_exception(first);
     return;
   }
   retire_empty_slabs();
-  auto remaining = [&] { return pool_.size() + quarantine_.size() + cached_chunks_; };
+  auto remaining = [&] { return cached_chunks_ + stuck_.size() + quarantined_chunks_ + releasable_chunks(); };
   for (std::size_t left = remaining(), before = left + 1; left > 0 && left < before; before = left, left = remaining()) {
     for (auto it = lru_.begin(); it != lru_.end();) {
       const auto [seq, addr] = *it;
-      ++it;  // unmap_tail erases this entry (and re-inserts it only after a failure)
+      ++it;  // release_tail erases this entry
       const Stream stream = ranges_.at(addr).stream;
+      bool fenced = false;
       attempt([&] {
         fence(stream, seq);
-        unmap_tail(addr, ranges_.at(addr).nchunks);
+        fenced = true;
       });
+      if (!fenced) continue;  // the range stays cached
+      if (std::exception_ptr e = release_tail(addr, ranges_.at(addr).nchunks); e && !first) first = e;
     }
-    attempt([&] { release_pool_chunks(0); });
+    attempt([&] { release_free_blocks(SIZE_MAX); });
     retry_quarantine();
   }
-  // Chunks whose release failed may remain above a lowered capacity.
+  // Blocks whose release failed may remain above a lowered capacity.
   shrink_blocked_ = over_capacity_with_cache();
   if (first && remaining() > 0) std::rethrow_exception(first);
 }
 
 bool Allocator::over_capacity_with_cache() const {
-  return num_chunks_ > capacity_chunks_ && (cached_chunks_ > 0 || !pool_.empty() || !empty_slabs_.empty());
+  return num_chunks_ > capacity_chunks_ && (cached_chunks_ > 0 || !empty_slabs_.empty() || releasable_chunks() > 0);
 }
 
-void Allocator::shrink_to_capacity() {
+// Capacity goes back in whole blocks (Note [Blocks and slices]): wholly free blocks first, then cached ranges,
+// least recently freed first, leave their chunks until enough blocks are wholly free, or none is cached.
+// Returns an unmap failure (already counted) that kept the arena above the capacity, or null; throws the
+// other backend failures.
+std::exception_ptr Allocator::shrink_to_capacity() {
   auto excess = [&] { return num_chunks_ > capacity_chunks_ ? num_chunks_ - capacity_chunks_ : 0; };
   shrink_blocked_ = true;  // until this completes
-  release_pool_chunks(pool_.size() - std::min(pool_.size(), excess()));
-  if (excess() > 0) {
+  std::exception_ptr unmap_failure;
+  if (!quiet() && (!stuck_.empty() || quarantined_chunks_ > 0)) retry_quarantine();
+  release_free_blocks(excess());
+  if (excess() > 0 && !quiet()) {
     retire_empty_slabs();
-    reclaim(std::min(excess(), cached_chunks_));
-    release_pool_chunks(pool_.size() - std::min(pool_.size(), excess()));
+    while (excess() > 0 && !lru_.empty()) {
+      const auto [seq, addr] = *lru_.begin();
+      fence(ranges_.at(addr).stream, seq);
+      if (std::exception_ptr e = release_tail(addr, ranges_.at(addr).nchunks); e && !unmap_failure) unmap_failure = e;
+      release_free_blocks(excess());
+    }
   }
   // While a capture is announced cached ranges stay (no unmapping): released when it ends.
   shrink_blocked_ = over_capacity_with_cache();
+  return excess() > 0 ? unmap_failure : nullptr;
 }
 
 void Allocator::set_capacity(std::size_t bytes) {
@@ -117,12 +97,14 @@ void Allocator::set_capacity(std::size_t bytes) {
   capacity_chunks_ = bytes / chunk_;
   config_.capacity = capacity_chunks_ * chunk_;
   device_full_ = false;
+  std::exception_ptr unmap_failure;  // counted where it happened
   try {
-    shrink_to_capacity();
+    unmap_failure = shrink_to_capacity();
   } catch (const BackendError&) {
     ++stats_.num_backend_errors;
     throw;
   }
+  if (unmap_failure) std::rethrow_exception(unmap_failure);
 }
 
 void Allocator::set_oom_handler(OomHandler handler) {

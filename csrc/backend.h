@@ -29,7 +29,9 @@ namespace vmalloc {
 struct Config;
 
 using Stream = std::uintptr_t;       // a cudaStream_t / CUstream value; 0 is the legacy default stream
-using ChunkHandle = std::uint64_t;   // a physical chunk (CUmemGenericAllocationHandle, memfd slot, sim id)
+using ChunkHandle = std::uint64_t;   // a physical allocation of one or more chunks, a "block" (Note [Blocks
+                                     // and slices] in allocator.cpp): CUmemGenericAllocationHandle, memfd
+                                     // offset, sim id
 using Event = std::uint64_t;         // a recorded stream position; 0 means "nothing to wait for"
 
 // A backend call failed. `call` is the entry point or system call that failed (e.g. "cuMemMap", "mmap").
@@ -59,11 +61,16 @@ class VMALLOC_API Backend {
 
   virtual std::uintptr_t reserve(std::size_t bytes) = 0;
   virtual void release_reservation(std::uintptr_t base, std::size_t bytes) = 0;
+  // A physical allocation (a block) of `bytes`, a multiple of the chunk size.
   virtual ChunkHandle create_chunk(std::size_t bytes) = 0;
   virtual void release_chunk(ChunkHandle chunk, std::size_t bytes) = 0;
-  // Maps one whole chunk at addr (inside a reservation). The mapping is not accessible until set_access.
-  virtual void map(std::uintptr_t addr, std::size_t bytes, ChunkHandle chunk) = 0;
+  // Maps bytes [offset, offset + bytes) of the block at addr (inside a reservation, not mapped): one mapping.
+  // A block may be mapped at several places at once. The mapping is not accessible until set_access.
+  virtual void map(std::uintptr_t addr, std::size_t bytes, ChunkHandle chunk, std::size_t offset) = 0;
+  // Unmaps exactly one whole mapping made by map().
   virtual void unmap(std::uintptr_t addr, std::size_t bytes) = 0;
+  // Whether map() accepts a nonzero offset. When not, the allocator makes every block one chunk.
+  virtual bool maps_at_offsets() { return true; }
   // Makes [addr, addr + bytes), a run of mapped chunks, readable and writable by the device.
   virtual void set_access(std::uintptr_t addr, std::size_t bytes) = 0;
 

@@ -180,10 +180,15 @@ class CudaBackend final : public Backend {
     ContextGuard guard(*this);
     check(d_.cuMemRelease(static_cast<CUmemGenericAllocationHandle>(chunk)), "cuMemRelease");
   }
-  void map(std::uintptr_t addr, std::size_t bytes, ChunkHandle chunk) override {
+  void map(std::uintptr_t addr, std::size_t bytes, ChunkHandle chunk, std::size_t offset) override {
     ContextGuard guard(*this);
-    check(d_.cuMemMap(static_cast<CUdeviceptr>(addr), bytes, 0, static_cast<CUmemGenericAllocationHandle>(chunk), 0),
+    check(d_.cuMemMap(static_cast<CUdeviceptr>(addr), bytes, offset, static_cast<CUmemGenericAllocationHandle>(chunk),
+                      0),
           "cuMemMap");
+  }
+  bool maps_at_offsets() override {
+    if (offsets_ < 0) offsets_ = probe_offsets() ? 1 : 0;
+    return offsets_ == 1;
   }
   void unmap(std::uintptr_t addr, std::size_t bytes) override {
     ContextGuard guard(*this);
@@ -272,7 +277,36 @@ class CudaBackend final : public Backend {
     bool pushed_ = false;
   };
 
+  // Note [Probing map offsets]
+  // cuda.h documents cuMemMap's offset ("maps bytes of memory represented by handle starting from byte
+  // offset", with offset + size within the allocation) and, in the parameter's note, says it "currently must
+  // be zero". Blocks of several chunks (Note [Blocks and slices] in allocator.cpp) need offsets, so the
+  // backend asks the driver once, when the allocator first wants to know: a two-granule allocation, its
+  // second granule mapped at offset one granule into a fresh reservation, then everything undone. Any
+  // failure on the way means "no": the allocator then makes every block one chunk, which needs no offset.
+  bool probe_offsets() noexcept {
+    try {
+      ContextGuard guard(*this);
+      auto twice = [](auto&& call) { return call() == CUDA_SUCCESS || call() == CUDA_SUCCESS; };  // cleanup
+      const std::size_t g = granularity_;
+      CUdeviceptr va = 0;
+      if (d_.cuMemAddressReserve(&va, g, 0, 0, 0) != CUDA_SUCCESS) return false;
+      CUmemGenericAllocationHandle h = 0;
+      bool mapped = false, unmapped = true;
+      if (d_.cuMemCreate(&h, 2 * g, &prop_, 0) == CUDA_SUCCESS) {
+        mapped = d_.cuMemMap(va, g, g, h, 0) == CUDA_SUCCESS;
+        if (mapped) unmapped = twice([&] { return d_.cuMemUnmap(va, g); });
+        twice([&] { return d_.cuMemRelease(h); });
+      }
+      if (unmapped) twice([&] { return d_.cuMemAddressFree(va, g); });  // else the address stays reserved
+      return mapped && unmapped;
+    } catch (...) {
+      return false;
+    }
+  }
+
   const Driver& d_;
+  int offsets_ = -1;  // maps_at_offsets(): -1 not asked yet
   int device_;
   CUdevice dev_ = 0;
   CUcontext ctx_ = nullptr;

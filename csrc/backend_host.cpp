@@ -1,17 +1,18 @@
 // Host backend: the VMM contract on ordinary memory.
 //
 // Note [Host backend]
-// Physical chunks are slots of one memfd; a chunk is "mapped" by mmap'ing its slot MAP_SHARED|MAP_FIXED
-// into a PROT_NONE reservation, so a chunk unmapped from one range and mapped into another really carries
-// its bytes along, exactly as a cuMemCreate handle would. set_access is an mprotect, so code that forgets
+// Physical blocks are slots of one memfd; a run of a block's chunks is "mapped" by mmap'ing that part of its
+// slot MAP_SHARED|MAP_FIXED into a PROT_NONE reservation (one mmap per run: one kernel mapping, not one per
+// chunk), so a chunk unmapped from one range and mapped into another really carries its bytes along, exactly
+// as a cuMemCreate handle mapped at an offset would. set_access is an mprotect, so code that forgets
 // it faults here as it would on a GPU. Released chunks give their pages back with a punched hole.
 //
 // Note [Host mapping limit]
-// Every mapped chunk whose neighbours are not the next slots of the memfd is a mapping of its own, and the
-// kernel caps a process's mappings (vm.max_map_count, 65530 by default). Stitching scattered chunks into one
-// range therefore costs one mapping per chunk: 4 GiB of 64 KiB chunks stitched needs more mappings than the
-// default allows, and cannot succeed. The kernel merges neighbouring mappings of consecutive slots by itself,
-// so merging here gains nothing. What the backend does instead (detail/map_budget.h):
+// Every mapped run whose neighbours are not the next offsets of the memfd is a mapping of its own, and the
+// kernel caps a process's mappings (vm.max_map_count, 65530 by default). A run of a block's chunks is one
+// mmap (Note [Blocks and slices] in allocator_blocks.cpp), but stitching chunks of many blocks into one range
+// costs one mapping per run: 4 GiB of 64 KiB chunks each from its own block needs more mappings than the
+// default allows, and cannot succeed. What the backend does (detail/map_budget.h):
 //   - it never takes the process into the last mappings (1/16 of the limit): a map or a splitting unmap
 //     there fails with an error that names the count, the limit and the ways out (a larger chunk_size, a
 //     higher vm.max_map_count), so the interpreter and libraries can still mmap after the failure;
@@ -129,10 +130,10 @@ class HostBackend final : public Backend {
     free_slots_[bytes].push_back(offset);
   }
 
-  void map(std::uintptr_t addr, std::size_t bytes, ChunkHandle chunk) override {
+  void map(std::uintptr_t addr, std::size_t bytes, ChunkHandle chunk, std::size_t offset) override {
     budget_.before_map("mapping a chunk");
     void* p = mmap(reinterpret_cast<void*>(addr), bytes, PROT_NONE, MAP_SHARED | MAP_FIXED, fd_,
-                   static_cast<off_t>(chunk));
+                   static_cast<off_t>(chunk + offset));
     if (p == MAP_FAILED) {
       const int err = errno;
       // A failed MAP_FIXED may have dropped the reservation there: put it back, so the range stays ours.

@@ -28,7 +28,7 @@ class SimBackend final : public Backend {
   void release_reservation(std::uintptr_t, std::size_t) override {}
   ChunkHandle create_chunk(std::size_t) override { return ++next_chunk_; }
   void release_chunk(ChunkHandle, std::size_t) override {}
-  void map(std::uintptr_t, std::size_t, ChunkHandle) override {}
+  void map(std::uintptr_t, std::size_t, ChunkHandle, std::size_t) override {}
   void unmap(std::uintptr_t, std::size_t) override {}
   void set_access(std::uintptr_t, std::size_t) override {}
 

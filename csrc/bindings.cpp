@@ -67,13 +67,14 @@ int to_int(const py::handle& value, const char* what) {
 
 Config make_config(const std::string& backend, const py::object& capacity, const py::object& chunk_size,
                    const py::object& small_max, int device, const py::object& history, bool eager_growth,
-                   int devices) {
+                   int devices, const py::object& block_size) {
   Config c;
   c.backend = backend;
   c.capacity = to_size(capacity, "capacity");
   if (!capacity.is_none() && c.capacity == 0) throw py::value_error("capacity must be positive (or None for the default)");
   c.chunk_size = to_size(chunk_size, "chunk_size");
   c.small_max = to_size(small_max, "small_max");
+  c.block_size = to_size(block_size, "block_size");
   c.device = device;
   c.devices = devices;
   c.history = to_size(history, "history");
@@ -87,6 +88,7 @@ py::dict config_dict(const Config& c) {
   d["capacity"] = c.capacity;
   d["chunk_size"] = c.chunk_size;
   d["small_max"] = c.small_max;
+  d["block_size"] = c.block_size;
   d["device"] = c.device;
   d["devices"] = c.devices;
   d["history"] = c.history;
@@ -171,9 +173,9 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Allocator, ArenaPtr>(m, "Arena")
       .def(py::init([](const std::string& backend, const py::object& capacity, const py::object& chunk_size,
                        const py::object& small_max, int device, const py::object& history, bool eager_growth,
-                       int devices, bool test_backend) {
+                       int devices, const py::object& block_size, bool test_backend) {
              const Config c = make_config(backend, capacity, chunk_size, small_max, device, history, eager_growth,
-                                          devices);
+                                          devices, block_size);
              if (!test_backend) return std::make_shared<Allocator>(c);
              vmalloc::check_device(c, device);
              return std::make_shared<Allocator>(c,
@@ -181,7 +183,8 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("backend") = "cuda", py::arg("capacity") = py::none(), py::arg("chunk_size") = "2MiB",
            py::arg("small_max") = "1MiB", py::arg("device") = 0, py::arg("history") = 0,
-           py::arg("eager_growth") = false, py::arg("devices") = 1, py::arg("_test_backend") = false)
+           py::arg("eager_growth") = false, py::arg("devices") = 1, py::arg("block_size") = 0,
+           py::arg("_test_backend") = false)
       .def(
           "malloc",
           [](Allocator& a, const py::object& nbytes, vmalloc::Stream stream, bool call_oom_handler) {
@@ -281,7 +284,7 @@ PYBIND11_MODULE(_C, m) {
       "configure",
       [](const std::string& backend, const py::object& capacity, const py::object& chunk_size,
          const py::object& small_max, const py::object& history, const py::object& eager_growth,
-         const py::object& devices) {
+         const py::object& devices, const py::object& block_size) {
         // Start from VMALLOC_CONF so explicit options override the environment key by key.
         Config base = vmalloc::global::configuration();
         bool eager = base.eager_growth;
@@ -295,13 +298,14 @@ PYBIND11_MODULE(_C, m) {
                                chunk_size.is_none() ? py::cast(base.chunk_size) : chunk_size,
                                small_max.is_none() ? py::cast(base.small_max) : small_max, 0,
                                history.is_none() ? py::cast(base.history) : history, eager,
-                               devices.is_none() ? base.devices : to_int(devices, "devices"));
+                               devices.is_none() ? base.devices : to_int(devices, "devices"),
+                               block_size.is_none() ? py::cast(base.block_size) : block_size);
         if (capacity.is_none()) c.capacity = base.capacity;
         vmalloc::global::configure(c);
       },
       py::arg("backend") = "", py::arg("capacity") = py::none(), py::arg("chunk_size") = py::none(),
       py::arg("small_max") = py::none(), py::arg("history") = py::none(), py::arg("eager_growth") = py::none(),
-      py::arg("devices") = py::none());
+      py::arg("devices") = py::none(), py::arg("block_size") = py::none());
   m.def("global_configuration", [] { return config_dict(vmalloc::global::configuration()); });
   m.def("global_arena", &vmalloc::global::arena, py::arg("device") = 0);
   m.def("existing_global_arena", &vmalloc::global::existing, py::arg("device") = 0);

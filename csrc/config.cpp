@@ -106,6 +106,13 @@ void validate(const Config& c) {
   if (c.small_max > c.chunk_size)
     throw std::invalid_argument("small_max (" + format_size(c.small_max) + ") must not exceed chunk_size (" +
                                 format_size(c.chunk_size) + "): small blocks are carved from one chunk");
+  if (c.block_size != 0 && (c.block_size < c.chunk_size || c.block_size % c.chunk_size != 0))
+    throw std::invalid_argument("block_size " + format_size(c.block_size) + " is not a multiple of chunk_size (" +
+                                format_size(c.chunk_size) + "): use a multiple of it, chunk_size itself for one "
+                                "chunk per block, or 0 for the default (" + format_size(kDefaultBlockBytes) + ")");
+  if (c.block_size > kMaxCapacity)
+    throw std::invalid_argument("block_size " + format_size(c.block_size) + " is more than vmalloc supports (" +
+                                format_size(kMaxCapacity) + ")");
   if (c.devices < 1 || c.devices > kMaxDevices)
     throw std::invalid_argument("devices must be between 1 and " + std::to_string(kMaxDevices) + ", not " +
                                 std::to_string(c.devices));
@@ -138,14 +145,15 @@ Config parse_conf(const std::string& text, Config c) {
     else if (key == "capacity") c.capacity = parse_size(value);
     else if (key == "chunk_size") c.chunk_size = parse_size(value);
     else if (key == "small_max") c.small_max = parse_size(value);
+    else if (key == "block_size") c.block_size = parse_size(value);
     else if (key == "history") c.history = parse_count(value, "VMALLOC_CONF history (trace entries)");
     else if (key == "device") c.device = small_int("device");
     else if (key == "devices") c.devices = small_int("devices");
     else if (key == "eager_growth") c.eager_growth = parse_bool(value, "VMALLOC_CONF eager_growth");
     else
       throw std::invalid_argument("unknown VMALLOC_CONF key '" + key +
-                                  "': known keys are backend, capacity, chunk_size, small_max, history, device, "
-                                  "devices, eager_growth");
+                                  "': known keys are backend, capacity, chunk_size, small_max, block_size, history, "
+                                  "device, devices, eager_growth");
   }
   validate(c);
   return c;

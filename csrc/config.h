@@ -11,12 +11,17 @@ namespace vmalloc {
 // reservation) and every byte count in stats() fit comfortably in 64 bits.
 constexpr std::size_t kMaxCapacity = std::size_t{1} << 50;
 constexpr int kMaxDevices = 64;
+// The largest physical block (one backend allocation of several chunks) by default: Note [Blocks and slices].
+constexpr std::size_t kDefaultBlockBytes = std::size_t{32} << 20;
 
 struct Config {
   std::string backend = "cuda";
   std::size_t capacity = 0;  // 0: the backend's default (see Allocator::Allocator)
   std::size_t chunk_size = std::size_t{2} << 20;
   std::size_t small_max = std::size_t{1} << 20;
+  // Note [Blocks and slices]: the largest physical block, a multiple of chunk_size; chunk_size itself makes
+  // one chunk per block; 0: kDefaultBlockBytes.
+  std::size_t block_size = 0;
   int device = 0;
   // How many devices the host and sim backends present (the cuda backend asks the driver).
   int devices = 1;

@@ -3,7 +3,7 @@
 vmalloc maps fixed-size chunks into virtual ranges (``cuMemCreate``, ``cuMemMap``, ``cuMemSetAccess``,
 ``cuMemUnmap``, ``cuMemRelease``). Each call is synchronous host work: while the allocator maps, the host
 issues no kernel, so the compute stream waits (swap.simulator charges it there). ``VmmCosts.seconds``
-turns an allocator's counts (its ``stats()``: num_device_alloc, num_maps, num_unmaps, num_device_free)
+turns an allocator's counts (its ``stats()``: num_created_chunks, num_maps, num_unmaps, num_device_free)
 into that time.
 
 Note [VMM cost figures]
@@ -71,8 +71,8 @@ class VmmCosts:
         return replace(self, chunk_size=chunk_size, create=self.create * chunk_size / self.chunk_size)
 
     def seconds(self, maps: int, unmaps: int, creates: int = 0, releases: int = 0) -> float:
-        """Host time for this many chunk maps (each with its share of ``cuMemSetAccess``), unmaps, creates
-        and releases."""
+        """Host time for this many map calls (each with its share of ``cuMemSetAccess``), unmap calls, chunks
+        created and release calls."""
         return (
             creates * self.create + maps * (self.map + self.set_access) + unmaps * self.unmap + releases * self.release
         )
@@ -80,7 +80,7 @@ class VmmCosts:
     def seconds_from_stats(self, stats: dict[str, int]) -> float:
         """``seconds`` from a vmalloc ``stats()`` dict (or a difference of two)."""
         return self.seconds(
-            stats.get("num_maps", 0), stats.get("num_unmaps", 0), stats.get("num_device_alloc", 0),
+            stats.get("num_maps", 0), stats.get("num_unmaps", 0), stats.get("num_created_chunks", 0),
             stats.get("num_device_free", 0),
         )  # fmt: skip
 

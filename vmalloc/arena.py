@@ -27,6 +27,9 @@ class Arena(_C.Arena):
             allocated memory, at the price of more unmap/map calls.
         devices: how many devices the host and sim backends present (``device`` must be below it); the
             cuda backend has the driver's devices.
+        block_size: the largest physical block, one backend allocation of several chunks whose runs map with
+            one call each (a multiple of ``chunk_size``; 0: 32 MiB; ``chunk_size``: one chunk per block).
+            Memory goes back to the backend (``empty_cache``, a lower capacity) in whole blocks.
 
     ``malloc(nbytes, stream=0)`` returns an address and raises ``vmalloc.OutOfMemoryError`` when the
     request cannot be met within the capacity; ``free(addr)`` raises ``ValueError`` (changing nothing) for

@@ -33,8 +33,10 @@ struct Stats {
   Stat segment;           // mapped ranges (slabs included)
   Stat slab_bytes;        // chunk bytes of slabs that hold small blocks
   std::int64_t num_alloc = 0, num_free = 0, num_ooms = 0, num_alloc_retries = 0, num_oom_handler_calls = 0;
-  std::int64_t num_maps = 0, num_unmaps = 0, num_set_access = 0, num_reclaims = 0, num_reclaimed_chunks = 0;
-  std::int64_t num_device_alloc = 0, num_device_free = 0, num_event_syncs = 0, num_stream_waits = 0;
+  // Backend calls (map, unmap, set_access, create and release: one each per call) and the chunks they moved.
+  std::int64_t num_maps = 0, num_unmaps = 0, num_set_access = 0, num_device_alloc = 0, num_device_free = 0;
+  std::int64_t num_mapped_chunks = 0, num_unmapped_chunks = 0, num_created_chunks = 0, num_released_chunks = 0;
+  std::int64_t num_reclaims = 0, num_reclaimed_chunks = 0, num_event_syncs = 0, num_stream_waits = 0;
   std::int64_t num_splits = 0, num_merges = 0;
   std::int64_t num_backend_errors = 0;     // backend calls that failed (each one the arena survived)
   std::int64_t num_pending_frees = 0;      // frees that waited for other streams (record_stream)

@@ -72,9 +72,9 @@ void TestBackend::release_chunk(ChunkHandle chunk, std::size_t bytes) {
   maybe_fail("release_chunk");
   inner_->release_chunk(chunk, bytes);
 }
-void TestBackend::map(std::uintptr_t addr, std::size_t bytes, ChunkHandle chunk) {
+void TestBackend::map(std::uintptr_t addr, std::size_t bytes, ChunkHandle chunk, std::size_t offset) {
   maybe_fail("map");
-  inner_->map(addr, bytes, chunk);
+  inner_->map(addr, bytes, chunk, offset);
 }
 void TestBackend::unmap(std::uintptr_t addr, std::size_t bytes) {
   maybe_fail("unmap");

@@ -47,7 +47,8 @@ class VMALLOC_API TestBackend final : public Backend {
   void release_reservation(std::uintptr_t base, std::size_t bytes) override;
   ChunkHandle create_chunk(std::size_t bytes) override;
   void release_chunk(ChunkHandle chunk, std::size_t bytes) override;
-  void map(std::uintptr_t addr, std::size_t bytes, ChunkHandle chunk) override;
+  void map(std::uintptr_t addr, std::size_t bytes, ChunkHandle chunk, std::size_t offset) override;
+  bool maps_at_offsets() override { return inner_->maps_at_offsets(); }
   void unmap(std::uintptr_t addr, std::size_t bytes) override;
   void set_access(std::uintptr_t addr, std::size_t bytes) override;
   Event record_event(Stream stream) override;

@@ -226,8 +226,8 @@ class FakeCuda:
     def release(self, handle: int) -> None:
         self.check("cuMemRelease", handle)
 
-    def map(self, ptr: int, size: int, handle: int) -> None:
-        self.check("cuMemMap", ptr, size, 0, handle, 0)
+    def map(self, ptr: int, size: int, handle: int, offset: int = 0) -> None:
+        self.check("cuMemMap", ptr, size, offset, handle, 0)
 
     def unmap(self, ptr: int, size: int) -> None:
         self.check("cuMemUnmap", ptr, size)

@@ -86,8 +86,10 @@ def test_map_only_into_reserved_unmapped_ranges_on_granularity(fakecuda, g):
     h = fakecuda.create(2 * g)
     small = fakecuda.create(g)
     refused(fakecuda, CUDA_ERROR_INVALID_VALUE, "multiple", "cuMemMap", base + 4096, g, 0, small, 0)
-    refused(fakecuda, CUDA_ERROR_INVALID_VALUE, "offset must be 0", "cuMemMap", base, g, g, h, 0)
+    refused(fakecuda, CUDA_ERROR_INVALID_VALUE, "multiple", "cuMemMap", base, g, 4096, h, 0)
     refused(fakecuda, CUDA_ERROR_INVALID_VALUE, "exceeds the allocation", "cuMemMap", base, 2 * g, 0, small, 0)
+    refused(fakecuda, CUDA_ERROR_INVALID_VALUE, "exceeds the allocation", "cuMemMap", base, 2 * g, g, h, 0)
+    refused(fakecuda, CUDA_ERROR_INVALID_VALUE, "exceeds the allocation", "cuMemMap", base, g, 2 * g, h, 0)
     refused(fakecuda, CUDA_ERROR_INVALID_VALUE, "not inside one reservation", "cuMemMap", base + 3 * g, 2 * g, 0, h, 0)
     refused(fakecuda, CUDA_ERROR_INVALID_VALUE, "not inside one reservation", "cuMemMap", base + 64 * g, g, 0, small, 0)
     refused(fakecuda, CUDA_ERROR_INVALID_VALUE, "never returned by cuMemCreate", "cuMemMap", base, g, 0, 12345, 0)
@@ -101,6 +103,67 @@ def test_map_only_into_reserved_unmapped_ranges_on_granularity(fakecuda, g):
     fakecuda.unmap(base, 3 * g)  # two adjacent whole mappings at once
     fakecuda.release(h)
     fakecuda.free_reservation(base, 4 * g)
+
+
+def test_parts_of_one_allocation_map_at_offsets_and_carry_its_bytes(fakecuda, g):
+    """Note [Mapping at an offset]: [offset, offset + size) of the allocation appears at ptr; one allocation
+    may be mapped at several places, its parts or the same bytes twice (virtual aliasing)."""
+    base = fakecuda.reserve(8 * g)
+    h = fakecuda.create(4 * g)
+    fakecuda.map(base, 4 * g, h)  # the whole allocation, to write each granule's own tag
+    fakecuda.set_access(base, 4 * g)
+    for i in range(4):
+        fakecuda.poke(base + i * g, bytes([65 + i]) * 8)
+    fakecuda.unmap(base, 4 * g)
+    fakecuda.map(base + 4 * g, 2 * g, h, offset=2 * g)  # granules 2 and 3, then 0 after them
+    fakecuda.map(base + 6 * g, g, h, offset=0)
+    fakecuda.map(base, g, h, offset=2 * g)  # granule 2 a second time: an alias
+    assert fakecuda.live()["mappings"] >= 3
+    fakecuda.set_access(base + 4 * g, 3 * g)  # a run of two mappings of one allocation
+    fakecuda.set_access(base, g)
+    assert [fakecuda.peek(base + (4 + i) * g, 8) for i in range(3)] == [b"C" * 8, b"D" * 8, b"A" * 8]
+    fakecuda.poke(base + 4 * g, b"written")  # through one alias, seen through the other
+    assert fakecuda.peek(base, 7) == b"written"
+    refused(fakecuda, CUDA_ERROR_INVALID_VALUE, "ends inside the mapping", "cuMemUnmap", base + 4 * g, g)
+    fakecuda.unmap(base + 4 * g, 2 * g)
+    fakecuda.unmap(base + 6 * g, g)
+    fakecuda.unmap(base, g)
+    fakecuda.release(h)
+    fakecuda.free_reservation(base, 8 * g)
+
+
+def test_a_released_allocation_lives_until_its_last_mapping_goes(fakecuda, g):
+    used, allocations = fakecuda.used_bytes(), fakecuda.live()["allocations"]
+    base = fakecuda.reserve(4 * g)
+    h = fakecuda.create(2 * g)
+    fakecuda.map(base, g, h, offset=g)
+    fakecuda.map(base + 2 * g, g, h, offset=0)
+    fakecuda.set_access(base, g)
+    fakecuda.release(h)
+    refused(fakecuda, CUDA_ERROR_INVALID_VALUE, "was released", "cuMemMap", base + 3 * g, g, 0, h, 0)
+    fakecuda.poke(base, b"alive")
+    fakecuda.unmap(base, g)
+    assert fakecuda.used_bytes() == used + 2 * g  # one mapping is left
+    fakecuda.unmap(base + 2 * g, g)
+    assert fakecuda.used_bytes() == used and fakecuda.live()["allocations"] == allocations
+    fakecuda.free_reservation(base, 4 * g)
+
+
+def test_offsets_can_be_refused_as_cuda_h_says_currently():
+    from fakecuda.isolated import run_isolated
+
+    proc = run_isolated("""
+        import fakecuda
+        from fakecuda.api import CUDA_ERROR_INVALID_VALUE
+        fc = fakecuda.driver()
+        g = fc.granularity()
+        base, h = fc.reserve(2 * g), fc.create(2 * g)
+        assert fc.call("cuMemMap", base, g, g, h, 0) == CUDA_ERROR_INVALID_VALUE
+        assert "currently must be zero" in fc.misuses()[-1]
+        fc.map(base, 2 * g, h)  # offset 0 still maps
+        print("refused")
+    """, FAKECUDA_MAP_OFFSETS="0")
+    assert proc.returncode == 0 and "refused" in proc.stdout, proc.stderr
 
 
 def test_memory_is_inaccessible_until_set_access(fakecuda, g):

@@ -7,6 +7,8 @@ It runs in a fresh process, because VMALLOC_LIBCUDA is read when the cuda backen
 
 import json
 
+import pytest
+
 from fakecuda.build import ensure_built
 from fakecuda.isolated import run_isolated
 
@@ -79,20 +81,39 @@ WORKLOAD = """
                       "used": fc.used_bytes(), "retains": fc.primary_retains(),
                       "calls": {n: fc.calls(n) for n in ("cuMemMap", "cuMemUnmap", "cuMemCreate", "cuMemRelease",
                                                          "cuEventSynchronize", "cuStreamWaitEvent")},
-                      "reclaimed": stats["num_reclaimed_chunks"], "unmaps": stats["num_unmaps"]}))
+                      "reclaimed": stats["num_reclaimed_chunks"], "unmaps": stats["num_unmaps"],
+                      "maps": stats["num_maps"], "mapped_chunks": stats["num_mapped_chunks"],
+                      "block_size": stats["block_size"]}))
 """
 
 
-def test_cuda_arena_on_the_emulated_driver():
-    proc = run_isolated(WORKLOAD, VMALLOC_LIBCUDA=str(ensure_built()))
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("offsets", ["1", "0"])
+def test_cuda_arena_on_the_emulated_driver(offsets):
+    """With FAKECUDA_MAP_OFFSETS=0 the driver refuses cuMemMap at a nonzero offset (cuda.h's "currently must
+    be zero"): the backend's probe sees it and the arena makes every block one chunk (Note [Probing map
+    offsets]); otherwise runs of a block's chunks map with one call each (Note [Blocks and slices])."""
+    proc = run_isolated(WORKLOAD, VMALLOC_LIBCUDA=str(ensure_built()), FAKECUDA_MAP_OFFSETS=offsets)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["violations"] == [], "\n\n".join(out["violations"])
-    assert out["misuses"] == []  # vmalloc broke no driver rule
+    # vmalloc broke no driver rule; the probe's map at an offset is refused when offsets are (once).
+    assert [m for m in out["misuses"] if "currently must be zero" not in m] == []
+    assert len(out["misuses"]) == (offsets == "0")
     assert out["live"] == {"allocations": 0, "mappings": 0, "reservations": 0, "streams": 0, "events": 0}
     assert out["used"] == 0 and out["retains"] == 1  # only the test's own retain of the primary context
     ops = out["ops"]
     assert ops["malloc"] > 500 and ops["free"] == ops["malloc"] and ops["record_stream"] > 50
-    # Capacity pressure made the arena unmap and remap chunks, each unmap fenced by an event sync.
-    assert out["reclaimed"] > 0 and out["calls"]["cuMemUnmap"] == out["calls"]["cuMemMap"] > 50
+    # Capacity pressure made the arena unmap and remap chunks, each unmap fenced by an event sync. The driver
+    # saw every map the arena made and the probe's, and an unmap for each that succeeded (the arena's last
+    # ones in its destructor).
+    calls, probe_mapped = out["calls"], int(offsets == "1")
+    assert out["reclaimed"] > 0 and out["maps"] > 50
+    assert calls["cuMemMap"] == out["maps"] + 1 and calls["cuMemUnmap"] == out["maps"] + probe_mapped
     assert out["calls"]["cuEventSynchronize"] > 0 and out["calls"]["cuStreamWaitEvent"] >= ops["record_stream"]
+    if offsets == "1":
+        assert out["block_size"] == 32 * MiB and out["maps"] < out["mapped_chunks"]
+    else:
+        assert out["block_size"] == 2 * MiB and out["maps"] == out["mapped_chunks"]

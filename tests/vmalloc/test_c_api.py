@@ -103,9 +103,10 @@ def test_configure_overrides_env_key_by_key():
     r = run(
         """
         import vmalloc
-        vmalloc.configure(capacity="32MiB")
+        vmalloc.configure(capacity="32MiB", block_size="4MiB")
         c = vmalloc._C.global_configuration()
         assert c["backend"] == "host" and c["chunk_size"] == 1 << 20 and c["capacity"] == 32 << 20, c
+        assert c["block_size"] == 4 << 20 and vmalloc.global_arena(0).stats()["block_size"] == 4 << 20, c
         try:
             vmalloc.configure(chunk_sise="1MiB")
         except TypeError as e:
@@ -243,7 +244,8 @@ def test_configure_checks_at_once():
         for bad, msg in [({"backend": "bogus"}, "choose 'cuda', 'host' or 'sim'"),
                          ({"capacity": "9000000TB"}, "more than vmalloc supports"),
                          ({"eager_growth": "yes"}, "True or False"),
-                         ({"devices": 0}, "between 1 and 64")]:
+                         ({"devices": 0}, "between 1 and 64"),
+                         ({"block_size": "3MiB"}, "not a multiple of chunk_size")]:
             try:
                 vmalloc.configure(**bad)
             except (ValueError, TypeError) as e:

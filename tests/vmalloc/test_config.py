@@ -99,11 +99,22 @@ def test_bad_conf_items_say_what_to_write(conf, message):
 
 
 def test_conf_keys_parse():
-    c = _C.parse_conf("backend=host, capacity=1GiB ,chunk_size=64KiB,small_max=16KiB,history=100,devices=2,device=1")
+    c = _C.parse_conf("backend=host, capacity=1GiB ,chunk_size=64KiB,small_max=16KiB,history=100,devices=2,device=1,"
+                      "block_size=1MiB")
     assert c == {
         "backend": "host", "capacity": GiB, "chunk_size": 64 * KiB, "small_max": 16 * KiB, "history": 100,
-        "devices": 2, "device": 1, "eager_growth": False,
+        "devices": 2, "device": 1, "eager_growth": False, "block_size": MiB,
     }
+
+
+def test_block_size_must_be_a_multiple_of_the_chunk_size():
+    with pytest.raises(ValueError, match="block_size 96.00 KiB is not a multiple of chunk_size"):
+        _C.parse_conf("chunk_size=64KiB,small_max=16KiB,block_size=96KiB")
+    with pytest.raises(ValueError, match="block_size 32.00 KiB is not a multiple of chunk_size"):
+        vmalloc.Arena("host", capacity="1MiB", chunk_size="64KiB", small_max="16KiB", block_size="32KiB")
+    a = vmalloc.Arena("host", capacity="1MiB", chunk_size="64KiB", small_max="16KiB", block_size="256KiB")
+    assert a.stats()["block_size"] == 256 * KiB and a.config["block_size"] == 256 * KiB
+    assert vmalloc.Arena("sim").stats()["block_size"] == 32 * MiB  # the default
 
 
 def test_device_is_checked_against_the_device_count():

@@ -78,8 +78,13 @@ class ArenaMachine(RuleBasedStateMachine):
         self.ops += 1
         self.arena.empty_cache()
         s = self.arena.stats()
-        assert s["num_cached_chunks"] == s["num_pool_chunks"] == s["num_empty_slabs"] == 0
+        assert s["num_cached_chunks"] == s["num_empty_slabs"] == s["num_releasable_chunks"] == 0
         assert s["pending_free_bytes"] == 0
+        # Memory goes back in whole blocks (Note [Blocks and slices]): what stays free belongs to blocks that
+        # also hold chunks in use: at most all but one chunk of each.
+        assert s["num_pool_chunks"] <= s["num_blocks"] * (s["block_size"] // self.chunk - 1)
+        if s["allocation.all.current"] == 0:
+            assert s["reserved_bytes.all.current"] == 0
 
     @invariant()
     def consistent(self):

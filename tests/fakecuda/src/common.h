@@ -58,6 +58,7 @@ struct Config {
   std::size_t total_mem = std::size_t{8} << 30;
   std::size_t granularity = std::size_t{2} << 20;
   bool log_misuse = false;  // FAKECUDA_LOG=1: print every rule violation to stderr as it happens
+  bool map_offsets = true;  // FAKECUDA_MAP_OFFSETS=0: cuMemMap refuses a nonzero offset (Note [Mapping at an offset])
   std::string error;        // non-empty: a variable was malformed; cuInit fails and says so on stderr
 };
 const Config& config();

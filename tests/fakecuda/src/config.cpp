@@ -66,6 +66,11 @@ Config read_config() {
     else c.granularity = g;
   }
   if (const char* v = std::getenv("FAKECUDA_LOG")) c.log_misuse = std::string(v) == "1";
+  if (const char* v = std::getenv("FAKECUDA_MAP_OFFSETS")) {
+    if (std::string(v) != "0" && std::string(v) != "1")
+      problem(std::string("FAKECUDA_MAP_OFFSETS=") + v + " is not 0 (offsets refused) or 1 (allowed, the default)");
+    else c.map_offsets = std::string(v) == "1";
+  }
   if (!c.error.empty()) std::fprintf(stderr, "fakecuda: bad configuration: %s\n", c.error.c_str());
   return c;
 }

@@ -186,18 +186,21 @@ Status Memory::map(CUdeviceptr ptr, std::size_t size, std::size_t offset, CUmemG
   const std::size_t g = config_.granularity;
   const auto addr = static_cast<std::uintptr_t>(ptr);
   if (flags != 0) return fail(CUDA_ERROR_INVALID_VALUE, "flags must be 0");
-  if (offset != 0) return fail(CUDA_ERROR_INVALID_VALUE, "offset must be 0 (cuda.h: currently must be zero)");
+  if (offset != 0 && !config_.map_offsets)  // Note [Mapping at an offset]
+    return fail(CUDA_ERROR_INVALID_VALUE, "offset must be 0 (cuda.h: currently must be zero; FAKECUDA_MAP_OFFSETS=0)");
   auto a = allocations_.find(handle);
   if (a == allocations_.end() || a->second.released)
     return fail(CUDA_ERROR_INVALID_VALUE, "handle " + hex(handle) +
                                               (a != allocations_.end() || dead_handles_.count(handle)
                                                    ? " was released" : " was never returned by cuMemCreate"));
-  if (size == 0 || !multiple(size, g) || !multiple(addr, g))
-    return fail(CUDA_ERROR_INVALID_VALUE, "address " + hex(addr) + " and size " + std::to_string(size) +
-                                              " must be multiples of the granularity " + std::to_string(g));
-  if (size > a->second.size)
-    return fail(CUDA_ERROR_INVALID_VALUE, "size " + std::to_string(size) + " exceeds the allocation's " +
-                                              std::to_string(a->second.size) + " bytes");
+  if (size == 0 || !multiple(size, g) || !multiple(addr, g) || !multiple(offset, g))
+    return fail(CUDA_ERROR_INVALID_VALUE, "address " + hex(addr) + ", size " + std::to_string(size) + " and offset " +
+                                              std::to_string(offset) + " must be multiples of the granularity " +
+                                              std::to_string(g));
+  if (size > a->second.size || offset > a->second.size - size)
+    return fail(CUDA_ERROR_INVALID_VALUE, "offset " + std::to_string(offset) + " + size " + std::to_string(size) +
+                                              " exceeds the allocation's " + std::to_string(a->second.size) +
+                                              " bytes");
   auto r = reservations_.upper_bound(addr);
   if (r == reservations_.begin() || (--r, addr + size > r->first + r->second))
     return fail(CUDA_ERROR_INVALID_VALUE, range_text(addr, size) + " is not inside one reservation");
@@ -206,9 +209,10 @@ Status Memory::map(CUdeviceptr ptr, std::size_t size, std::size_t offset, CUmemG
   if (m != mappings_.end() && m->first < addr + size)
     return fail(CUDA_ERROR_INVALID_VALUE, range_text(addr, size) + " overlaps the mapping at " +
                                               range_text(m->first, m->second.size) + ": unmap it first");
-  void* p = mmap(reinterpret_cast<void*>(addr), size, PROT_NONE, MAP_SHARED | MAP_FIXED, fd_, a->second.offset);
+  void* p = mmap(reinterpret_cast<void*>(addr), size, PROT_NONE, MAP_SHARED | MAP_FIXED, fd_,
+                 a->second.offset + static_cast<off_t>(offset));
   if (p == MAP_FAILED) return fail(CUDA_ERROR_OUT_OF_MEMORY, "mmap: " + std::string(std::strerror(errno)));
-  mappings_.emplace(addr, Mapping{size, handle, std::vector<unsigned char>(used_.size(), 0)});
+  mappings_.emplace(addr, Mapping{size, offset, handle, std::vector<unsigned char>(used_.size(), 0)});
   ++a->second.mappings;
   return success();
 }

@@ -10,6 +10,15 @@
 // the CUdeviceptr through ctypes, and touching memory before cuMemSetAccess faults as it would on a GPU.
 // Released allocations give their pages back by punching a hole in the file.
 //
+// Note [Mapping at an offset]
+// cuMemMap(ptr, size, offset, handle) maps bytes [offset, offset + size) of the allocation: offset and size
+// multiples of the granularity, offset + size at most the allocation's size (cuda.h's "must be less than"
+// cannot be meant strictly: it would forbid mapping a whole allocation at offset 0). One allocation may be
+// mapped at several places at once, its parts or the same bytes twice (the programming guide's "virtual
+// aliasing"); its memory goes when it is released and its last mapping is unmapped. cuda.h's parameter
+// note also says "offset: currently must be zero", against its own description: FAKECUDA_MAP_OFFSETS=0
+// emulates a driver that keeps that rule, so that the fallback of a caller (vmalloc probes it) is tested.
+//
 // Every method expects the driver's lock to be held (see driver.h).
 #pragma once
 
@@ -71,6 +80,7 @@ class Memory {
   };
   struct Mapping {
     std::size_t size;
+    std::size_t offset;  // into the allocation
     CUmemGenericAllocationHandle handle;
     std::vector<unsigned char> access;  // CUmemAccess_flags per device
   };
