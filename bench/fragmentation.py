@@ -46,7 +46,7 @@ FULL = {
 }
 QUICK = {"resnet50": (32,), "unet": (2,)}
 SWAP_BUDGET = 16 * GiB  # seed 001's V100
-VMM_DEVICE = "v100"  # whose driver-call costs price the maps (swap.vmm_costs)
+VMM_DEVICE = "v100-16gb"  # whose driver-call costs price the maps (swap.vmm_costs)
 
 
 def log(msg: str) -> None:
