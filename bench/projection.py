@@ -213,7 +213,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.projection", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--device", default="h100", help="device profile (swap.devices)")
+    ap.add_argument("--device", default="h100-sxm", help="device profile (swap.devices.PROFILES)")
     ap.add_argument("--memory", default=None, help="device memory (default: the profile's; --quick: 1GiB)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args(argv)

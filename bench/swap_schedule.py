@@ -317,7 +317,7 @@ def plots(results: dict[str, Any], out: Path, timeline: Optional[dict]) -> list[
     written = []
     rows = results["workloads"].get("resnet50")
     if rows:
-        fig, ax = plt.subplots(figsize=(8, 4.5))
+        fig, ax = plt.subplots(figsize=(9.5, 4.5))
         for c in COLUMNS:
             pts = [(r["batch"], r[c]["images_per_s"]) for r in rows if r.get(c) and "images_per_s" in r[c]]
             if pts:
@@ -327,7 +327,7 @@ def plots(results: dict[str, Any], out: Path, timeline: Optional[dict]) -> list[
         ax.set_xlabel("batch")
         ax.set_ylabel("images/s (simulated)")
         ax.set_title(f"ResNet-50 on {results['meta']['device']}, {results['meta']['budget'] / GiB:.0f} GiB")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: the curves fill the axes
         written.append(save(fig, out / "swap_schedule_throughput.png"))
     if timeline:
         fig, axes = plt.subplots(len(timeline), 1, figsize=(10, 1.6 * len(timeline) + 0.6), sharex=True)
@@ -348,7 +348,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.swap_schedule", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--device", default="v100", help="device profile (swap.devices): v100, p100, h100")
+    ap.add_argument("--device", default="v100-16gb", help="device profile (swap.devices.PROFILES)")
     ap.add_argument("--budget", default=None, help="device memory for the run (default: the profile's)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument(
@@ -372,7 +372,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "meta": {
             "command": "python -m bench.swap_schedule"
             + (" --quick" if args.quick else "")
-            + (f" --device {args.device}" if args.device != "v100" else ""),
+            + (f" --device {args.device}" if args.device != "v100-16gb" else ""),
             "date": time.strftime("%Y-%m-%d"),
             "device": dev.name,
             "budget": budget,
