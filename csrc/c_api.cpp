@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <string>
 
+#include "detail/last_error.h"
 #include "global.h"
 #include "vmalloc_c.h"
 
@@ -109,6 +110,12 @@ void do_record_stream(void* ptr, void* stream) {
 }
 
 }  // namespace
+
+namespace vmalloc::detail {
+
+void set_last_error(const std::string& what) noexcept { set_error(what.c_str()); }
+
+}  // namespace vmalloc::detail
 
 extern "C" {
 

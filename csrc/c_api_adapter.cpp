@@ -10,10 +10,12 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <string>
 
+#include "detail/last_error.h"
 #include "global.h"
 
 namespace {
@@ -35,8 +37,11 @@ __attribute__((visibility("default"))) int vmalloc_adapter_malloc(void** out, st
                                                                   void* stream, int call_handler, char* err,
                                                                   std::size_t errcap) {
   try {
-    *out = reinterpret_cast<void*>(vmalloc::global::arena(device)->malloc(
-        size, reinterpret_cast<vmalloc::Stream>(stream), call_handler != 0));
+    // The arena without the registry's lock when it exists (every allocation but the first).
+    vmalloc::Allocator* arena = vmalloc::global::fast_existing(device);
+    if (!arena) arena = vmalloc::global::arena(device).get();  // the registry keeps it alive
+    *out = reinterpret_cast<void*>(
+        arena->malloc(size, reinterpret_cast<vmalloc::Stream>(stream), call_handler != 0));
     return 0;
   } catch (const vmalloc::OutOfMemory& e) {
     copy_message(e.what(), err, errcap);
@@ -70,6 +75,22 @@ __attribute__((visibility("default"))) int vmalloc_adapter_stats(int device, con
   }
 }
 
+// *fraction = the capacity of `device`'s global arena (made if needed) over the device's memory: what
+// torch.cuda.set_per_process_memory_fraction set. 0 on success; 2 with the explanation in err.
+__attribute__((visibility("default"))) int vmalloc_adapter_memory_fraction(int device, double* fraction, char* err,
+                                                                           std::size_t errcap) {
+  try {
+    vmalloc::Allocator* arena = vmalloc::global::fast_existing(device);
+    if (!arena) arena = vmalloc::global::arena(device).get();
+    const double total = static_cast<double>(arena->backend().total_memory());
+    *fraction = total > 0 ? static_cast<double>(arena->capacity()) / total : 1.0;
+    return 0;
+  } catch (const std::exception& e) {
+    copy_message(e.what(), err, errcap);
+    return 2;
+  }
+}
+
 // Resets the peak statistics of `device`'s global arena, if it exists.
 __attribute__((visibility("default"))) void vmalloc_adapter_reset_peak(int device) {
   try {
@@ -83,16 +104,25 @@ __attribute__((visibility("default"))) void vmalloc_adapter_reset_peak(int devic
 extern "C" {
 
 // torch's MemPool alloc_fn for torch builds without the adapter: like vmalloc_malloc, but it never calls the
-// OOM handler and returns null when out of memory (torch's caching allocator holds its lock here; a null
-// makes it release the pool's cached blocks, retry, and raise torch.cuda.OutOfMemoryError).
+// OOM handler (torch's caching allocator holds its lock here) and reports every failure as null, which torch
+// turns into its own torch.cuda.OutOfMemoryError (Note [OOM handler and torch's allocator lock] in
+// csrc/torch/adapter.cpp). So that the cause is not lost behind torch's message, it is kept for
+// vmalloc_last_error(), and a failure that is not an out-of-memory (a driver error, a bad device) is also
+// printed on stderr: torch's message would blame memory for it.
 __attribute__((visibility("default"))) void* vmalloc_malloc_no_handler(ssize_t size, int device, void* stream) {
-  if (size < 0) return nullptr;
-  void* out = nullptr;
-  char err[1024];
-  if (vmalloc_adapter_malloc(&out, static_cast<std::size_t>(size), device, stream, 0, err, sizeof(err)) != 0) {
+  char err[2048] = {0};
+  if (size < 0) {
+    std::snprintf(err, sizeof(err), "vmalloc_malloc_no_handler: negative size %zd", size);
+    vmalloc::detail::set_last_error(err);
+    std::fprintf(stderr, "vmalloc: %s\n", err);
     return nullptr;
   }
-  return out;
+  void* out = nullptr;
+  const int rc = vmalloc_adapter_malloc(&out, static_cast<std::size_t>(size), device, stream, 0, err, sizeof(err));
+  if (rc == 0) return out;
+  vmalloc::detail::set_last_error(std::string("vmalloc_malloc_no_handler: ") + err);
+  if (rc != 1) std::fprintf(stderr, "vmalloc: allocation failed (not for lack of memory): %s\n", err);
+  return nullptr;
 }
 
 }  // extern "C"

@@ -4,6 +4,18 @@
 compute stream's work up to the save; the compute stream waits for an H2D copy only when it uses the
 variable. ``HostEngine`` has the same interface with one worker thread per direction and futures, so the
 executor's concurrency paths run in tests without a GPU.
+
+Note [Copies without record_stream]
+A copy's device operand is allocated on the compute stream and used on a copy stream. The usual way to tell
+the allocator is ``Tensor.record_stream(copy_stream)``, which makes the free of the block wait until the
+copy stream's work *at free time* is done: the prefetches queued behind the copy delay its reuse, and while
+an allocate-to-pool scope is active (``vmalloc.use_mem_pool``, graph capture) torch's caching allocator
+holds every such block until the scope ends, so memory grows every iteration. The lifetime is explicit
+instead: the caller keeps both operands alive until it has waited for the copy's ticket, on the host
+(``wait_host``) or on the compute stream (``wait_compute``), and drops its reference only then. Any later
+reuse of the memory is then ordered after the copy on the compute stream, the block's allocation stream,
+which is all the allocator needs (the executor keeps to this: swap.executor's ``_release``,
+``_ensure_resident``, ``_process_dying``; ``drain`` before anything is dropped at exit).
 """
 
 from __future__ import annotations
@@ -109,7 +121,8 @@ class HostEngine:
 
 
 class CudaEngine:
-    """Copies on a D2H and an H2D stream of ``device``; completion is a CUDA event."""
+    """Copies on a D2H and an H2D stream of ``device``; completion is a CUDA event. Both operands of a copy
+    must stay referenced until its ticket was waited for (Note [Copies without record_stream])."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -127,8 +140,8 @@ class CudaEngine:
             start.record(stream)
             dst.copy_(src, non_blocking=True)
             done.record(stream)
-        if dst.is_cuda:
-            dst.record_stream(stream)  # the allocator must not reuse dst before the copy is done
+        # No record_stream on either operand: the caller keeps them until it waited for the ticket (Note
+        # [Copies without record_stream]).
         nbytes = src.numel() * src.element_size()
         self._timed.append((bw, nbytes, start, done))
         return Ticket(done, nbytes)

@@ -75,6 +75,20 @@ PROFILE, PLANNED, FALLBACK, DECLINED = "profile", "planned", "fallback", "declin
 
 
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)  # the backward node running now
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def _backward_running() -> bool:
+    """Whether this thread is running a backward pass (autograd's engine has a graph task for it).
+
+    Note [Unpacks outside backward]
+    A saved tensor can be read outside backward: ``grad_fn._saved_self`` after a forward (torchviz's
+    ``show_saved``, a debugger, a test). That is no step of the iteration, and no end of backward can be
+    queued for it (autograd accepts final callbacks only while a backward runs on the thread, and raises
+    otherwise). Such an unpack is served like one from an old graph (``_fetch_outside``: the forward's
+    storage if it is still alive, else a copy the caller alone holds) and leaves the iteration's plan and
+    its boundaries alone."""
+    return _graph_task_id is None or _graph_task_id() != -1
 
 
 class WholeModelCompiled(RuntimeError):
@@ -390,7 +404,7 @@ class Executor:
 
     def unpack(self, p: Any) -> torch.Tensor:
         if not isinstance(p, Packed):
-            if not self._in_backward:
+            if not self._in_backward and _backward_running():
                 with self.lock:
                     self._queue_end_of_backward()
             return p
@@ -398,14 +412,16 @@ class Executor:
             var = p.var
             if self.closed or var.iteration != self.iteration:
                 return p.view_on(self._fetch_outside(var))  # outside the plan (an old graph, after exit)
+            if not _backward_running():
+                return p.view_on(self._fetch_outside(var))  # Note [Unpacks outside backward]
             self._queue_end_of_backward()
             self._step(var, USE, None)
             return p.view_on(var.dev)
 
     def _queue_end_of_backward(self) -> None:
         if not self._in_backward:
-            self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+            self._in_backward = True  # only once the callback that clears it is queued
 
     def note_kept(self, t: torch.Tensor) -> None:
         """Profiling: a saved tensor stays on the device because of min_bytes or exclude (for diagnosis)."""

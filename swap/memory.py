@@ -130,7 +130,10 @@ def vmalloc_arena(device: torch.device) -> Optional[Any]:
     SwapManager built before the first CUDA allocation must still measure (and evict) through vmalloc. In
     MemPool mode (``vmalloc.use_mem_pool``) torch's own allocator is current and counts the pool's memory
     too, so torch's statistics are the right measure there (TorchCudaMemory), and vmalloc must not run the
-    manager as its OOM handler (Note [MemPool mode routes every thread] in vmalloc/torch_allocator.py).
+    manager as its OOM handler (Note [MemPool mode routes every thread] in vmalloc/torch_allocator.py). Nothing
+    evicts or recovers there: an allocation the pool cannot serve is torch's OutOfMemoryError at once (Note
+    [What a pool scope costs]), so the plan alone keeps the budget; the copy engine calls no record_stream,
+    so the scope holds no freed copy back (Note [Copies without record_stream] in swap/engines.py).
     """
     if device.type != "cuda":
         return None

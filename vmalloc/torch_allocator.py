@@ -14,10 +14,31 @@ missing; then ``vmalloc.stats()`` and ``vmalloc.snapshot()`` are the way to read
 Note [MemPool mode routes every thread]
 ``torch.cuda.use_mem_pool(pool)`` routes only the calling thread's allocations, so backward's allocations,
 made on autograd's device threads, would bypass the pool. ``vmalloc.use_mem_pool(pool)`` routes every
-allocation on the device (any thread, any stream) to the pool while it is active. In this mode torch's
+allocation on the device (any thread, any stream that is not being captured into a CUDA graph: Note [Pool
+scopes leave captures alone] in csrc/torch/adapter.cpp) to the pool while it is active. In this mode torch's
 caching allocator calls vmalloc while holding its own lock, so vmalloc never runs its OOM handler there
 (Note [OOM handler and torch's allocator lock] in csrc/torch/adapter.cpp); the swap runtime measures through
 torch's statistics instead of the arena's (swap/memory.py).
+
+Note [What a pool scope costs]
+torch's caching allocator (2.11, and the releases before pytorch#175374 separated pools from captures)
+treats any open allocate-to-pool scope as if a CUDA graph capture were under way, for every stream and
+thread:
+  - a block freed after ``Tensor.record_stream`` is neither reused nor returned until the scope ends (its
+    end-of-life events are deferred), and blocks waiting on events recorded before the scope are not
+    recycled during it (process_events is skipped). A loop that calls record_stream every iteration grows
+    by those blocks every iteration inside the scope. swap's copy engine does not call it (Note [Copies
+    without record_stream] in swap/engines.py);
+  - when the pool cannot serve an allocation, torch raises ``torch.cuda.OutOfMemoryError`` without
+    releasing cached blocks and retrying (and no release ever gives the pool's own cached blocks back to
+    vmalloc for a retry);
+  - ``torch.cuda.empty_cache()`` inside the scope releases nothing of torch's default pools (releases
+    before 2.8 failed an internal assertion instead); ``vmalloc.global_arena(device).empty_cache()`` still
+    returns what vmalloc itself caches.
+These are torch's, and ``torch.cuda.empty_cache`` / ``record_stream`` are torch's own functions, so
+``use_mem_pool`` cannot intercept them; it says so in its docstring. Open the scope around whole training
+steps, as a global allocator would be. Where these limits do not suit, install vmalloc globally
+(``torch.cuda.memory.change_current_allocator(vmalloc.allocator())``), which has none of them.
 """
 
 from __future__ import annotations
@@ -178,11 +199,27 @@ def _pool_bindings(torch: Any) -> tuple[Callable, Callable, Callable]:
 @contextlib.contextmanager
 def use_mem_pool(pool: Any, device: Any = None) -> Iterator[Any]:
     """Routes every allocation on ``device`` (all threads, all streams: backward's too) to ``pool`` while
-    active. See Note [MemPool mode routes every thread]."""
+    active. See Note [MemPool mode routes every thread].
+
+    Streams being captured into a CUDA graph keep their capture's private pool (with the torch adapter; see
+    ``adapter_status()``), so graphs may be captured inside the scope. Limits that come from torch's caching
+    allocator (Note [What a pool scope costs]): inside the scope a tensor freed after ``record_stream`` is
+    held until the scope ends, an allocation the pool cannot serve raises ``torch.cuda.OutOfMemoryError``
+    without releasing cached blocks first, and ``torch.cuda.empty_cache()`` releases nothing; global mode
+    (``change_current_allocator(vmalloc.allocator())``) has none of these limits.
+    """
     import torch
 
     begin, end, release = _pool_bindings(torch)
     index = torch.cuda.current_device() if device is None else torch.cuda._utils._get_device_index(device)
+    if _ADAPTER is not None:  # declines capturing streams (Note [Pool scopes leave captures alone])
+        begin = _ADAPTER.begin_allocate_to_pool
+    elif torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "vmalloc.use_mem_pool was entered during a CUDA graph capture; without vmalloc's torch adapter "
+            f"({torch_adapter.reason()}) the scope would route the capture's allocations to vmalloc's pool, "
+            "which replay would corrupt. Enter the scope before capturing, or fix the adapter's build."
+        )
     begin(index, pool.id)
     try:
         yield pool

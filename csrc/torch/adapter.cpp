@@ -19,14 +19,29 @@
 //   - snapshot / recordHistory: a clear error naming vmalloc.snapshot(), which returns the arena's state in
 //     torch's snapshot format (vmalloc keeps its own history: VMALLOC_CONF=history=N);
 //   - beginAllocateToPool (CUDA graph capture, torch.compile's CUDA graphs, use_mem_pool): fails before the
-//     capture starts, naming the alternatives; vmalloc's arena has no private pools, and a capture whose
-//     memory the allocator could reuse or unmap during replay would corrupt results silently.
+//     stream capture starts, naming the alternatives; vmalloc's arena has no private pools, and a capture whose
+//     memory the allocator could reuse or unmap during replay would corrupt results silently. What the
+//     refusal leaves behind is in Note [A refused capture];
+//   - getMemoryFraction (torch >= 2.10, torch.cuda.get_per_process_memory_fraction): the arena's capacity
+//     over the device's memory.
 // empty_cache, set_per_process_memory_fraction and record_stream go through the base class's hooks.
+//
+// Note [A refused capture]
+// torch's CUDAGraph::capture_begin (2.11) registers the graph with the device's default CUDA generator,
+// then asks the allocator for the pool (where this adapter refuses), and only then begins the stream
+// capture and puts the generator in capture mode. So the refusal leaves no capture and no generator in
+// capture mode: the graph object stays registered with the generator until it is deleted (its destructor
+// unregisters it), which costs two 8-byte tensors. Older torch (before the generator registry, 2.3 and
+// earlier) ran the generator's capture prologue first, and random ops then failed until a capture ended;
+// this adapter supports torch >= 2.4. One thing torch itself leaves: torch.cuda.graph's __enter__ has
+// already made the capture stream current when capture_begin raises, and nothing restores it, so code
+// that catches the error keeps running on that side stream (restore it with torch.cuda.set_stream).
 //
 // The adapter reaches the core only through C functions (Note [A C boundary between the core and the torch
 // adapter]); the core stays torch-free. Version differences are guarded with TORCH_VERSION_MAJOR/MINOR and
 // checked by tests/torch_edge/test_adapter_compiles.py against the installed torch's headers.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -168,8 +183,11 @@ class VmallocAllocator final : public Base {
   // c10::OutOfMemoryError. In MemPool mode torch's caching allocator calls raw_alloc while holding its own
   // device lock; taking the GIL there would invert torch's documented lock order (GIL, then allocator lock)
   // and can deadlock against a Python thread that holds the GIL and waits for that lock. So a MemPool
-  // allocation never calls the handler, and an out-of-memory returns null: torch then releases the pool's
-  // cached blocks (back to vmalloc), retries, and raises its own torch.cuda.OutOfMemoryError.
+  // allocation never calls the handler, and an out-of-memory returns null: torch raises its own
+  // torch.cuda.OutOfMemoryError. Nothing is recovered on the way: torch's retry after releasing cached
+  // blocks frees only its default pools and abandoned graph pools, never the active pool's cached blocks
+  // (which stay in torch's cache, not in vmalloc's), and torch <= 2.12 skips even that while an
+  // allocate-to-pool scope is open (Note [What a pool scope costs] in vmalloc/torch_allocator.py).
   void* allocate_bytes(size_t size, int device, cudaStream_t stream) {
     const bool global = is_current();
     void* ptr = nullptr;
@@ -217,6 +235,18 @@ class VmallocAllocator final : public Base {
   }
 
   void resetPeakStats(c10::DeviceIndex device) override { vmalloc_adapter_reset_peak(device); }
+
+#if VMALLOC_TORCH_AT_LEAST(2, 10)
+  // torch.cuda.get_per_process_memory_fraction: what set_per_process_memory_fraction sets, the arena's
+  // capacity over the device's memory.
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    double fraction = 0.0;
+    char err[1024] = {0};
+    TORCH_CHECK(vmalloc_adapter_memory_fraction(device, &fraction, err, sizeof(err)) == 0,
+                "vmalloc get_per_process_memory_fraction: ", err);
+    return fraction;
+  }
+#endif
 
   // The core keeps cumulative counters; torch's reset_accumulated_memory_stats is a baseline here.
   void resetAccumulatedStats(c10::DeviceIndex device) override {
@@ -299,6 +329,30 @@ class VmallocAllocator final : public Base {
   std::unordered_map<int, StatValues> baseline_;
 };
 
+// Note [Pool scopes leave captures alone]
+// vmalloc.use_mem_pool routes every stream's allocations to the pool. torch's own binding for that
+// (_cuda_beginAllocateToPool) registers a filter that accepts every stream, and torch gives an allocation
+// to a registered pool whose filter accepts its stream, searching oldest first in some releases (the
+// templated allocator) and newest first in others. Where vmalloc's entry wins, a graph captured inside the
+// scope (or a scope entered during a capture) allocates from vmalloc's pool, which torch shares with the
+// eager tensors: memory the graph freed during capture is handed to eager tensors and overwritten at
+// replay. This filter declines streams that are being captured, so each capture's allocations fall through
+// to the capture's own private pool, whatever the order, and graphs work inside the scope.
+bool not_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    // The legacy stream while another stream captures in global mode (cudaErrorStreamCaptureImplicit): not
+    // capturing itself, and the error is not sticky.
+    (void)cudaGetLastError();
+    return true;
+  }
+  return status == cudaStreamCaptureStatusNone;
+}
+
+void begin_allocate_to_pool(c10::DeviceIndex device, c10::cuda::MempoolId_t pool) {
+  cca::beginAllocateToPool(device, pool, [](cudaStream_t stream) { return not_capturing(stream); });
+}
+
 // One per process, never destroyed: torch may free tensors through it during interpreter shutdown.
 const std::shared_ptr<VmallocAllocator>& instance() {
   static auto* a = new std::shared_ptr<VmallocAllocator>(std::make_shared<VmallocAllocator>());
@@ -316,5 +370,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "The process's vmalloc allocator as a torch._C._cuda_CUDAAllocator.");
   m.def("is_current", [] { return vmalloc_torch::instance()->is_current(); },
         "Whether vmalloc's adapter is torch's current CUDA allocator.");
+  m.def("begin_allocate_to_pool", &vmalloc_torch::begin_allocate_to_pool, pybind11::arg("device"),
+        pybind11::arg("pool_id"),
+        "Routes allocations of every stream that is not being captured, on any thread, to the pool "
+        "(Note [Pool scopes leave captures alone]).");
   m.attr("torch_version") = TORCH_VERSION;
 }

@@ -16,6 +16,8 @@ int vmalloc_adapter_malloc(void** out, size_t size, int device, void* stream, in
 // Fills values[i] with statistic names[i]; returns the number found, -1 if the device has no arena yet.
 int vmalloc_adapter_stats(int device, const char* const* names, int64_t* values, int n);
 void vmalloc_adapter_reset_peak(int device);
+// *fraction = the arena's capacity / the device's memory (the arena is made if needed). 0, or 2 with err set.
+int vmalloc_adapter_memory_fraction(int device, double* fraction, char* err, size_t errcap);
 
 // torch's CUDAPluggableAllocator hooks (csrc/c_api.cpp). free never throws; the others may throw a
 // std::exception, which the adapter turns into a torch error.

@@ -1,8 +1,13 @@
 """The swap runtime on CUDA in one process per allocator: trains without swapping, then under a budget of
-60% of that run's peak, and prints one JSON line (gradient digests, peaks by the allocator's own statistics
-and by the cuda-python oracle). tests/gpu/test_swap_cuda.py drives it.
+60% of that run's peak (raised to 1.05 x the smallest feasible budget where 60% is below it), and prints one
+JSON line (gradient digests, peaks by the allocator's own statistics and by the cuda-python oracle, reserved
+memory after each iteration). tests/gpu/test_swap_cuda.py drives it.
 
-    python swap_worker.py {vmalloc,native} [--model resnet|gpt] [--policy window|fixed_distance|all]
+    python swap_worker.py {vmalloc,vmalloc_pool,native} [--model resnet|gpt] [--policy window|...]
+        [--iterations N]
+
+vmalloc: vmalloc is torch's allocator (global mode); vmalloc_pool: torch's allocator with every allocation of
+both runs in a vmalloc pool (vmalloc.use_mem_pool); native: torch's allocator alone.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -25,7 +30,14 @@ MODELS = {  # builder, batch, input size: activations of tens of MiB, a few seco
 }
 
 
-def train(name: str, iterations: int, manager: Optional[Any] = None, poller: Optional[Any] = None) -> dict[str, Any]:
+def train(
+    name: str,
+    iterations: int,
+    manager: Optional[Any] = None,
+    poller: Optional[Any] = None,
+    reserved: Optional[Callable[[], int]] = None,
+) -> dict[str, Any]:
+    """Trains ``name``; ``reserved()`` (the allocator's reserved bytes) is read after each iteration."""
     import contextlib
 
     import torch
@@ -36,7 +48,7 @@ def train(name: str, iterations: int, manager: Optional[Any] = None, poller: Opt
     torch.manual_seed(0)
     model = build(models).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses, digests = [], []
+    losses, digests, held = [], [], []
     with contextlib.ExitStack() as stack:
         if manager is not None:
             stack.enter_context(manager)
@@ -53,64 +65,99 @@ def train(name: str, iterations: int, manager: Optional[Any] = None, poller: Opt
                 d.update(p.grad.detach().cpu().numpy().tobytes())
             digests.append(d.hexdigest())
             opt.step()
+            del loss, x, y
+            if reserved is not None:
+                torch.cuda.synchronize()
+                held.append(reserved())
     from cuda_oracle import vmm_backed
 
     # Whether the parameters live in driver VMM mappings (vmalloc's chunks), checked while they are alive.
     vmm = all(vmm_backed(p.data_ptr()) for p in model.parameters())
-    return {"losses": losses, "grad_sha256": digests, "params_vmm_backed": vmm}
+    return {"losses": losses, "grad_sha256": digests, "params_vmm_backed": vmm, "reserved_per_iteration": held}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("allocator", choices=["vmalloc", "native"])
+    p.add_argument("allocator", choices=["vmalloc", "vmalloc_pool", "native"])
     p.add_argument("--model", choices=sorted(MODELS), default="resnet")
     p.add_argument("--policy", default="window")
     p.add_argument("--iterations", type=int, default=4)
     args = p.parse_args(argv)
 
+    import contextlib
+
     import torch
 
-    import swap
     import vmalloc
 
-    from cuda_oracle import UsedMemoryPoller, make_context_current
+    from cuda_oracle import make_context_current
 
     torch.use_deterministic_algorithms(True, warn_only=True)  # see torch_worker.deterministic
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     out: dict[str, Any] = {"allocator": args.allocator, "model": args.model, "policy": args.policy}
+    scope: Any = contextlib.nullcontext()
     if args.allocator == "vmalloc":
         # The budget comes from this process's own no-swap run (the allocator is process-wide).
         torch.cuda.memory.change_current_allocator(vmalloc.allocator())
+    elif args.allocator == "vmalloc_pool":
+        scope = vmalloc.use_mem_pool(vmalloc.mem_pool())  # both runs, every thread's allocations
     make_context_current(0)
+    with scope:
+        run(args, out)
+    print("RESULT " + json.dumps(out))
+    return 0
+
+
+def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    import torch
+
+    import swap
+    import vmalloc
+
+    from cuda_oracle import UsedMemoryPoller
+
+    global_mode = args.allocator == "vmalloc"
+
+    def reserved() -> int:
+        return vmalloc.stats(0)["reserved_bytes.all.current"] if global_mode else torch.cuda.memory_reserved(0)
 
     base = train(args.model, args.iterations)
-    if args.allocator == "vmalloc":
-        peak = vmalloc.stats(0)["allocated_bytes.all.peak"]
-    else:
-        peak = torch.cuda.max_memory_allocated(0)
+    peak = vmalloc.stats(0)["allocated_bytes.all.peak"] if global_mode else torch.cuda.max_memory_allocated(0)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+    # 60% of the peak, unless that is below what any plan needs (cuBLAS/cuDNN workspaces count in the peak):
+    # then 1.05 x the smallest budget the manager names (e.min_budget), and the swapped run starts over.
     budget = int(0.6 * peak)
-    out.update(no_swap_peak=peak, budget=budget, base=base)
-
-    if args.allocator == "vmalloc":
-        vmalloc.global_arena(0).set_capacity(budget)  # physical memory itself is capped at the budget
-        vmalloc.global_arena(0).reset_peak_stats()
-    else:
-        torch.cuda.reset_peak_memory_stats(0)
-    baseline_used = UsedMemoryPoller(0)
-    baseline_used.sample()
-    held_before = (vmalloc.stats(0)["reserved_bytes.all.current"] if args.allocator == "vmalloc"
-                   else torch.cuda.memory_reserved(0))  # fmt: skip
-    poller = UsedMemoryPoller(0)
-    sm = swap.SwapManager(budget=budget, policy=args.policy, min_bytes="256KiB")
-    swapped = train(args.model, args.iterations, manager=sm, poller=poller)
+    out.update(no_swap_peak=peak, base=base)
+    for attempt in range(2):
+        if global_mode:
+            vmalloc.global_arena(0).set_capacity(budget)  # physical memory itself is capped at the budget
+            vmalloc.global_arena(0).reset_peak_stats()
+        else:
+            torch.cuda.reset_peak_memory_stats(0)
+        baseline_used = UsedMemoryPoller(0)
+        baseline_used.sample()
+        held_before = reserved()
+        poller = UsedMemoryPoller(0)
+        sm = swap.SwapManager(budget=budget, policy=args.policy, min_bytes="256KiB")
+        try:
+            swapped = train(args.model, args.iterations, manager=sm, poller=poller, reserved=reserved)
+            break
+        except swap.InfeasibleBudget as e:
+            if attempt:
+                raise
+            out["infeasible_at"] = budget
+            budget = max(budget, int(1.05 * e.min_budget))
+            del e  # its traceback holds the failed run's model and tensors
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    out["budget"] = budget
     report = sm.report()
     out["swapped"] = swapped
     out["report"] = {k: report[k] for k in ("peak_device_bytes", "budget_bytes", "swapped_out_bytes",
                                             "demand_fetches", "declined", "memory_source")}  # fmt: skip
-    if args.allocator == "vmalloc":
+    if global_mode:
         s = vmalloc.stats(0)
         out["allocator_peak_allocated"] = s["allocated_bytes.all.peak"]
         out["allocator_peak_reserved"] = s["reserved_bytes.all.peak"]
@@ -123,8 +170,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     # allocator's physical peak from above.
     out["oracle_peak_bytes"] = poller.peak - baseline_used.peak + held_before
     out["oracle_samples"] = poller.samples
-    print("RESULT " + json.dumps(out))
-    return 0
 
 
 if __name__ == "__main__":

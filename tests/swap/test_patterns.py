@@ -53,7 +53,27 @@ def no_grad_passes(model, x, y, it):
     return loss
 
 
+def saved_tensors_read_after_forward(model, x, y, it):
+    # What torchviz's show_saved and debuggers do: read every saved tensor of the graph outside backward.
+    loss = models.loss_fn(model, model(x), y)
+    seen, todo, read = set(), [loss.grad_fn], 0
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for name in dir(node):
+            if name.startswith("_saved_") and isinstance(value := getattr(node, name), torch.Tensor):
+                read += value.numel() > 0
+                del value
+        todo += [n for n, _ in node.next_functions]
+    assert read > 0
+    loss.backward()
+    return loss
+
+
 PATTERNS = {
+    "saved_tensors_read_after_forward": saved_tensors_read_after_forward,
     "retain_graph": retain_graph,
     "forward_dropped_at_once": dropped_at_once,
     "forward_dropped_after_backward": dropped_after_backward,
@@ -178,3 +198,16 @@ def test_regional_compile_with_inductor():
 def test_a_whole_compiled_model_is_refused_naming_regional_compile(when):
     with pytest.raises(swap.WholeModelCompiled, match="regional compile.*compile each block"):
         compiled_run("whole", when, manager=lambda: swap.SwapManager(budget="1GiB", device="cpu", min_bytes=0))
+
+
+def test_reading_a_saved_tensor_the_manager_left_alone_outside_backward():
+    # A saved tensor under min_bytes is not the manager's, but its unpack used to queue the end-of-backward
+    # callback too, which autograd refuses outside backward (and the iteration boundary was lost).
+    m = nn.Sequential(nn.Linear(64, 64), nn.Tanh())
+    x = torch.randn(32, 64)
+    with swap.SwapManager(budget="1GiB", device="cpu", min_bytes="1GiB") as sm:
+        for _ in range(3):
+            out = m(x)
+            assert torch.equal(out.grad_fn._saved_result, out)
+            out.sum().backward()
+    assert sm.report()["iterations"] == 3

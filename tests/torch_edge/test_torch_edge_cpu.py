@@ -182,6 +182,44 @@ def test_adapter_entry_points_respect_call_handler_and_report_stats():
     assert out.strip() == "ok"
 
 
+def test_mem_pool_malloc_keeps_the_cause_of_a_null_and_prints_what_is_not_out_of_memory():
+    # torch turns any null from a pool's alloc_fn into its own out-of-memory message: the cause must survive.
+    code = """
+        import ctypes, os, vmalloc
+        from vmalloc import _C
+        lib = ctypes.CDLL(_C.library_path())
+        lib.vmalloc_last_error.restype = ctypes.c_char_p
+        nh = lib.vmalloc_malloc_no_handler
+        nh.restype, nh.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        assert nh(64 << 20, 0, None) is None                       # over the 8 MiB capacity
+        assert b"out of memory" in lib.vmalloc_last_error(), lib.vmalloc_last_error()
+        assert nh(4096, 7, None) is None                           # no device 7: not a lack of memory
+        assert b"device" in lib.vmalloc_last_error(), lib.vmalloc_last_error()
+        fr = lib.vmalloc_adapter_memory_fraction
+        fr.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_double), ctypes.c_char_p, ctypes.c_size_t]
+        f, err = ctypes.c_double(), ctypes.create_string_buffer(512)
+        assert fr(0, ctypes.byref(f), err, 512) == 0
+        arena = vmalloc.global_arena(0)
+        total = os.sysconf("SC_PHYS_PAGES") * arena.granularity       # the host backend's "device memory"
+        assert abs(f.value - arena.capacity / total) < 1e-12, (f.value, arena.capacity, total)
+        lib.vmalloc_set_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
+        lib.vmalloc_set_memory_fraction(0.001, 0)                    # torch's set_per_process_memory_fraction
+        assert fr(0, ctypes.byref(f), err, 512) == 0
+        assert 0 <= 0.001 - f.value <= arena.chunk_size / total, f.value  # capacity is whole chunks
+        assert fr(7, ctypes.byref(f), err, 512) == 2 and b"device" in err.value
+        print("ok")
+    """
+    import os
+
+    env = dict(os.environ, VMALLOC_CONF="backend=host,capacity=8MiB,chunk_size=1MiB,small_max=4KiB",
+               PYTHONPATH=str(ROOT))  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=120)  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+    printed = [line for line in r.stderr.splitlines() if line.startswith("vmalloc:")]
+    assert len(printed) == 1 and "not for lack of memory" in printed[0] and "device" in printed[0], r.stderr
+
+
 # -- swap finds vmalloc before its first allocation (issue 8 item 3) -----------------------------------------
 
 
