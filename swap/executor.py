@@ -207,7 +207,9 @@ class Executor:
         self.timer: Any = CudaStepTimer(device) if device.type == "cuda" else HostStepTimer()
         self.profiles_left = profile_iterations
         self.lock = threading.RLock()
-        self._acct = threading.Lock()  # byte counts changed by callbacks; never held while waiting
+        # Byte counts changed by callbacks; never held while waiting. Re-entrant: a weakref/GC callback (a
+        # storage dying) can run on this thread while it is held, and takes it again.
+        self._acct = threading.RLock()
         self.counters = Counters()
         self.mode = PROFILE
         self.schedule: Optional[Schedule] = None

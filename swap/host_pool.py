@@ -116,7 +116,7 @@ class HostPool:
         self._device = device
         self._blocks: list[np.ndarray] = []
         self._free: list[list[tuple[int, int]]] = []  # per block: sorted (offset, size) free intervals
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a GC finalizer freeing a block may run while it is held
         self.used = 0
         self.peak_used = 0
         self.pinned_bytes = 0  # bytes page-locked now: the blocks' sizes exactly, 0 after close()
