@@ -178,30 +178,30 @@ def compiled_reference(backend):
     return compiled_run("regional", "inside", backend, meter=swap.LiveBytesMeter("cpu"))
 
 
+def swapped_like_the_reference(reference, how, when="inside", backend="aot_eager"):
+    """Trains ``how`` compiled under a budget of 80% of the reference's peak: bitwise equal to it, within the
+    budget, still compiled. Returns the manager's report."""
+    ref, ref_graphs = reference
+    budget = int(max(ref["peaks"]) * 0.8)
+    got, graphs = compiled_run(how, when, backend, meter=swap.LiveBytesMeter("cpu"),
+                               manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=0))  # fmt: skip
+    assert graphs >= 1 and ref_graphs >= 1, f"the compiled code ({how}) ran eagerly"
+    assert_bitwise_equal(ref, got)
+    assert_within(got["peaks"], budget)
+    return got["manager"].report()
+
+
 @pytest.mark.parametrize("when", ["inside", "before"])
 def test_regional_compile_is_swapped_at_block_boundaries(when):
     # Compiled inside the manager, it must still compile (the meter used to make dynamo fall back to eager
     # silently); compiled before, the compiler's fake tensors must not count as device memory (they used to
     # give a false InfeasibleBudget).
-    (ref, ref_graphs) = compiled_reference("aot_eager")
-    budget = int(max(ref["peaks"]) * 0.8)
-    got, graphs = compiled_run("regional", when, meter=swap.LiveBytesMeter("cpu"),
-                               manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=0))  # fmt: skip
-    assert graphs >= 1 and ref_graphs >= 1, "the blocks ran eagerly"
-    assert_bitwise_equal(ref, got)
-    assert_within(got["peaks"], budget)
-    r = got["manager"].report()
+    r = swapped_like_the_reference(compiled_reference("aot_eager"), "regional", when)
     assert r["status"] == "planned" and r["swapped_out_bytes"] > 0
 
 
 def test_regional_compile_with_inductor():
-    ref, _ = compiled_reference("inductor")
-    budget = int(max(ref["peaks"]) * 0.8)
-    got, graphs = compiled_run("regional", "inside", "inductor", meter=swap.LiveBytesMeter("cpu"),
-                               manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=0))  # fmt: skip
-    assert graphs >= 1
-    assert_bitwise_equal(ref, got)
-    assert_within(got["peaks"], budget)
+    swapped_like_the_reference(compiled_reference("inductor"), "regional", backend="inductor")
 
 
 @pytest.mark.parametrize("when", ["inside", "before"])
@@ -219,14 +219,7 @@ def test_a_compiled_training_step_is_refused():
 def test_a_compiled_loss_is_swapped_like_an_eager_one():
     # Only the loss is compiled; the model's activations are saved eagerly, inside its modules. This used to
     # raise WholeModelCompiled (a compiled region outside any module was taken for the whole model).
-    ref, ref_graphs = compiled_run("loss", "inside", meter=swap.LiveBytesMeter("cpu"))
-    budget = int(max(ref["peaks"]) * 0.8)
-    got, graphs = compiled_run("loss", "inside", meter=swap.LiveBytesMeter("cpu"),
-                               manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=0))  # fmt: skip
-    assert graphs >= 1 and ref_graphs >= 1, "the loss ran eagerly"
-    assert_bitwise_equal(ref, got)
-    assert_within(got["peaks"], budget)
-    r = got["manager"].report()
+    r = swapped_like_the_reference(compiled_run("loss", "inside", meter=swap.LiveBytesMeter("cpu")), "loss")
     assert r["status"] == "planned" and r["swapped_out_bytes"] > 0
 
 
