@@ -43,11 +43,11 @@ FAKECUDA_OUT := build/fakecuda$(if $(filter 1,$(FAKECUDA_SANITIZE)),-asan)
 FAKECUDA_OBJ := $(patsubst tests/fakecuda/src/%.cpp,$(FAKECUDA_OUT)/obj/%.o,$(FAKECUDA_SRC))
 FAKECUDA_CXXFLAGS := -std=c++17 -O1 -g -fPIC -Wall -Wextra -MMD -MP \
   $(if $(filter 1,$(FAKECUDA_SANITIZE)),-fsanitize=address -fsanitize=undefined -fno-omit-frame-pointer)
-# cuda.h as setup.py finds it: CUDA_HOME, CUDA_PATH, /usr/local/cuda, then the nvidia-cuda-runtime wheel.
-CUDA_INCLUDE ?= $(or $(firstword $(foreach d,$(CUDA_HOME) $(CUDA_PATH) /usr/local/cuda,\
-  $(if $(wildcard $(d)/include/cuda.h),$(d)/include))),$(shell $(PY) -c "import sysconfig, pathlib; \
-  c = [pathlib.Path(sysconfig.get_paths()[k]) / 'nvidia/cuda_runtime/include' for k in ('purelib', 'platlib')]; \
-  print(next((str(p) for p in c if (p / 'cuda.h').exists()), ''))" 2>/dev/null))
+# cuda.h as setup.py finds it (Note [Finding the CUDA headers], vmalloc/cuda_paths.py): CUDA_HOME, CUDA_PATH,
+# /usr/local/cuda, then the nvidia/cu13 (CUDA 13) or nvidia/cuda_runtime (CUDA 12) wheel layouts.
+ifndef CUDA_INCLUDE
+CUDA_INCLUDE := $(shell $(PY) vmalloc/cuda_paths.py cuda.h 2>/dev/null)
+endif
 
 fakecuda: $(FAKECUDA_OUT)/libcuda.so.1
 
@@ -56,7 +56,7 @@ $(FAKECUDA_OUT)/libcuda.so.1: $(FAKECUDA_OBJ) tests/fakecuda/src/exports.map
 	  $(filter -fsanitize%,$(FAKECUDA_CXXFLAGS)) -o $@ $(FAKECUDA_OBJ) -lpthread
 
 $(FAKECUDA_OUT)/obj/%.o: tests/fakecuda/src/%.cpp
-	@test -n "$(CUDA_INCLUDE)" || { echo "fakecuda: cuda.h not found: set CUDA_HOME, or pip install nvidia-cuda-runtime-cu12"; exit 1; }
+	@test -n "$(CUDA_INCLUDE)" || { echo "fakecuda: cuda.h not found: set CUDA_HOME, or pip install nvidia-cuda-runtime (cu13: the nvidia/cu13 layout)"; exit 1; }
 	@mkdir -p $(@D)
 	$(CXX) $(FAKECUDA_CXXFLAGS) -isystem $(CUDA_INCLUDE) -c $< -o $@
 
@@ -77,12 +77,13 @@ clean:
 
 # --- GPU: `make gpu` proves the project on a machine with an NVIDIA GPU and a CUDA build of torch (offline).
 # gpu-test (tests/gpu, <= 8 min on an H100) then gpu-bench (bench/gpu, ~11 min, results under
-# bench/results/gpu/<device>/). GPU_OUT=DIR also copies the logs and a tarball of the results there (the
+# bench/results/gpu/<device>/). GPU_OUT=DIR writes the logs there as they run, and a tarball of the results (the
 # device tool's $OUT); GPU_BENCH_PARTS picks benchmark parts (vmm pinned replay training), so the bench can
 # be split over two commands of at most 10 minutes. Without a GPU every gpu target stops at once, saying so.
 GPU_OUT ?=
 GPU_BENCH_PARTS ?= vmm pinned replay training
 GPU_LOGS := build/gpu-logs
+GPU_LOG_DIR = $(or $(GPU_OUT),$(GPU_LOGS))
 
 .PHONY: gpu gpu-check gpu-build gpu-test gpu-sanitize gpu-bench
 gpu-check gpu-build gpu-test gpu-sanitize gpu-bench: SHELL := /bin/bash
@@ -97,19 +98,22 @@ gpu-build: gpu-check
 	$(PY) setup.py -q build_ext --inplace
 	$(PY) -m vmalloc.torch_adapter || echo "gpu-build: continuing without the torch adapter (see above; tests/gpu reports it)"
 
+# Logs are written with tee straight into GPU_LOG_DIR (GPU_OUT when given): a command the device tool stops
+# at its time limit still returns the log up to that point.
 gpu-test: gpu-build
-	@mkdir -p $(GPU_LOGS)
+	@mkdir -p $(GPU_LOG_DIR)
 	set -o pipefail; PYTHONUNBUFFERED=1 $(PY) -m pytest -q -rs --durations=15 tests/gpu \
-	  --junitxml=$(GPU_LOGS)/gpu-test.xml 2>&1 | tee $(GPU_LOGS)/gpu-test.log; rc=$$?; \
-	  if [ -n "$(GPU_OUT)" ]; then cp $(GPU_LOGS)/gpu-test.log $(GPU_LOGS)/gpu-test.xml $(GPU_OUT)/; fi; exit $$rc
+	  --junitxml=$(GPU_LOG_DIR)/gpu-test.xml 2>&1 | tee $(GPU_LOG_DIR)/gpu-test.log
 
 # The cuda-backend allocator tests under compute-sanitizer's memcheck (also part of tests/gpu).
 gpu-sanitize: gpu-build
-	PYTHONUNBUFFERED=1 $(PY) -m pytest -q -rs tests/gpu/test_sanitizer.py
+	@mkdir -p $(GPU_LOG_DIR)
+	set -o pipefail; PYTHONUNBUFFERED=1 $(PY) -m pytest -q -rs tests/gpu/test_sanitizer.py 2>&1 \
+	  | tee $(GPU_LOG_DIR)/gpu-sanitize.log
 
 gpu-bench: gpu-build
-	@mkdir -p $(GPU_LOGS)
+	@mkdir -p $(GPU_LOG_DIR)
 	set -o pipefail; PYTHONUNBUFFERED=1 $(PY) -m bench.gpu.run --parts $(GPU_BENCH_PARTS) 2>&1 \
-	  | tee $(GPU_LOGS)/gpu-bench-$(word 1,$(GPU_BENCH_PARTS)).log; rc=$$?; \
-	  if [ -n "$(GPU_OUT)" ]; then cp $(GPU_LOGS)/gpu-bench-$(word 1,$(GPU_BENCH_PARTS)).log $(GPU_OUT)/; \
-	    tar czf $(GPU_OUT)/gpu-results-$(word 1,$(GPU_BENCH_PARTS)).tar.gz bench/results/gpu; fi; exit $$rc
+	  | tee $(GPU_LOG_DIR)/gpu-bench-$(word 1,$(GPU_BENCH_PARTS)).log; rc=$$?; \
+	  if [ -n "$(GPU_OUT)" ]; then tar czf $(GPU_OUT)/gpu-results-$(word 1,$(GPU_BENCH_PARTS)).tar.gz bench/results/gpu; fi; \
+	  exit $$rc

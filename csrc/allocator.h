@@ -124,6 +124,10 @@ class VMALLOC_API Allocator {
   void capture_end();
 
   std::vector<std::pair<std::string, std::int64_t>> stats() const;
+  // Single counters, without building stats(): the swap runtime reads them at every saved tensor.
+  std::int64_t allocated_bytes() const;       // stats()["allocated_bytes.all.current"]
+  std::int64_t peak_allocated_bytes() const;  // stats()["allocated_bytes.all.peak"]
+  std::int64_t reserved_bytes() const;        // stats()["reserved_bytes.all.current"]
   std::vector<SegmentInfo> segments() const;
   std::vector<TraceEntry> trace() const;
   // Recounts every statistic from the data structures and checks the invariants; throws std::logic_error.

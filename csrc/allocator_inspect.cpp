@@ -44,6 +44,21 @@ std::string Allocator::oom_message(std::size_t nbytes) const {
   return m.str();
 }
 
+std::int64_t Allocator::allocated_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_.allocated_bytes.current;
+}
+
+std::int64_t Allocator::peak_allocated_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_.allocated_bytes.peak;
+}
+
+std::int64_t Allocator::reserved_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_.reserved_bytes.current;
+}
+
 std::vector<std::pair<std::string, std::int64_t>> Allocator::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::pair<std::string, std::int64_t>> out;

@@ -250,6 +250,13 @@ PYBIND11_MODULE(_C, m) {
           py::arg("addr"), py::arg("nbytes"),
           "A writable memoryview of [addr, addr + nbytes) inside one live allocation (host backend); it keeps "
           "the arena alive.")
+      // One counter each, ~10x cheaper than stats() (which builds a dict of every statistic).
+      .def_property_readonly("allocated_bytes", &Allocator::allocated_bytes,
+                             "stats()['allocated_bytes.all.current'], read alone.")
+      .def_property_readonly("peak_allocated_bytes", &Allocator::peak_allocated_bytes,
+                             "stats()['allocated_bytes.all.peak'] (since reset_peak_stats()), read alone.")
+      .def_property_readonly("reserved_bytes", &Allocator::reserved_bytes,
+                             "stats()['reserved_bytes.all.current'], read alone.")
       .def_property_readonly("last_backend_error", &Allocator::last_backend_error)
       .def_property_readonly("backend", [](Allocator& a) { return std::string(a.backend().name()); })
       .def_property_readonly("granularity", [](Allocator& a) { return a.backend().granularity(); })

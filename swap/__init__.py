@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from .budget import BudgetWarning
 from .executor import WholeModelCompiled
+from .host_pool import PinningUnavailable
 from .manager import SwapManager
 from .meter import LiveBytesMeter
 from .planning import Plan, plan  # Note [swap.plan is a function]
@@ -30,6 +31,7 @@ __all__ = [
     "BudgetWarning",
     "InfeasibleBudget",
     "LiveBytesMeter",
+    "PinningUnavailable",
     "Plan",
     "Schedule",
     "Sequence",

@@ -100,7 +100,16 @@ class WholeModelCompiled(RuntimeError):
     regional compile (each block compiled: torch.compile(block), or Module.compile on a user-defined
     block), and can do nothing when the region is the whole model. The hooks themselves are excluded from
     tracing (torch._dynamo.disable): dynamo would otherwise try to trace them into the region, and break
-    the graph at each saved tensor."""
+    the graph at each saved tensor.
+
+    What counts as the whole model (profiling, from the stack: ModulePaths):
+    - a region that is the outermost module's forward (torch.compile(model), model.compile()): refused at
+      its first saved tensor;
+    - a region outside any module (a compiled function) is the whole model only if the model's forward is
+      in it, i.e. a compiled training step: then no tensor of the iteration was saved inside a module. That
+      is known once the forward is over, so it is refused at the backward's first unpack. A compiled loss
+      or any other small compiled function next to an eager (or regionally compiled) model is swapped as
+      usual."""
 
     def __init__(self) -> None:
         super().__init__(
@@ -198,7 +207,9 @@ class Executor:
         self.timer: Any = CudaStepTimer(device) if device.type == "cuda" else HostStepTimer()
         self.profiles_left = profile_iterations
         self.lock = threading.RLock()
-        self._acct = threading.Lock()  # byte counts changed by callbacks; never held while waiting
+        # Byte counts changed by callbacks; never held while waiting. Re-entrant: a weakref/GC callback (a
+        # storage dying) can run on this thread while it is held, and takes it again.
+        self._acct = threading.RLock()
         self.counters = Counters()
         self.mode = PROFILE
         self.schedule: Optional[Schedule] = None
@@ -237,6 +248,9 @@ class Executor:
         self._on_device_bytes = 0
         self.actions = []
         self._matching = True  # profiling: so far this iteration repeats the previous profile
+        # Profiling: saves inside some module / inside a compiled function outside any module (Note [Hooks
+        # and torch.compile]).
+        self._saved_in_module = self._saved_in_compiled_function = False
 
     def _begin_iteration(self, t: torch.Tensor) -> None:
         """The first saved tensor after a backward: judge the iteration that ended, start the next."""
@@ -388,8 +402,12 @@ class Executor:
                     self._on_device_bytes += var.nbytes
                 if self.recorder is not None:
                     var.module = self.modules.current()
-                    if self.modules.compiled and not var.module:
-                        raise WholeModelCompiled()
+                    if not self.modules.in_module:
+                        self._saved_in_compiled_function |= self.modules.compiled
+                    elif self.modules.compiled and not var.module:
+                        raise WholeModelCompiled()  # the outermost module's forward is compiled
+                    else:
+                        self._saved_in_module = True
             var.note_version(t)
             packed = Packed(var, t)
             self._step(var, SAVE, storage)
@@ -414,6 +432,8 @@ class Executor:
                 return p.view_on(self._fetch_outside(var))  # outside the plan (an old graph, after exit)
             if not _backward_running():
                 return p.view_on(self._fetch_outside(var))  # Note [Unpacks outside backward]
+            if self._saved_in_compiled_function and not self._saved_in_module and self.recorder is not None:
+                raise WholeModelCompiled()  # a compiled step: the model's forward ran inside the compiled function
             self._queue_end_of_backward()
             self._step(var, USE, None)
             return p.view_on(var.dev)

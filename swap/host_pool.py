@@ -13,6 +13,14 @@ portable to every context), so the pinned bytes are the blocks' bytes and ``clos
 (``cuMemHostUnregister``). Tensors are numpy views, so a view that outlives ``close()`` keeps valid (then
 unpinned) memory, never a dangling pointer. Without CUDA the same path runs with no registration.
 
+Note [Pageable fallback]
+Pinning can fail where swapping still works: cuda-python missing, a sandbox that refuses page-locking
+(``cuMemHostRegister`` returns CUDA_ERROR_NOT_PERMITTED / NOT_SUPPORTED), or a locked-memory limit reached
+mid-run. The pool then warns once (``PinningUnavailable``, naming the cause) and keeps going with pageable
+blocks: copies between the device and pageable memory are staged by the driver, synchronous for the host
+and slower, so swapping overlaps less with compute, but results are unchanged. Blocks pinned before the
+failure stay pinned and are unpinned at ``close()``.
+
 Note [Host pool on CPU runs]
 Blocks are wrapped as tensors with the dispatch modes switched off, so a meter counting the compute device's
 live tensors (swap.meter) does not mistake host copies for device memory.
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
@@ -35,6 +44,10 @@ PAGE = 4096
 
 class HostPoolExhausted(MemoryError):
     """The host pool would exceed its limit."""
+
+
+class PinningUnavailable(UserWarning):
+    """The host pool could not page-lock its memory and uses pageable memory instead (Note [Pageable fallback])."""
 
 
 class Pinner(Protocol):
@@ -103,10 +116,11 @@ class HostPool:
         self._device = device
         self._blocks: list[np.ndarray] = []
         self._free: list[list[tuple[int, int]]] = []  # per block: sorted (offset, size) free intervals
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a GC finalizer freeing a block may run while it is held
         self.used = 0
         self.peak_used = 0
         self.pinned_bytes = 0  # bytes page-locked now: the blocks' sizes exactly, 0 after close()
+        self._pinned_blocks: dict[int, int] = {}  # address -> bytes of each block page-locked now
         self.closed = False
 
     @property
@@ -114,9 +128,21 @@ class HostPool:
         return sum(b.size for b in self._blocks)
 
     def _pin(self, block: np.ndarray) -> None:
-        if self._pinner is None:
-            self._pinner = CudaHostRegistrar(self._device)
-        self._pinner.pin(block.ctypes.data, block.size)
+        try:
+            if self._pinner is None:
+                self._pinner = CudaHostRegistrar(self._device)
+            self._pinner.pin(block.ctypes.data, block.size)
+        except Exception as e:  # noqa: BLE001 - any cause: pinning is an optimisation (Note [Pageable fallback])
+            self.pinned = False  # no further attempts, so one warning
+            warnings.warn(
+                f"swap host pool: cannot page-lock host memory ({type(e).__name__}: {e}); using pageable host "
+                "memory instead. Copies to and from pageable memory are synchronous for the host and slower, so "
+                "swapping overlaps less with compute (results are unchanged).",
+                PinningUnavailable,
+                stacklevel=4,
+            )
+            return
+        self._pinned_blocks[block.ctypes.data] = block.size
         self.pinned_bytes += block.size
 
     def _new_block(self, request: int) -> int:
@@ -186,10 +212,10 @@ class HostPool:
         views still held elsewhere keep their (now unpinned) memory alive."""
         with self._lock:
             self.closed = True
-            if self.pinned and self._pinner is not None:
-                for block in self._blocks:
-                    self._pinner.unpin(block.ctypes.data)
-                    self.pinned_bytes -= block.size
+            for addr, nbytes in list(self._pinned_blocks.items()):
+                self._pinner.unpin(addr)
+                del self._pinned_blocks[addr]
+                self.pinned_bytes -= nbytes
             self._blocks.clear()
             self._free.clear()
             self.used = 0

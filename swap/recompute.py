@@ -24,6 +24,13 @@ Three parts:
 - ``with_recompute`` (simulation): the sequence the runtime records when those variables are rebuilt, so
   the scheduler and the simulator plan it unchanged; ``choose`` keeps the rebuilds that make the simulated
   iteration faster.
+
+Note [No rebuild from a rebuild]
+In ``gelu(gelu(x))`` the second GELU's input is the first one's output, itself rebuilt rather than packed: its
+saved handle is a ``Recomputed``, not a tensor or the executor's handle. A chain of rebuilds would redo every
+link at each use and needs its root's source kept; the planning model (``with_recompute``) rebuilds only from
+kept variables. So a candidate whose input is rebuilt is declined (swapped as usual), at runtime and in
+``recipes`` alike: in a chain, every other link is rebuilt, from the swapped link before it.
 """
 
 from __future__ import annotations
@@ -86,8 +93,8 @@ class RecomputeHooks:
         finally:
             self._peeking = False
         source, self._peeked = self._peeked, None
-        if source is None:
-            return None
+        if source is None or isinstance(source, Recomputed):
+            return None  # Note [No rebuild from a rebuild]
         return Recomputed(make(node), source, t.dtype, t.size(), t.stride(), t.storage_offset())
 
     def intercepts(self, packed: Any) -> bool:
@@ -141,7 +148,7 @@ def recipes(model: torch.nn.Module, inputs: tuple, exclude: Callable[[torch.Tens
             if node is not None and type(node).__name__ in RULES:
                 peeked.clear()
                 _ = node._saved_self  # our unpack hook records its handle
-                if peeked and peeked[0][0] == "var":
+                if peeked and peeked[0][0] == "var" and peeked[0][1] not in found:  # Note [No rebuild from a rebuild]
                     n = root.numel()
                     found[index[key]] = Recipe(peeked[0][1], ELEMENTWISE_FLOPS * n, 2 * n * root.element_size())
         return ("var", index[key], t)

@@ -100,6 +100,7 @@ class ModulePaths:
     def __init__(self) -> None:
         self._names: dict[tuple[int, int], str] = {}
         self.compiled = False  # the last ``current()`` ran inside a torch.compile'd region
+        self.in_module = False  # the last ``current()`` ran inside some module's call (compiled or not)
 
     def current(self) -> str:
         chain = []
@@ -115,6 +116,7 @@ class ModulePaths:
                 compiled = True
             f = f.f_back
         self.compiled = compiled
+        self.in_module = bool(chain)
         chain.reverse()
         parts = [self._name(parent, child) for parent, child in zip(chain, chain[1:])]
         return ".".join(p for p in parts if p)

@@ -1,6 +1,7 @@
 """Where the CUDA headers are: for building the core (cuda.h) and the torch adapter (cuda_runtime_api.h).
 
-Pure standard library, so setup.py loads it by path before anything is built.
+Pure standard library, so setup.py loads it by path before anything is built, and the Makefile runs it as a
+script (``python vmalloc/cuda_paths.py cuda.h`` prints the directory: its CUDA_INCLUDE).
 
 Note [Finding the CUDA headers]
 In order: ``CUDA_HOME`` / ``CUDA_PATH``, ``/usr/local/cuda``, then the headers that NVIDIA's pip wheels ship
@@ -12,11 +13,13 @@ holds cuda.h and cuda_runtime_api.h). A torch cu130 wheel installs the CUDA 13 l
 from __future__ import annotations
 
 import os
+import sys
 import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Optional
 
+SYSTEM_INCLUDE = Path("/usr/local/cuda/include")  # the toolkit's default install, tried before the wheels
 # Relative to a site-packages directory, newest layout first.
 WHEEL_LAYOUTS = ("nvidia/cu13/include", "nvidia/cuda_runtime/include", "nvidia/cu12/include")
 
@@ -30,7 +33,7 @@ def candidate_dirs(env: Optional[dict] = None, sites: Optional[Iterable[str]] = 
     """Every directory that may hold the CUDA headers, in the order they are tried."""
     env = os.environ if env is None else env
     out = [Path(env[k]) / "include" for k in ("CUDA_HOME", "CUDA_PATH") if env.get(k)]
-    out.append(Path("/usr/local/cuda/include"))
+    out.append(SYSTEM_INCLUDE)
     for site in site_dirs() if sites is None else sites:
         out += [Path(site) / layout for layout in WHEEL_LAYOUTS]
     return out
@@ -42,3 +45,21 @@ def find_header(name: str, env: Optional[dict] = None, sites: Optional[Iterable[
         if (d / name).is_file():
             return d
     return None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python vmalloc/cuda_paths.py HEADER [SITE_DIR ...]``: prints the directory holding HEADER (the
+    site-packages directories default to this interpreter's); exits 1, printing nothing, when none does."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        print("usage: python vmalloc/cuda_paths.py HEADER [SITE_DIR ...]", file=sys.stderr)
+        return 2
+    found = find_header(args[0], sites=args[1:] or None)
+    if found is None:
+        return 1
+    print(found)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

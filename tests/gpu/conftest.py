@@ -13,5 +13,6 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "tests/gpu/" in str(item.fspath):
+        # @pytest.mark.cpu: a test of tests/gpu's own logic (e.g. test_sanitizer_verdict) that needs no GPU.
+        if "tests/gpu/" in str(item.fspath) and item.get_closest_marker("cpu") is None:
             item.add_marker(skip)

@@ -80,3 +80,38 @@ def test_sequence_model_of_the_rebuild():
     assert out.nonswap == [1, 21, 21, 1, 1]  # forward: held until step 3; backward: the rebuilt tensor
     with pytest.raises(ValueError, match="not a kept variable"):
         with_recompute(seq, {2: Recipe(2, 1.0, 1.0)}, lambda r: 0.0)
+
+
+def gelu_chain() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.GELU(), torch.nn.GELU(),
+                               torch.nn.Linear(256, 64))  # fmt: skip
+
+
+def chain_batch(model: torch.nn.Module, it: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(it)
+    return torch.randn(1024, 64, generator=g), torch.randn(1024, 64, generator=g)
+
+
+def mse(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, it: int) -> torch.Tensor:
+    loss = (model(x) - y).square().mean()
+    loss.backward()
+    return loss
+
+
+def test_a_rebuild_whose_input_is_rebuilt_is_declined_and_gradients_stay_bitwise_equal():
+    # gelu(gelu(gelu(u))): each GELU's input is the previous one's output (Note [No rebuild from a rebuild]).
+    # The first output is rebuilt from u, the second (whose input is rebuilt) is swapped, the third is rebuilt
+    # from the second. Before the fix the second's rebuild got the first's handle instead of a tensor.
+    kw = dict(build=gelu_chain, batch_fn=chain_batch, pattern=mse)
+    ref = run("chain", 4, **kw)
+    rebuilt = run("chain", 4, manager=lambda: swap.SwapManager(budget="5MiB", device="cpu", min_bytes=0,
+                                                              recompute=True), **kw)  # fmt: skip
+    assert_bitwise_equal(ref, rebuilt)
+    assert rebuilt["manager"].report()["status"] == "planned"  # profiled twice, then two planned iterations
+    assert rebuilt["manager"]._recompute.rebuilt == 2 * 4
+    # The planning side declines the same candidate: two recipes, each from a variable that is kept.
+    torch.manual_seed(0)
+    net = gelu_chain()
+    x, _ = chain_batch(net, 0)
+    found = recipes(net, (x,))
+    assert len(found) == 2 and not set(found) & {r.source for r in found.values()}

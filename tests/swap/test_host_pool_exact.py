@@ -4,10 +4,13 @@ A recording pinner stands in for the CUDA driver, so the accounting is checked w
 checks the real registration with cuPointerGetAttribute.
 """
 
+import sys
+import warnings
+
 import pytest
 import torch
 
-from swap.host_pool import PAGE, HostPool, HostPoolExhausted
+from swap.host_pool import PAGE, HostPool, HostPoolExhausted, PinningUnavailable
 
 MiB = 1 << 20
 
@@ -81,7 +84,54 @@ def test_pinning_failure_leaves_the_pool_consistent():
             raise RuntimeError("cuMemHostRegister failed: CUDA_ERROR_OUT_OF_MEMORY")
 
     pool = HostPool(pinned=True, block_size=MiB, pinner=Refusing())
-    with pytest.raises(RuntimeError, match="cuMemHostRegister"):
-        pool.alloc(100)
-    assert pool.reserved == 0 and pool.pinned_bytes == 0 and pool.used == 0
+    with pytest.warns(PinningUnavailable, match="cuMemHostRegister failed: CUDA_ERROR_OUT_OF_MEMORY"):
+        pool.alloc(100)  # served from a pageable block (Note [Pageable fallback])
+    assert pool.reserved == MiB and pool.pinned_bytes == 0 and pool.used == 512
+    pool.close()
+    assert pool.reserved == 0
+
+
+class FailingPinner(RecordingPinner):
+    """Pins ``works`` blocks, then fails as cuMemHostRegister does when the locked-memory limit is reached."""
+
+    def __init__(self, works: int):
+        super().__init__()
+        self.works = works
+
+    def pin(self, addr, nbytes):
+        if len(self.pinned) >= self.works:
+            self.calls.append(("failed", addr))
+            raise RuntimeError("swap host pool: cuMemHostRegister(1048576 bytes) failed: CUDA_ERROR_NOT_PERMITTED")
+        super().pin(addr, nbytes)
+
+
+def test_a_failing_registration_warns_once_and_falls_back_to_pageable_memory():
+    pinner = FailingPinner(works=1)
+    pool = HostPool(pinned=True, block_size=MiB, pinner=pinner)
+    first = pool.alloc(MiB)  # pinned
+    with pytest.warns(PinningUnavailable, match="CUDA_ERROR_NOT_PERMITTED.*pageable.*synchronous") as caught:
+        second = pool.alloc(MiB)
+        third = pool.alloc(MiB)  # no new attempt, no second warning
+    assert len(caught) == 1
+    assert [c for c, _ in pinner.calls] == ["pin", "failed"]
+    assert not pool.pinned and pool.pinned_bytes == MiB and pool.reserved == 3 * MiB
+    for k, hb in enumerate((first, second, third)):  # every block holds data
+        hb.view.fill_(k + 1)
+        assert int(hb.view.sum()) == (k + 1) * MiB
+    pool.close()
+    assert pinner.pinned == {} and pool.pinned_bytes == 0
+    assert [c for c, _ in pinner.calls] == ["pin", "failed", "unpin"]  # only the block that was pinned
+
+
+def test_without_cuda_python_the_pool_warns_and_uses_pageable_memory(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # `from cuda.bindings import driver` fails
+    pool = HostPool(pinned=True, block_size=MiB)
+    with pytest.warns(PinningUnavailable, match="cuda.bindings.*pageable host memory instead"):
+        hb = pool.alloc(4096)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pool.alloc(2 * MiB)  # a second block: no second attempt, no second warning
+    hb.view.copy_(torch.arange(4096) % 256)
+    assert torch.equal(hb.view, (torch.arange(4096) % 256).to(torch.uint8))
+    assert pool.pinned_bytes == 0
     pool.close()

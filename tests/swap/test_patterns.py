@@ -128,8 +128,9 @@ class Blocks(nn.Module):
 
 
 def compiled_run(how, when, backend="aot_eager", manager=None, meter=None):
-    """Trains Blocks compiled ``how`` ("regional": each block; "whole": the model), ``when`` ("inside" the
-    manager, on the first call; "before" entering it). Returns run()'s dict and the number of graphs."""
+    """Trains Blocks compiled ``how`` ("regional": each block; "whole": the model; "loss": only the loss
+    function; "step": the forward and the loss in one compiled function), ``when`` ("inside" the manager, on
+    the first call; "before" entering it). Returns run()'s dict and the number of graphs."""
     torch._dynamo.reset()
     graphs = []
 
@@ -137,13 +138,19 @@ def compiled_run(how, when, backend="aot_eager", manager=None, meter=None):
         graphs.append(gm)
         return torch._dynamo.backends.registry.lookup_backend(backend)(gm, example_inputs)
 
+    def loss_of(model, x, y):
+        return nn.functional.cross_entropy(model(x).float() * 2.0, y)
+
+    forward_loss = torch.compile(loss_of, backend=counting) if how == "step" else loss_of
+    criterion = torch.compile(lambda out, y: nn.functional.cross_entropy(out.float() * 2.0, y), backend=counting)
+
     def build():
         torch.manual_seed(0)
         model = Blocks()
         if how == "regional":
             for i, layer in enumerate(model.layers):
                 model.layers[i] = torch.compile(layer, backend=counting)
-        else:
+        elif how == "whole":
             model = torch.compile(model, backend=counting)
         if when == "before":
             model(torch.randn(1024, 128)).sum().backward()
@@ -156,7 +163,10 @@ def compiled_run(how, when, backend="aot_eager", manager=None, meter=None):
         return torch.randn(1024, 128, generator=g), torch.randint(0, 4, (1024,), generator=g)
 
     def step(model, x, y, it):
-        loss = nn.functional.cross_entropy(model(x), y)
+        if how in ("loss", "step"):
+            loss = criterion(model(x), y) if how == "loss" else forward_loss(model, x, y)
+        else:
+            loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         return loss
 
@@ -168,36 +178,49 @@ def compiled_reference(backend):
     return compiled_run("regional", "inside", backend, meter=swap.LiveBytesMeter("cpu"))
 
 
+def swapped_like_the_reference(reference, how, when="inside", backend="aot_eager"):
+    """Trains ``how`` compiled under a budget of 80% of the reference's peak: bitwise equal to it, within the
+    budget, still compiled. Returns the manager's report."""
+    ref, ref_graphs = reference
+    budget = int(max(ref["peaks"]) * 0.8)
+    got, graphs = compiled_run(how, when, backend, meter=swap.LiveBytesMeter("cpu"),
+                               manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=0))  # fmt: skip
+    assert graphs >= 1 and ref_graphs >= 1, f"the compiled code ({how}) ran eagerly"
+    assert_bitwise_equal(ref, got)
+    assert_within(got["peaks"], budget)
+    return got["manager"].report()
+
+
 @pytest.mark.parametrize("when", ["inside", "before"])
 def test_regional_compile_is_swapped_at_block_boundaries(when):
     # Compiled inside the manager, it must still compile (the meter used to make dynamo fall back to eager
     # silently); compiled before, the compiler's fake tensors must not count as device memory (they used to
     # give a false InfeasibleBudget).
-    (ref, ref_graphs) = compiled_reference("aot_eager")
-    budget = int(max(ref["peaks"]) * 0.8)
-    got, graphs = compiled_run("regional", when, meter=swap.LiveBytesMeter("cpu"),
-                               manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=0))  # fmt: skip
-    assert graphs >= 1 and ref_graphs >= 1, "the blocks ran eagerly"
-    assert_bitwise_equal(ref, got)
-    assert_within(got["peaks"], budget)
-    r = got["manager"].report()
+    r = swapped_like_the_reference(compiled_reference("aot_eager"), "regional", when)
     assert r["status"] == "planned" and r["swapped_out_bytes"] > 0
 
 
 def test_regional_compile_with_inductor():
-    ref, _ = compiled_reference("inductor")
-    budget = int(max(ref["peaks"]) * 0.8)
-    got, graphs = compiled_run("regional", "inside", "inductor", meter=swap.LiveBytesMeter("cpu"),
-                               manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=0))  # fmt: skip
-    assert graphs >= 1
-    assert_bitwise_equal(ref, got)
-    assert_within(got["peaks"], budget)
+    swapped_like_the_reference(compiled_reference("inductor"), "regional", backend="inductor")
 
 
 @pytest.mark.parametrize("when", ["inside", "before"])
 def test_a_whole_compiled_model_is_refused_naming_regional_compile(when):
     with pytest.raises(swap.WholeModelCompiled, match="regional compile.*compile each block"):
         compiled_run("whole", when, manager=lambda: swap.SwapManager(budget="1GiB", device="cpu", min_bytes=0))
+
+
+def test_a_compiled_training_step_is_refused():
+    # The forward runs inside one compiled function outside any module: no tensor is saved inside a module.
+    with pytest.raises(swap.WholeModelCompiled, match="regional compile"):
+        compiled_run("step", "inside", manager=lambda: swap.SwapManager(budget="1GiB", device="cpu", min_bytes=0))
+
+
+def test_a_compiled_loss_is_swapped_like_an_eager_one():
+    # Only the loss is compiled; the model's activations are saved eagerly, inside its modules. This used to
+    # raise WholeModelCompiled (a compiled region outside any module was taken for the whole model).
+    r = swapped_like_the_reference(compiled_run("loss", "inside", meter=swap.LiveBytesMeter("cpu")), "loss")
+    assert r["status"] == "planned" and r["swapped_out_bytes"] > 0
 
 
 def test_reading_a_saved_tensor_the_manager_left_alone_outside_backward():

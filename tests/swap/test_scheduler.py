@@ -147,7 +147,7 @@ def sequences(draw):
         seen.add(v)
     n = len(var)
     nonswap = [draw(st.integers(0, 100)) for _ in range(n)]
-    swappable = [draw(st.booleans()) or True for _ in range(n_vars)]
+    swappable = [draw(st.booleans()) for _ in range(n_vars)]  # False: kept resident, never swapped
     held = [draw(st.integers(0, n)) if draw(st.booleans()) else 0 for _ in range(n_vars)]
     return Sequence(var, kind, sizes, nonswap, [1.0] * n, swappable, held)
 
@@ -174,6 +174,8 @@ def test_no_policy_plans_above_the_budget(seq, budget, window, policy):
         return
     assert s.peak <= budget
     check_schedule(seq, s)
+    moved = {v for steps in (s.swap_out, s.release, s.swap_in) for vs in steps for v in vs}
+    assert not any(not seq.swappable[v] for v in moved), "a variable that is not swappable was moved"
 
 
 # -- InfeasibleBudget: the largest failing step, its module, its breakdown, and the lever ---------------------

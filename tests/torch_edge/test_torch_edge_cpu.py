@@ -36,13 +36,19 @@ def make_header(d: Path, name: str = "cuda.h") -> Path:
     return d
 
 
-def test_cuda_h_found_in_the_cu13_wheel_layout(tmp_path):
+def test_cuda_h_found_in_the_cu13_wheel_layout_before_the_cu12_one(tmp_path, monkeypatch):
+    # /usr/local/cuda (tried before the wheels) is moved out of the way, so the wheel layouts decide.
+    monkeypatch.setattr(cuda_paths, "SYSTEM_INCLUDE", tmp_path / "no-toolkit" / "include")
     site = tmp_path / "site"
-    expected = make_header(site / "nvidia" / "cu13" / "include")
-    assert cuda_paths.find_header("cuda.h", env={}, sites=[str(site)]) in (expected, Path("/usr/local/cuda/include"))
-    # With /usr/local/cuda out of the way (it is tried before the wheels), the wheel is what is found.
-    found = [d for d in cuda_paths.candidate_dirs(env={}, sites=[str(site)]) if (d / "cuda.h").is_file()]
-    assert expected in found
+    cu12 = make_header(site / "nvidia" / "cuda_runtime" / "include")
+    assert cuda_paths.find_header("cuda.h", env={}, sites=[str(site)]) == cu12
+    cu13 = make_header(site / "nvidia" / "cu13" / "include")
+    assert cuda_paths.find_header("cuda.h", env={}, sites=[str(site)]) == cu13
+    # A second site-packages (purelib, platlib) is searched after the first.
+    other = tmp_path / "other"
+    assert cuda_paths.find_header("cuda.h", env={}, sites=[str(other), str(site)]) == cu13
+    assert cuda_paths.main(["cuda.h", str(site)]) == 0
+    assert cuda_paths.main(["no_such_header.h", str(site)]) == 1
 
 
 def test_cuda_h_found_in_the_cu12_wheel_layout_and_cuda_home_first(tmp_path):
@@ -57,9 +63,25 @@ def test_cuda_h_found_in_the_cu12_wheel_layout_and_cuda_home_first(tmp_path):
     assert cuda_paths.find_header("no_such_header.h", env={}, sites=[str(site)]) is None
 
 
-def test_setup_py_uses_the_shared_header_search():
-    text = (ROOT / "setup.py").read_text()
-    assert "cuda_paths.py" in text and "find_header(\"cuda.h\")" in text
+def test_the_makefile_takes_cuda_include_from_the_shared_search(tmp_path):
+    # The Makefile runs vmalloc/cuda_paths.py as a script; CUDA_HOME, which it honours first, tells its answer
+    # apart from /usr/local/cuda. Without CUDA_HOME (and no cuda.h anywhere) it would print nothing.
+    import os
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    home = tmp_path / "toolkit"
+    make_header(home / "include")
+    env = dict(os.environ, CUDA_HOME=str(home))
+    env.pop("CUDA_INCLUDE", None)
+    script = subprocess.run([sys.executable, "vmalloc/cuda_paths.py", "cuda.h"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert script.returncode == 0 and script.stdout.strip() == str(home / "include")
+    r = subprocess.run(["make", "-pn", "fakecuda", f"PY={sys.executable}"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    values = [line for line in r.stdout.splitlines() if line.startswith("CUDA_INCLUDE :=")]
+    assert values == [f"CUDA_INCLUDE := {home / 'include'}"], r.stdout[-2000:] + r.stderr[-2000:]
 
 
 # -- the adapter's build plan and its fallback ---------------------------------------------------------------

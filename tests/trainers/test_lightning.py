@@ -13,7 +13,10 @@ from recipes import (
     params,
 )
 
+import swap
+
 lightning = pytest.importorskip("lightning")
+import swap.integrations.lightning as swap_lightning  # noqa: E402
 from swap.integrations.lightning import SwapCallback  # noqa: E402
 
 
@@ -60,8 +63,26 @@ def test_callback_is_bitwise_equal_and_swaps():
     assert cb.report["iterations"] == 4
 
 
+def test_callback_builds_its_manager_at_train_start_on_the_modules_device(monkeypatch):
+    built = []
+
+    def recording(**kwargs):
+        built.append(kwargs)
+        return swap.SwapManager(**kwargs)
+
+    monkeypatch.setattr(swap_lightning, "SwapManager", recording)
+    cb = SwapCallback(budget="64GiB", min_bytes=MIN_BYTES)
+    assert cb.manager is None and not built  # nothing is built before Lightning has placed the module
+    fit([cb])
+    assert built == [{"budget": "64GiB", "min_bytes": MIN_BYTES, "device": torch.device("cpu")}]
+    assert cb.manager.device == torch.device("cpu") and not cb.manager._active
+    assert cb.report["iterations"] == 4
+    fit([cb])  # each fit gets a manager of its own
+    assert len(built) == 2 and cb.report["iterations"] == 4
+
+
 def test_callback_leaves_the_manager_when_training_fails():
-    cb = SwapCallback(budget="64GiB", device="cpu", min_bytes=MIN_BYTES)
+    cb = SwapCallback(budget="64GiB", min_bytes=MIN_BYTES)
     with pytest.raises(RuntimeError, match="boom"):
         fit([cb], fail_at=2)
     assert cb.report is not None and cb.report["iterations"] == 2
@@ -73,3 +94,5 @@ def test_callback_leaves_the_manager_when_training_fails():
     assert torch.equal(x.grad, 2 * torch.ones(3))
     with pytest.raises(ValueError, match="either a SwapManager or its keyword arguments"):
         SwapCallback(manager=manager(1 << 30), budget="1GiB")
+    with pytest.raises(TypeError, match="SwapCallback takes swap.SwapManager's keyword arguments"):
+        SwapCallback(budgett="1GiB")

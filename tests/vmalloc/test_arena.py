@@ -195,6 +195,34 @@ def test_empty_cache_returns_everything(make_arena):
     assert a.stats()["reserved_bytes.all.current"] == 0
 
 
+def test_single_counters_match_stats(make_arena):
+    # allocated_bytes / peak_allocated_bytes / reserved_bytes read one counter each (the swap runtime's hot
+    # path); they must agree with stats() through allocation, free, cache release and a peak reset.
+    a = make_arena()
+
+    def check():
+        s = a.stats()
+        assert a.allocated_bytes == s["allocated_bytes.all.current"]
+        assert a.peak_allocated_bytes == s["allocated_bytes.all.peak"]
+        assert a.reserved_bytes == s["reserved_bytes.all.current"]
+
+    check()
+    ps = [a.malloc(n) for n in (100, 5 * KiB, 300 * KiB, 1 * MiB)]
+    check()
+    assert a.allocated_bytes > 1 * MiB and a.peak_allocated_bytes == a.allocated_bytes
+    a.free(ps.pop())
+    check()
+    assert a.peak_allocated_bytes > a.allocated_bytes and a.reserved_bytes > a.allocated_bytes
+    a.reset_peak_stats()
+    check()
+    assert a.peak_allocated_bytes == a.allocated_bytes
+    for q in ps:
+        a.free(q)
+    a.empty_cache()
+    check()
+    assert a.allocated_bytes == 0 and a.reserved_bytes == 0
+
+
 def test_set_capacity_releases_cached_memory(make_arena):
     a = make_arena(capacity="2MiB", chunk_size="64KiB")
     ps = [a.malloc(256 * KiB) for _ in range(6)]
