@@ -320,7 +320,7 @@ class SwapManager:
 
     def _pack(self, t: torch.Tensor) -> Any:
         ex = self.executor
-        if ex.mode == DECLINED:
+        if ex.mode == DECLINED and self._recompute is None:
             return ex.pack(t)
         reason = self._skip_reason(t)
         if reason is None:

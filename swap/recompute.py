@@ -19,7 +19,9 @@ Three parts:
 - ``RecomputeHooks`` (runtime): wraps the swap manager's pack/unpack. An eligible tensor is not packed; its
   handle keeps the rule and the *packed input* (found by reading the node's saved input, which calls our
   unpack hook: we answer it without touching the executor). At unpack the input is unpacked through the
-  executor (a use, so the plan prefetches it), the rule runs, and the original view is rebuilt.
+  executor (a use, so the plan prefetches it), the rule runs, and the original view is rebuilt. The hooks
+  stay on when the manager declines to swap: the profiled iterations that found the run fits the budget
+  rebuilt, and an unswapped run that kept the outputs could exceed it.
 - ``recipes`` (planning): which variables of a model's sequence are eligible, and from which variable.
 - ``with_recompute`` (simulation): the sequence the runtime records when those variables are rebuilt, so
   the scheduler and the simulator plan it unchanged; ``choose`` keeps the rebuilds that make the simulated
@@ -151,6 +153,9 @@ def recipes(model: torch.nn.Module, inputs: tuple, exclude: Callable[[torch.Tens
                 if peeked and peeked[0][0] == "var" and peeked[0][1] not in found:  # Note [No rebuild from a rebuild]
                     n = root.numel()
                     found[index[key]] = Recipe(peeked[0][1], ELEMENTWISE_FLOPS * n, 2 * n * root.element_size())
+                # A handle left here would keep its tensor, and through its grad_fn the whole graph, alive:
+                # the graph holds this closure (its unpack hook), a cycle through C++ the GC cannot see.
+                peeked.clear()
         return ("var", index[key], t)
 
     def unpack(h: Any) -> torch.Tensor:

@@ -115,3 +115,40 @@ def test_a_rebuild_whose_input_is_rebuilt_is_declined_and_gradients_stay_bitwise
     x, _ = chain_batch(net, 0)
     found = recipes(net, (x,))
     assert len(found) == 2 and not set(found) & {r.source for r in found.values()}
+
+
+def test_a_run_that_fits_with_its_rebuilds_keeps_rebuilding_and_stays_within_the_budget():
+    # Profiling rebuilds GELU outputs instead of keeping them, so a budget can fit the profiled run and not
+    # an unswapped run that keeps them. Declining to swap used to drop the rebuilds as well: the next
+    # iteration went over the budget (6.07 MiB of 6 MiB here), warned and profiled again, every few
+    # iterations (Note [Recompute or swap]).
+    import gc
+    import warnings
+
+    kw = dict(build=gelu_chain, batch_fn=chain_batch, pattern=mse)
+    ref = run("chain", 5, **kw)
+    gc.collect()  # earlier tests' tensors would count as live in the CPU meter's budget
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", swap.BudgetWarning)
+        got = run("chain", 5, manager=lambda: swap.SwapManager(budget="6MiB", device="cpu", min_bytes=0,
+                                                              recompute=True), **kw)  # fmt: skip
+    assert_bitwise_equal(ref, got)
+    report = got["manager"].report()
+    assert report["status"] == "declined" and report["overruns"] == 0, report
+    assert report["peak_device_bytes"] <= report["budget_bytes"]
+    assert got["manager"]._recompute.rebuilt == 2 * 5  # rebuilt in every iteration, declined ones included
+
+
+def test_recipes_leaves_no_activation_alive():
+    # recipes() runs the forward for real; a saved handle left in its unpack hook's closure kept its tensor and,
+    # through the graph that holds that hook, every activation alive for good (a cycle through C++).
+    import weakref
+
+    torch.manual_seed(0)
+    net = gelu_chain()
+    outputs: list[weakref.ref] = []
+    for m in net:
+        m.register_forward_hook(lambda mod, args, out: outputs.append(weakref.ref(out)))
+    x, _ = chain_batch(net, 0)
+    assert len(recipes(net, (x,))) == 2
+    assert len(outputs) == len(net) and all(r() is None for r in outputs), "recipes() kept activations alive"
