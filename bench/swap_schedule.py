@@ -35,6 +35,7 @@ from bench.traces import Trace, cached_capture
 from bench.vmm_work import StepWork, step_work
 from swap import InfeasibleBudget, Schedule, Sequence, choose_window, make_schedule, simulate
 from swap.devices import DeviceProfile, profile
+from swap.planning.planner import largest_fitting
 from swap.replay import BUDGET_FRACTIONS
 from swap.simulator import SimResult
 from swap.vmm_costs import VmmCosts, for_device
@@ -209,14 +210,7 @@ def max_batch(model: str, batches: list[int], column: str, dev: DeviceProfile, b
     best = 0 if top is None else batches[top]
     if top == len(batches) - 1:
         return best
-    fail = batches[0] if top is None else batches[top + 1]
-    while fail - best > 1:
-        mid = (best + fail) // 2
-        if ok(mid):
-            best = mid
-        else:
-            fail = mid
-    return best
+    return largest_fitting(ok, best, batches[0] if top is None else batches[top + 1])
 
 
 MAX_COLUMNS = ["none", "window+bestfit", "window+vmalloc", "window"]

@@ -51,17 +51,12 @@ bool guarded(const char* entry, F&& f) noexcept {
   return false;
 }
 
-Allocator& fast_arena(int device) {
-  if (Allocator* a = global::fast_existing(device)) return *a;
-  return *global::arena(device);
-}
-
 void* do_malloc(ssize_t size, int device, void* stream) {
   if (size < 0)
     throw std::invalid_argument("vmalloc_malloc: negative size " + std::to_string(size) + " for device " +
                                 std::to_string(device));
   return reinterpret_cast<void*>(
-      fast_arena(device).malloc(static_cast<std::size_t>(size), reinterpret_cast<vmalloc::Stream>(stream)));
+      global::fast_arena(device).malloc(static_cast<std::size_t>(size), reinterpret_cast<vmalloc::Stream>(stream)));
 }
 
 void do_free(void* ptr, int device) {
@@ -90,7 +85,7 @@ void do_empty_cache() {
 void do_set_memory_fraction(double fraction, int device) {
   if (!(fraction > 0.0 && fraction <= 1.0))
     throw std::invalid_argument("memory fraction must be in (0, 1], not " + std::to_string(fraction));
-  Allocator& a = fast_arena(device);
+  Allocator& a = global::fast_arena(device);
   a.set_capacity(static_cast<std::size_t>(fraction * static_cast<double>(a.backend().total_memory())));
 }
 

@@ -37,11 +37,8 @@ __attribute__((visibility("default"))) int vmalloc_adapter_malloc(void** out, st
                                                                   void* stream, int call_handler, char* err,
                                                                   std::size_t errcap) {
   try {
-    // The arena without the registry's lock when it exists (every allocation but the first).
-    vmalloc::Allocator* arena = vmalloc::global::fast_existing(device);
-    if (!arena) arena = vmalloc::global::arena(device).get();  // the registry keeps it alive
-    *out = reinterpret_cast<void*>(
-        arena->malloc(size, reinterpret_cast<vmalloc::Stream>(stream), call_handler != 0));
+    *out = reinterpret_cast<void*>(vmalloc::global::fast_arena(device).malloc(
+        size, reinterpret_cast<vmalloc::Stream>(stream), call_handler != 0));
     return 0;
   } catch (const vmalloc::OutOfMemory& e) {
     copy_message(e.what(), err, errcap);
@@ -80,10 +77,9 @@ __attribute__((visibility("default"))) int vmalloc_adapter_stats(int device, con
 __attribute__((visibility("default"))) int vmalloc_adapter_memory_fraction(int device, double* fraction, char* err,
                                                                            std::size_t errcap) {
   try {
-    vmalloc::Allocator* arena = vmalloc::global::fast_existing(device);
-    if (!arena) arena = vmalloc::global::arena(device).get();
-    const double total = static_cast<double>(arena->backend().total_memory());
-    *fraction = total > 0 ? static_cast<double>(arena->capacity()) / total : 1.0;
+    vmalloc::Allocator& arena = vmalloc::global::fast_arena(device);
+    const double total = static_cast<double>(arena.backend().total_memory());
+    *fraction = total > 0 ? static_cast<double>(arena.capacity()) / total : 1.0;
     return 0;
   } catch (const std::exception& e) {
     copy_message(e.what(), err, errcap);

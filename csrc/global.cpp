@@ -90,4 +90,9 @@ Allocator* fast_existing(int device) noexcept {
   return registry().fast[device].load(std::memory_order_acquire);
 }
 
+Allocator& fast_arena(int device) {
+  if (Allocator* a = fast_existing(device)) return *a;
+  return *arena(device);
+}
+
 }  // namespace vmalloc::global

@@ -23,6 +23,9 @@ std::shared_ptr<Allocator> arena(int device);
 std::shared_ptr<Allocator> existing(int device) noexcept;
 // existing(device).get() without taking the registry's lock (the C entry points' hot path). Never throws.
 Allocator* fast_existing(int device) noexcept;
+// The arena of `device`, made now if needed, without the registry's lock once it exists (every allocation but
+// the first). The registry keeps it alive for the process. Throws what arena() throws.
+Allocator& fast_arena(int device);
 // Applies f to every arena made so far.
 template <typename F>
 void for_each(F&& f) {

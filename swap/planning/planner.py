@@ -196,13 +196,19 @@ def _search(fits: Callable[[int], bool], guess: int, cap: int) -> tuple[int, int
                 hi = step
         if lo == 0:
             return 0, trials
+    return largest_fitting(probe, lo, hi), trials
+
+
+def largest_fitting(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+    """Bisects between ``lo`` (fits, or 0) and ``hi`` (does not fit): the largest n < hi with fits(n), for a
+    ``fits`` monotone in between."""
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if probe(mid):
+        if fits(mid):
             lo = mid
         else:
             hi = mid
-    return lo, trials
+    return lo
 
 
 def _guess(ev: _Evaluator, policy: str) -> int:
