@@ -47,7 +47,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import swap
-import swap.manager
+import swap.runtime.manager
 from bench import models
 
 ROOT = Path(__file__).resolve().parents[1]

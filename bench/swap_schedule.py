@@ -5,8 +5,8 @@
     python -m bench.swap_schedule --quick     # a smoke run
 
 For each workload and batch: the training steps are captured on the meta device (bench.traces), each
-step's compute time comes from its FLOPs and bytes on a device profile's roofline (swap.devices), and every
-policy's schedule is replayed on the event simulator (swap.simulator: a compute stream and independent H2D
+step's compute time comes from its FLOPs and bytes on a device profile's roofline (swap.planning.devices), and every
+policy's schedule is replayed on the event simulator (swap.planning.simulator: a compute stream and independent H2D
 and D2H engines). Columns: no swap (OOM when PyTorch's native allocator cannot hold the run), fixed_distance
 with TFLMS's defaults and with its best setting from a small sweep, all (vDNN), window (auto window), window
 whose budget was lowered until vmalloc / PyTorch's best-fit policy holds the swapped trace within the device
@@ -34,11 +34,11 @@ from bench.swap_trace import sequence_from_trace, swapped
 from bench.traces import Trace, cached_capture
 from bench.vmm_work import StepWork, step_work
 from swap import InfeasibleBudget, Schedule, Sequence, choose_window, make_schedule, simulate
-from swap.devices import DeviceProfile, profile
+from swap.planning.devices import DeviceProfile, profile
 from swap.planning.planner import largest_fitting
-from swap.replay import BUDGET_FRACTIONS
-from swap.simulator import SimResult
-from swap.vmm_costs import VmmCosts, for_device
+from swap.planning.replay import BUDGET_FRACTIONS
+from swap.planning.simulator import SimResult
+from swap.planning.vmm_costs import VmmCosts, for_device
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
@@ -342,7 +342,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.swap_schedule", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--device", default="v100-16gb", help="device profile (swap.devices.PROFILES)")
+    ap.add_argument("--device", default="v100-16gb", help="device profile (swap.planning.devices.PROFILES)")
     ap.add_argument("--budget", default=None, help="device memory for the run (default: the profile's)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument(

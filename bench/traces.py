@@ -35,9 +35,9 @@ from swap.capture import (  # noqa: F401 - the names the benchmarks and tests im
     TraceBuilder,
     live_peak,
     summary,
-    swapped,
 )
 from swap.capture import capture as capture_step
+from swap.planning.from_trace import swapped  # noqa: F401 - re-exported
 from swap.zoo import ZOO
 
 # name -> (builder, default input size), as before the zoo.

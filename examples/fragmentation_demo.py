@@ -10,8 +10,8 @@ allocator that splits cudaMalloc'ed segments has the memory, but not in one piec
 from __future__ import annotations
 
 import vmalloc
-from swap.replay import NativeCachingModel
-from swap.replay.workloads import fragmentation_workload
+from swap.planning.replay import NativeCachingModel
+from swap.planning.replay.workloads import fragmentation_workload
 
 MiB = 1024 * 1024
 CAPACITY = 512 * MiB

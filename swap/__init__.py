@@ -14,17 +14,17 @@ The scheduler (``make_schedule``) and the simulator (``simulate``) are pure func
 
 from __future__ import annotations
 
-from .budget import BudgetWarning
-from .executor import WholeModelCompiled
-from .host_pool import PinningUnavailable
-from .manager import SwapManager
-from .meter import LiveBytesMeter
 from .planning import Plan, plan  # Note [swap.plan is a function]
-from .report import SwapReport
-from .scheduler import POLICIES, InfeasibleBudget, Schedule
-from .scheduler import plan as make_schedule
-from .sequence import Sequence
-from .simulator import SimResult, choose_window, simulate
+from .planning.scheduler import POLICIES, InfeasibleBudget, Schedule
+from .planning.scheduler import plan as make_schedule
+from .planning.sequence import Sequence
+from .planning.simulator import SimResult, choose_window, simulate
+from .runtime.executor import WholeModelCompiled
+from .runtime.host_pool import PinningUnavailable
+from .runtime.manager import SwapManager
+from .runtime.meter import LiveBytesMeter
+from .runtime.report import SwapReport
+from .runtime.signals import BudgetWarning
 
 __all__ = [
     "POLICIES",

@@ -18,7 +18,7 @@ allocation on the device (any thread, any stream that is not being captured into
 scopes leave captures alone] in csrc/torch/adapter.cpp) to the pool while it is active. In this mode torch's
 caching allocator calls vmalloc while holding its own lock, so vmalloc never runs its OOM handler there
 (Note [OOM handler and torch's allocator lock] in csrc/torch/adapter.cpp); the swap runtime measures through
-torch's statistics instead of the arena's (swap/memory.py).
+torch's statistics instead of the arena's (swap/runtime/memory.py).
 
 Note [What a pool scope costs]
 torch's caching allocator (2.11, and the releases before pytorch#175374 separated pools from captures)
@@ -28,7 +28,7 @@ thread:
     end-of-life events are deferred), and blocks waiting on events recorded before the scope are not
     recycled during it (process_events is skipped). A loop that calls record_stream every iteration grows
     by those blocks every iteration inside the scope. swap's copy engine does not call it (Note [Copies
-    without record_stream] in swap/engines.py);
+    without record_stream] in swap/runtime/engines.py);
   - when the pool cannot serve an allocation, torch raises ``torch.cuda.OutOfMemoryError`` without
     releasing cached blocks and retrying (and no release ever gives the pool's own cached blocks back to
     vmalloc for a retry);

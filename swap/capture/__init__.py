@@ -1,10 +1,9 @@
 """Training steps of any model, captured on the meta device as allocation traces (what ``swap.plan`` plans
-with): ``capture`` records them, ``sequence_from_trace`` gives the scheduler's view of one, ``swapped``
-rewrites one as the swap runtime would run it, ``LinearTrace`` scales one to any batch size."""
+with): ``capture`` records them, ``LinearTrace`` scales one to any batch size. The scheduler's view of a trace,
+and a trace as the swap runtime would run it, are planning's (swap.planning.from_trace)."""
 
 from __future__ import annotations
 
-from .convert import plan_for, sequence_from_trace, swapped
 from .scaling import LinearTrace
 from .step import CaptureError, build_model, capture, default_loss, default_optimizer, make_batch
 from .trace import (
@@ -27,5 +26,5 @@ from .trace import (
 __all__ = [
     "ALLOC", "FORMAT_VERSION", "FREE", "ITER_BEGIN", "ITER_END", "SAVE", "TAG", "TAGS", "UNREF", "USE",
     "CaptureError", "LinearTrace", "Trace", "TraceBuilder", "build_model", "capture", "default_loss",
-    "default_optimizer", "live_peak", "make_batch", "plan_for", "sequence_from_trace", "summary", "swapped",
+    "default_optimizer", "live_peak", "make_batch", "summary",
 ]  # fmt: skip

@@ -20,7 +20,7 @@ the phase, and what to do):
 
 Autograd's gradient sums are recorded where eager PyTorch does them: in place where its engine sums in
 place, although the capturing dispatch mode makes it sum out of place (Note [In-place gradient accumulation
-under a dispatch mode], swap.grad_accumulation).
+under a dispatch mode], swap.capture.grad_accumulation).
 
 Not modelled: ``torch.autocast`` (autocast acts on CUDA tensors only; build the model in the training dtype,
 ``dtype=torch.bfloat16``), ``torch.compile`` fusion, and memory an operator allocates internally.
@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from ..grad_accumulation import EngineAccumulation
+from .grad_accumulation import EngineAccumulation
 from .trace import ALLOC, FORMAT_VERSION, FREE, ITER_BEGIN, ITER_END, SAVE, TAG, UNREF, USE, Trace, TraceBuilder
 
 ModelFn = Callable[[], nn.Module]

@@ -19,8 +19,8 @@ from typing import Any, Optional
 
 import lightning
 
-from ..manager import SwapManager
-from ..report import SwapReport
+from ..runtime.manager import SwapManager
+from ..runtime.report import SwapReport
 
 
 class SwapCallback(lightning.Callback):

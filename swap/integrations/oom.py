@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..scheduler import InfeasibleBudget
+from ..planning.scheduler import InfeasibleBudget
 
 PREFIX = "CUDA out of memory. "
 

@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..capture import CaptureError
-from ..devices import ALIASES, PROFILES
-from ..replay import ALLOCATORS
-from ..scheduler import POLICIES
 from ..zoo import ZOO
+from .devices import ALIASES, PROFILES
 from .planner import plan
+from .replay import ALLOCATORS
+from .scheduler import POLICIES
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 DTYPES = ("float32", "bfloat16", "float16")

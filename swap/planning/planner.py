@@ -5,7 +5,7 @@ the trace is provably linear in the batch (Note [Linear traces]), and searches, 
 batch whose plan fits: the scheduler must meet the budget and, with an allocator, the swapped run must
 replay within the budget on that allocator (vmalloc's real core on its sim backend, or models of PyTorch's
 allocator); fragmentation lowers the budget the schedule is made for until it does
-(``swap.replay.fitting_budget``). Step times come from simulating the schedule on the device profile.
+(``swap.planning.replay.fitting_budget``). Step times come from simulating the schedule on the device profile.
 """
 
 from __future__ import annotations
@@ -16,15 +16,16 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from ..capture import CaptureError, LinearTrace, Trace, capture, sequence_from_trace
-from ..devices import DeviceProfile, read_measured, with_measured
-from ..devices import profile as device_profile
-from ..replay import ALLOCATORS, fitting_budget, measure
-from ..scheduler import POLICIES, InfeasibleBudget, Schedule
-from ..scheduler import plan as make_schedule
-from ..sequence import Sequence
-from ..simulator import choose_window, simulate
+from ..capture import CaptureError, LinearTrace, Trace, capture
+from .devices import DeviceProfile, read_measured, with_measured
+from .devices import profile as device_profile
+from .from_trace import sequence_from_trace
+from .replay import ALLOCATORS, fitting_budget, measure
 from .result import Plan, PolicyResult, fmt_bytes
+from .scheduler import POLICIES, InfeasibleBudget, Schedule
+from .scheduler import plan as make_schedule
+from .sequence import Sequence
+from .simulator import choose_window, simulate
 
 Size = Union[int, str]
 LINEAR_BATCHES = (2, 4)  # fitted
@@ -258,7 +259,7 @@ def plan(
         loss_fn: ``loss_fn(model, batch) -> loss``. Default: ``model(**batch).loss`` for a dict batch,
             ``cross_entropy(model(x), y)`` for an ``(x, y)`` batch.
         budget: device memory for the run, bytes or a string such as "24GiB".
-        device: a profile name (``swap.devices.PROFILES``: "h100-pcie", "a100-80gb", "rtx4090", ...) or a
+        device: a profile name (``swap.planning.devices.PROFILES``: "h100-pcie", "a100-80gb", "rtx4090", ...) or a
             ``DeviceProfile``.
         allocator: "vmalloc", "pytorch_native", "pytorch_expandable", or None (ideal: no fragmentation).
         max_batch: the largest batch to consider (default: no limit but the budget).

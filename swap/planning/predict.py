@@ -11,12 +11,13 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from ..capture import capture, sequence_from_trace
-from ..devices import DeviceProfile
-from ..devices import profile as device_profile
-from ..scheduler import plan as make_schedule
-from ..simulator import choose_window
+from ..capture import capture
+from .devices import DeviceProfile
+from .devices import profile as device_profile
+from .from_trace import sequence_from_trace
 from .planner import Size, _size
+from .scheduler import plan as make_schedule
+from .simulator import choose_window
 
 
 @dataclass

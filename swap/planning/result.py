@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ..devices import DeviceProfile
-from ..report import _bytes as fmt_bytes  # one byte formatter for the tables
+from .budget import fmt_size as fmt_bytes  # one byte formatter for the tables
+from .devices import DeviceProfile
 
 
 def fmt_seconds(t: Optional[float]) -> str:

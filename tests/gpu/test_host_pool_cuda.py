@@ -3,7 +3,7 @@ close, and copies from them overlap compute."""
 
 import torch
 
-from swap.host_pool import HostPool
+from swap.runtime.host_pool import HostPool
 
 from cuda_oracle import pinned_host
 

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench import models
 from bench.swap_trace import sequence_from_trace
 from bench.traces import capture
-from swap.grad_accumulation import EngineAccumulation
+from swap.capture.grad_accumulation import EngineAccumulation
 
 
 class _Predict(TorchDispatchMode):

@@ -4,8 +4,8 @@ import pytest
 
 import swap
 from bench.swap_schedule import fits, max_batch
-from swap.devices import profile
-from swap.vmm_costs import for_device
+from swap.planning.devices import profile
+from swap.planning.vmm_costs import for_device
 from swap.zoo import ZOO
 
 MODEL, SIZE, BUDGET = "unet", 64, 640 << 20  # weights, gradients and momentum take 357 MiB of it

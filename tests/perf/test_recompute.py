@@ -9,7 +9,8 @@ import torch
 
 import swap
 from bench import models
-from swap.recompute import RecomputeHooks, recipes, with_recompute
+from swap.planning.recompute import recipes, with_recompute
+from swap.runtime.recompute import RecomputeHooks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "swap"))
 from training import KiB, assert_bitwise_equal, run  # noqa: E402
@@ -72,7 +73,7 @@ def test_sequence_model_of_the_rebuild():
     assert len(found) == 2 and all(r.source < v for v, r in found.items())
     seq = swap.Sequence([0, 1, 2, 2, 1, 0], ["save", "save", "save", "use", "use", "use"], [10, 20, 20],
                         [1, 1, 1, 1, 1, 1], [0.1] * 6, held_until=[6, 6, 3])  # fmt: skip
-    from swap.recompute import Recipe
+    from swap.planning.recompute import Recipe
 
     out = with_recompute(seq, {2: Recipe(1, 100.0, 40.0)}, lambda r: 0.5)
     assert out.var == [0, 1, 1, 1, 0] and out.kind == ["save", "save", "use", "use", "use"]

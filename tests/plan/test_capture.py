@@ -26,9 +26,8 @@ from swap.capture import (
     capture,
     default_loss,
     live_peak,
-    sequence_from_trace,
-    swapped,
 )
+from swap.planning.from_trace import sequence_from_trace, swapped
 
 
 def test_a_training_step_is_balanced_and_tagged():

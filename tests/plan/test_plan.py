@@ -12,9 +12,10 @@ import torch
 from tiny_models import TinyCNN, cnn_batch
 
 import swap
-from swap.capture import capture, sequence_from_trace
-from swap.devices import ALIASES, PROFILES, profile
+from swap.capture import capture
 from swap.planning.cli import main
+from swap.planning.devices import ALIASES, PROFILES, profile
+from swap.planning.from_trace import sequence_from_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 KiB = 1024

@@ -105,7 +105,7 @@ def test_infeasible_budget_figures_are_consistent_and_exact():
     assert f"({budget} bytes)" in text and f"({budget + 1} bytes)" in text and "1 B over" in text
     assert f"min_budget={budget + 1}" in text
     assert err["not_swappable"] + err["held_by_forward"] + err["working_set"] == err["min_budget"]
-    assert err["lever"] in swap.budget.LEVERS and err["advice"] in text
+    assert err["lever"] in swap.planning.budget.LEVERS and err["advice"] in text
     assert "variable" not in text  # names the module, not internal indices
 
 
@@ -113,7 +113,7 @@ def test_planned_overrun_is_warned_at_once_and_replanned_once():
     # The profile is made to under-measure one step (as if the first iterations could not know); the planned
     # iteration that exceeds the budget says so at once, and the plan is remade once with what it measured.
     budget = smallest_budget("gpt") + 256 * KiB
-    real = swap.recorder.Recorder.finish
+    real = swap.runtime.recorder.Recorder.finish
 
     def under(self, *args, **kwargs):
         seq = real(self, *args, **kwargs)
@@ -122,13 +122,13 @@ def test_planned_overrun_is_warned_at_once_and_replanned_once():
             seq.nonswap[i] -= 512 * KiB
         return seq
 
-    swap.recorder.Recorder.finish = under
+    swap.runtime.recorder.Recorder.finish = under
     try:
         with pytest.warns(swap.BudgetWarning, match="exceeded the budget .* planned with what was measured"):
             got = run("gpt", 6, meter=swap.LiveBytesMeter("cpu"),
                       manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB))  # fmt: skip
     finally:
-        swap.recorder.Recorder.finish = real
+        swap.runtime.recorder.Recorder.finish = real
     r = got["manager"].report()
     assert r["replans"] == 1  # once, never cycling
     assert_within(got["peaks"][3:], budget)  # after the re-plan

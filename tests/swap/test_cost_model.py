@@ -8,7 +8,7 @@ import pytest
 from bench import swap_schedule
 from bench.swap_trace import sequence_from_trace
 from bench.traces import capture
-from swap.devices import PROFILES, profile
+from swap.planning.devices import PROFILES, profile
 
 
 def test_v100_profile_reproduces_the_papers_no_swap_baseline():

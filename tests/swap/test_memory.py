@@ -1,8 +1,8 @@
-"""swap.memory.ArenaMemory: the device memory the runtime measures when vmalloc is torch's allocator, read
+"""swap.runtime.memory.ArenaMemory: the device memory the runtime measures when vmalloc is torch's allocator, read
 from the arena's single counters (host backend here; the same counters on CUDA)."""
 
 import vmalloc
-from swap.memory import ArenaMemory
+from swap.runtime.memory import ArenaMemory
 
 MiB = 1 << 20
 

@@ -2,7 +2,7 @@
 
 Allocators (``make_allocator``): ``vmalloc`` (the real allocator core on its sim backend: any scale;
 ``vmalloc-host``: real memory, a cross-check), with ``chunk_size``; ``pytorch_native`` and
-``pytorch_expandable`` (``swap.replay.torch_policy``).
+``pytorch_expandable`` (``swap.planning.replay.torch_policy``).
 
 Metrics (anchors-allocators.md (d)):
 - peak requested / allocated / reserved bytes;
@@ -21,8 +21,8 @@ from typing import Any, Callable, Optional
 
 import vmalloc
 
-from ..capture.convert import swapped
-from ..capture.trace import ALLOC, FREE, ITER_BEGIN, ITER_END, Trace
+from ...capture.trace import ALLOC, FREE, ITER_BEGIN, ITER_END, Trace
+from ..from_trace import swapped
 from ..scheduler import InfeasibleBudget, Schedule
 from .torch_policy import ExpandableSegmentsModel, NativeCachingModel
 

@@ -18,10 +18,10 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..scheduler import Schedule, plan
-from ..sequence import Sequence
-from ..simulator import choose_window
-from .trace import ALLOC, FREE, ITER_BEGIN, ITER_END, SAVE, TAG, UNREF, USE, Trace
+from ..capture.trace import ALLOC, FREE, ITER_BEGIN, ITER_END, SAVE, TAG, UNREF, USE, Trace
+from .scheduler import Schedule, plan
+from .sequence import Sequence
+from .simulator import choose_window
 
 CostModel = Callable[[float, float], float]  # (flops, bytes) -> seconds
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .sequence import Sequence
+from ..planning.sequence import Sequence
 
 
 class Recorder:

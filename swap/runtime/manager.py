@@ -25,16 +25,17 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .budget import BudgetWarning, InfeasibleBudget, diagnose, fmt_bytes, min_budget
+from ..planning.budget import InfeasibleBudget, diagnose, fmt_bytes, min_budget
+from ..planning.scheduler import POLICIES, Schedule, plan, validate
+from ..planning.sequence import Sequence
+from ..planning.simulator import choose_window
 from .engines import CudaEngine, HostEngine
 from .executor import DECLINED, PLANNED, PROFILE, Counters, Executor, Profiled
 from .host_pool import HostPool
 from .memory import ArenaMemory, DeviceMemory, MeterMemory, TorchCudaMemory, vmalloc_arena
 from .recompute import RecomputeHooks
 from .report import SwapReport
-from .scheduler import POLICIES, Schedule, plan, validate
-from .sequence import Sequence
-from .simulator import choose_window
+from .signals import BudgetWarning
 from .tracer import Exclusions, is_parameter_like, passthrough
 
 log = logging.getLogger("swap")
@@ -127,7 +128,7 @@ class SwapManager:
         arena: a ``vmalloc.Arena`` whose OOM handler the manager becomes (found automatically when vmalloc is
             the global CUDA allocator).
         recompute: rebuild saved outputs of GELU/SiLU/leaky ReLU from their saved inputs at backward instead
-            of swapping them (bitwise exact; fewer bytes over the link; swap.recompute).
+            of swapping them (bitwise exact; fewer bytes over the link; swap.planning.recompute).
 
     Raises ``InfeasibleBudget`` (at the first saved tensor of the iteration after the one that showed it)
     when no schedule can keep the budget; warns once with ``BudgetWarning`` per cause when it cannot help

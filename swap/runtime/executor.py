@@ -4,75 +4,48 @@ Each pack and unpack is one step. In a *planned* iteration, step i issues ``rele
 copy, drop the device copy), ``swap_in[i]`` (start H2D), the access (a use waits for its H2D copy, or
 fetches on demand if the plan missed: slower, never wrong), then ``swap_out[i]`` (start D2H). A *profiling*
 iteration runs the conservative plan instead and records the sequence the scheduler plans with
-(swap.recorder).
+(swap.runtime.recorder).
+
+The executor is one object in three files: this one (the hooks, the steps, the callbacks from variables),
+``lifecycle.py`` (iterations: profiling, planning, learning from what was measured) and ``transfers.py`` (the
+copies, releases and evictions).
 
 Note [Budget-aware profiling]
 The conservative plan holds as little as any plan can: a variable's copy to host starts when it is saved,
 and its device copy is dropped at the next step; a use fetches its variable, or re-attaches the forward's
 storage when someone still holds it (a second copy would only add memory). So a profiling step needs no
-more than its floor (swap.budget.step_floors). The one optional extra is a prefetch: the second profiling
-iteration fetches the next use of the first one ahead of time, and only when what is live, the variable,
-and what the step allocated last time fit the budget. The first iteration fetches on demand. Whatever
+more than its floor (swap.planning.budget.step_floors). The one optional extra is a prefetch: the second
+profiling iteration fetches the next use of the first one ahead of time, and only when what is live, the
+variable, and what the step allocated last time fit the budget. The first iteration fetches on demand. Whatever
 our own copies, everything is released when a backward pass ends, so nothing of ours is held across the
 optimizer step.
-
-Note [Two profiling iterations]
-The first iteration is not representative: gradients and optimizer state (momentum, Adam moments) are made
-during it, so the memory that is not ours to move is larger in every later iteration. The executor
-therefore profiles two iterations, both with the conservative plan, and plans from the element-wise larger
-of the two. If the first alone cannot fit the budget, no later one can: ``InfeasibleBudget`` is raised at
-once (at the second iteration's first saved tensor), with ``min_budget`` raised by what the optimizer step
-added. After the sequence changes, one profiling iteration suffices.
-
-Note [Iteration boundaries]
-An iteration starts at the first saved tensor after a backward pass has ended (autograd's engine callback,
-queued at the first unpack of each backward). So a second backward over a retained graph, several
-forwards before one backward, or a forward whose graph is dropped all belong to the iteration they run in,
-and the optimizer step is part of the last step's interval. Variables are numbered afresh in save order
-each iteration, so a repeated training step reproduces the profiled sequence step for step; the first step
-that differs (shape, order) switches the rest of the iteration to the conservative plan and makes the next
-one a profiling iteration.
 
 Note [Step windows]
 A step's measured peak is the highest memory from its access to the next one. The window is restarted after
 the access's releases, not before them: the memory they free belonged to the step before (it was counted
 there), and counting it again would inflate the step, its plan, and ``min_budget``.
-
-Note [Host block reuse]
-Every iteration saves variables of the same sizes again. A dead variable's host block is kept by size and
-handed to the next variable of that size, so the steady state never searches the host pool's free lists.
-
-Note [Learning from an overrun]
-Planned iterations measure every step. A step that exceeds the budget is warned about at once
-(``BudgetWarning``), and at the next iteration's start the plan is remade with the measured memory for
-that step: once per step (a step that keeps varying is not re-planned again: no cycle). When the memory
-live at an iteration's start grows past what the plan assumed (optimizer state made later, a larger
-input), the plan is remade with that growth, before any step can exceed the budget.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 import weakref
-from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
 
-from .budget import fmt_bytes
+from ..planning.scheduler import Schedule
+from ..planning.sequence import SAVE, USE, Sequence
 from .host_pool import HostPool
+from .lifecycle import DECLINED, FALLBACK, PLANNED, PROFILE, Lifecycle, Profiled
 from .memory import DeviceMemory
 from .recorder import Recorder
-from .scheduler import InfeasibleBudget, Schedule
-from .sequence import SAVE, USE, Sequence
+from .timers import CudaStepTimer, HostStepTimer
 from .tracer import ModulePaths, Packed, Variable, passthrough
+from .transfers import Transfers
 
 log = logging.getLogger("swap")
-
-PROFILE, PLANNED, FALLBACK, DECLINED = "profile", "planned", "fallback", "declined"
-
 
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)  # the backward node running now
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
@@ -122,42 +95,6 @@ class WholeModelCompiled(RuntimeError):
         )
 
 
-class HostStepTimer:
-    """Wall-clock time between our hooks (the compute the profiled step did)."""
-
-    def start(self) -> None:
-        self.t = time.perf_counter()
-
-    def stop(self) -> Any:
-        return time.perf_counter() - self.t
-
-    def resolve(self, mark: Any) -> float:
-        return mark
-
-
-class CudaStepTimer:
-    """CUDA events on the compute stream: the device time between our hooks, read at iteration end."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def _event(self) -> Any:
-        e = torch.cuda.Event(enable_timing=True)
-        e.record(torch.cuda.current_stream(self.device))
-        return e
-
-    def start(self) -> None:
-        self.begin = self._event()
-
-    def stop(self) -> Any:
-        return (self.begin, self._event())
-
-    def resolve(self, mark: Any) -> float:
-        begin, end = mark
-        end.synchronize()
-        return begin.elapsed_time(end) / 1e3
-
-
 class Counters:
     def __init__(self) -> None:
         self.iterations = 0
@@ -170,19 +107,9 @@ class Counters:
         self.overruns = 0  # steps measured above the budget
 
 
-@dataclass
-class Profiled:
-    """What a finished profiling iteration hands to the manager's planner."""
+class Executor(Lifecycle, Transfers):
+    """Follows a schedule from inside the saved-tensor hooks (the module docstring says how)."""
 
-    sequence: Optional[Sequence]  # None: nothing was saved that the manager may move
-    final: bool  # the last profiling iteration: plan now (else only judge feasibility)
-    growth: int  # memory live at this iteration's start less at the profiled one's
-    unswapped_peak: Optional[int]  # what the run reaches without swapping, where it can be measured
-    peak: int  # the highest memory the iteration measured
-    overruns: list[tuple[int, int]] = field(default_factory=list)  # (step, measured) above the budget
-
-
-class Executor:
     def __init__(
         self,
         device: torch.device,
@@ -251,132 +178,6 @@ class Executor:
         # Profiling: saves inside some module / inside a compiled function outside any module (Note [Hooks
         # and torch.compile]).
         self._saved_in_module = self._saved_in_compiled_function = False
-
-    def _begin_iteration(self, t: torch.Tensor) -> None:
-        """The first saved tensor after a backward: judge the iteration that ended, start the next."""
-        peak = self.memory.window_peak()
-        shadow = self.memory.shadow_window_peak()
-        if self.iteration > 0 and self.step > 0:
-            self._close_step(peak, tail=True)
-        self._release_leftovers()
-        old_vars, recorder, ended = self.vars, self.recorder, self.mode
-        steps = self.step
-        self.last_actions = self.actions
-        self._backward_done, self._iteration_counted = False, False
-        self.iteration += 1
-        self.recorder = None
-        first_live = self.memory.current()
-        self._reset_iteration()
-        if ended == PROFILE and recorder is not None:
-            self._finish_profile(recorder, old_vars, shadow, first_live, peak)
-        elif ended == PLANNED:
-            self._after_planned(first_live, steps)
-        elif ended == FALLBACK:
-            self.mode, self.profiles_left, self._previous = PROFILE, 1, None
-        if self.mode == PROFILE:
-            self.recorder = Recorder(first_live, t.untyped_storage().nbytes())
-
-    def _finish_profile(
-        self, rec: Recorder, old_vars: list[Variable], shadow: Optional[int], first_live: int, peak: int
-    ) -> None:
-        seq = rec.finish([v.nbytes for v in old_vars], [v.module for v in old_vars], self.timer.resolve)
-        if seq is not None and self._previous is not None and self._previous.signature() == seq.signature():
-            seq = _merge(self._previous, seq)
-        self._previous = seq
-        if shadow is not None:
-            self._unswapped_peak = max(self._unswapped_peak or 0, shadow)
-        self.profiles_left -= 1
-        final = self.profiles_left <= 0
-        growth = max(0, first_live - rec.first_live)
-        peak = max([peak] + rec.peak)
-        try:
-            schedule = self.planner(Profiled(seq, final, growth, self._unswapped_peak, peak, rec.overruns))
-        except InfeasibleBudget:
-            self.mode, self.profiles_left, self._previous = PROFILE, 1, None
-            raise
-        if final:
-            self.sequence, self.schedule = seq, schedule
-            self.mode = PLANNED if schedule is not None else DECLINED
-            if seq is None:
-                self.allow_decline = False  # nothing to manage (the manager warned): nothing to re-profile for
-            self._plan_first_live = rec.first_live
-            self._learned, self._to_learn = set(), {}
-            if self.mode == PLANNED:
-                self._grown(first_live)
-
-    def _after_planned(self, first_live: int, steps: int) -> None:
-        seq = self.sequence
-        if steps != len(seq):  # ended early: the sequence changed
-            log.info("swap: the iteration ended after %d steps, the plan has %d: re-profiling", steps, len(seq))
-            self.counters.replans += 1
-            self.mode, self.profiles_left, self._previous = PROFILE, 1, None
-            return
-        new = {i: b for i, b in self._to_learn.items() if i not in self._learned}
-        self._to_learn = {}
-        if new:
-            nonswap = list(seq.nonswap)
-            for i, b in new.items():
-                nonswap[i] = max(nonswap[i], b)
-            self._learned |= set(new)
-            self._replan(replace(seq, nonswap=nonswap), f"{len(new)} step(s) measured above the plan")
-        self._grown(first_live)
-
-    def _grown(self, first_live: int) -> None:
-        """The memory live at the iteration's start grew past what the plan assumed: plan with it."""
-        growth = first_live - self._plan_first_live
-        if growth > 0 and self.schedule.peak + growth > self.budget:
-            self._plan_first_live = first_live
-            seq = self.sequence
-            why = f"{fmt_bytes(growth)} more was live at the iteration's start than when it was profiled"
-            self._replan(replace(seq, nonswap=[b + growth for b in seq.nonswap]), why)
-
-    def _replan(self, seq: Sequence, why: str) -> None:
-        self.counters.replans += 1
-        log.info("swap: re-planning: %s", why)
-        try:
-            self.schedule = self.replanner(seq)
-        except InfeasibleBudget:
-            self.mode, self.profiles_left, self._previous = PROFILE, 1, None
-            raise
-        self.sequence = seq
-
-    def _backward_end(self) -> None:
-        """Autograd finished a backward pass (engine callback)."""
-        with self.lock:
-            self._in_backward = False
-            self._backward_done = True
-            self._last_node = None  # the node (and the graph behind it) must not outlive the backward
-            if not self._iteration_counted:
-                self.counters.iterations += 1
-                self._iteration_counted = True
-            if self.closed:
-                return
-            self._process_dying()
-            if self.mode in (PROFILE, FALLBACK):
-                for v in self.held_vars:  # nothing of ours is held across the optimizer step
-                    self._release(v)
-                self.held_vars, self.prefetched = [], None
-            elif self.mode == DECLINED:
-                peak = self.memory.window_peak()
-                if peak > self.budget and self.allow_decline and self.sequence is not None:
-                    self.warn(
-                        "declined-overrun",
-                        f"the run was not swapped (it fit the budget when profiled), but this iteration reached "
-                        f"{fmt_bytes(peak)}, over the budget of {fmt_bytes(self.budget)}: profiling again and "
-                        "swapping from now on",
-                    )
-                    self.counters.overruns += 1
-                    self.allow_decline = False
-                    self.mode, self.profiles_left, self._previous = PROFILE, 1, None
-            self.engine.measure()
-
-    def _release_leftovers(self) -> None:
-        """Variables of the iteration that ended and still on the device leave it (graphs kept alive)."""
-        self._process_dying()
-        for v in self.vars:
-            if v.dev is not None:
-                self._release(v)
-        self.held_vars, self.prefetched = [], None
 
     # -- hooks ------------------------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
@@ -517,16 +318,6 @@ class Executor:
             var.dev = None
             self._recycle_host(var)
 
-    def _process_dying(self) -> None:
-        while self._dying:
-            var = self._dying.pop()
-            for ticket in (var.d2h, var.h2d):
-                if ticket is not None and not self.closed:
-                    self.engine.wait_host(ticket)
-            var.d2h = var.h2d = None
-            var.dev = None
-            self._recycle_host(var)
-
     # -- steps ------------------------------------------------------------------------------------------
     def _step(self, var: Variable, kind: str, storage: Optional[torch.UntypedStorage]) -> None:
         i = self.step
@@ -565,53 +356,6 @@ class Executor:
             self._last_node = node  # kept alive, so the next node cannot reuse its id
             self._node_groups += 1
         return self._node_groups
-
-    def _close_step(self, peak: int, tail: bool = False) -> None:
-        """The interval after the previous access ended with ``peak`` the highest memory in it (``tail``: the
-        iteration's last interval, through the optimizer step)."""
-        i = self.step - 2 if self._in_hook else self.step - 1  # the step whose interval this was
-        rec = self.recorder
-        if rec is not None:
-            rec.close_step(peak, self.memory.held_window_peak(), self.timer.stop())
-        if peak <= self.budget:
-            return
-        self.counters.overruns += 1
-        if rec is not None:
-            rec.overruns.append((i, peak))
-            self.warn(
-                ("profile-overrun", self.iteration),
-                f"profiling iteration {self.iteration} exceeded the budget of {fmt_bytes(self.budget)} by "
-                f"{fmt_bytes(peak - self.budget)} ({fmt_bytes(peak)}) {self._where(i, tail, rec)}. A profiling "
-                "iteration holds only the saved tensor each step uses, so what is not swappable there exceeds the "
-                "budget (InfeasibleBudget follows at the next iteration's first saved tensor, with the smallest "
-                "budget that fits) or grew since the last profile",
-            )
-        elif self.mode == PLANNED and i < len(self.sequence):
-            seq, s = self.sequence, self.schedule
-            planned = seq.nonswap[i] + s.resident[i]
-            self._to_learn[i] = max(self._to_learn.get(i, 0), peak - s.resident[i])
-            again = i in self._learned
-            self.warn(
-                ("planned-overrun-again" if again else ("planned-overrun", self.iteration)),
-                f"iteration {self.iteration} exceeded the budget of {fmt_bytes(self.budget)} by "
-                f"{fmt_bytes(peak - self.budget)} {self._where(i, tail)} (planned {fmt_bytes(planned)}, measured "
-                f"{fmt_bytes(peak)}): "
-                + ("it was re-planned for that already; the memory there varies between iterations"
-                   if again else "the next iteration is planned with what was measured"),
-            )  # fmt: skip
-
-    def _where(self, i: int, tail: bool, rec: Optional[Recorder] = None) -> str:
-        var_ids, kinds = (rec.var, rec.kind) if rec is not None else (self.sequence.var, self.sequence.kind)
-        if i >= len(var_ids):
-            return "after the last saved tensor"
-        v = var_ids[i]
-        module = self.vars[v].module if v < len(self.vars) else ""
-        if not module and self.sequence is not None and self.sequence.modules and v < len(self.sequence.modules):
-            module = self.sequence.modules[v]
-        phase = "forward" if kinds[i] == SAVE else "backward"
-        if tail:
-            return f"after the backward of {module or 'the model'} (the rest of backward, the optimizer step)"
-        return f"in the {phase} of {module or 'the model'}"
 
     def _matches(self, var: Variable, kind: str, i: int) -> bool:
         seq = self.sequence
@@ -688,140 +432,6 @@ class Executor:
         for u in s.swap_out[i]:
             self._swap_out(self.vars[u], i)
 
-    # -- moving bytes -----------------------------------------------------------------------------------
-    def _log(self, i: int, action: str, var: Variable) -> None:
-        self.actions.append((i, action, var.id))
-
-    def _recycle_host(self, var: Variable) -> None:
-        """A dead variable's host block goes to the next iteration's variable of that size (Note [Host block
-        reuse]); after close, to the pool."""
-        if var.host is None:
-            return
-        if self.closed:
-            var.free_host()
-            return
-        block = var.take_host()
-        with self._acct:
-            self._spare_host.setdefault(block.nbytes, []).append(block)
-
-    def _host_block(self, nbytes: int) -> Any:
-        with self._acct:
-            spare = self._spare_host.get(nbytes)
-            if spare:
-                return spare.pop()
-        return self.pool.alloc(nbytes)
-
-    def _swap_out(self, var: Variable, i: Optional[int]) -> None:
-        if var.host is None and var.dev is not None and var.alive:
-            var.set_host(self._host_block(var.nbytes), self.pool.free)
-            var.d2h = self.engine.d2h(var.host.view, var.dev)
-            self.counters.swapped_out_bytes += var.nbytes
-        if i is not None:
-            self._log(i, "swap_out", var)
-
-    def _release(self, var: Variable, i: Optional[int] = None) -> None:
-        if var.dev is None:
-            return
-        if var.host is None and var.alive:
-            self._swap_out(var, None)  # never dropped without a copy while autograd may still ask for it
-        if var.d2h is not None:
-            self.counters.stall_seconds += self.engine.wait_host(var.d2h)
-            var.d2h = None
-            var.check_versions()
-        if var.h2d is not None:  # fetched but not used: the copy must finish before the memory goes
-            self.counters.stall_seconds += self.engine.wait_host(var.h2d)
-            var.h2d = None
-        var.dev = None
-        if i is not None:
-            self._log(i, "release", var)
-
-    def _swap_in(self, var: Variable, i: int) -> None:
-        if var.dev is not None or not var.alive:
-            return
-        original = var.original()
-        if original is not None and var.unchanged():
-            var.attach(original)  # still alive elsewhere: a copy would only add memory
-        elif var.host is not None:
-            if var.d2h is not None:  # released without a wait (evicted): its copy must be complete
-                self.counters.stall_seconds += self.engine.wait_host(var.d2h)
-                var.d2h = None
-            flat = self._new_copy(var)
-            var.h2d = self.engine.h2d(flat, var.host.view)
-            self.counters.swapped_in_bytes += var.nbytes
-        else:
-            raise RuntimeError(f"swap: internal error: variable {var.id} has neither a device nor a host copy")
-        self._log(i, "swap_in", var)
-
-    def _new_copy(self, var: Variable) -> torch.Tensor:
-        """Device memory for ``var``'s bytes to come back into (a run without swapping would hold them)."""
-        if not var.on_device:
-            self.memory.add_shadow(-var.nbytes)
-            with self._acct:
-                var.on_device = True
-                if var.alive and var.iteration == self.iteration:
-                    self._on_device_bytes += var.nbytes
-        flat = torch.empty(var.nbytes, dtype=torch.uint8, device=self.device)
-        var.adopt_copy(flat)
-        return flat
-
-    def _ensure_resident(self, var: Variable, i: int) -> None:
-        if var.dev is None:
-            original = var.original()
-            if original is None or not var.unchanged():
-                self.counters.demand_fetches += 1
-                self._log(i, "demand", var)
-            self._swap_in(var, i)
-        if var.h2d is not None:
-            self.counters.stall_seconds += self.engine.wait_compute(var.h2d)
-            var.h2d = None
-        if not var.dev_is_copy and var.versions:
-            var.check_versions("after it was saved, and the modified storage is what backward would read")
-
-    def _fetch_outside(self, var: Variable) -> torch.Tensor:
-        """A synchronous copy back, for unpacks outside the plan (a graph of an earlier iteration, after exit)."""
-        if var.dev is not None:
-            if var.h2d is not None and not self.closed:
-                self.engine.wait_compute(var.h2d)
-                var.h2d = None
-            return var.dev
-        original = var.original()
-        if original is not None and var.unchanged():
-            var.attach(original)
-            flat, var.dev = var.dev, None  # not held: autograd's view keeps it for the node that asked
-            return flat
-        if var.d2h is not None and not self.closed:
-            self.engine.wait_host(var.d2h)
-            var.d2h = None
-        if var.host is None:
-            raise RuntimeError(f"swap: internal error: variable {var.id} has neither a device nor a host copy")
-        if self.closed:
-            return var.host.view.to(self.device, copy=True)
-        flat = self._new_copy(var)
-        flat.copy_(var.host.view)
-        var.dev = None  # not held: autograd's view keeps it for the node that asked
-        return flat
-
-    # -- the allocator's OOM handler --------------------------------------------------------------------
-    def evict(self, nbytes: int) -> bool:
-        """Frees device copies of resident variables, least recently used first (copying those that have no
-        host copy yet, synchronously), until ``nbytes`` are freed. True if anything was evicted."""
-        with self.lock:
-            if self.closed:
-                return False
-            current = self.step - 1
-            victims = sorted(
-                (v for v in self.vars if v.dev is not None and v.last_access < current and v.h2d is None),
-                key=lambda v: v.last_access,
-            )
-            freed = 0
-            for v in victims:
-                if freed >= nbytes:
-                    break
-                self._release(v)
-                freed += v.nbytes
-                self.counters.evictions += 1
-            return freed > 0
-
     def close(self) -> None:
         with self.lock:
             try:
@@ -840,22 +450,6 @@ class Executor:
                 self._spare_host = {}
                 # Our references go; autograd's handles keep what a late unpack may still need.
                 self.vars, self.by_storage = [], {}
-
-
-def _merge(a: Sequence, b: Sequence) -> Sequence:
-    """Two profiles of one sequence: the element-wise larger memory, swappable only where both say so."""
-    return replace(
-        b,
-        nonswap=[max(x, y) for x, y in zip(a.nonswap, b.nonswap)],
-        swappable=[x and y for x, y in zip(a.swappable, b.swappable)],
-        held_until=[max(x, y) for x, y in zip(a.held_until, b.held_until)],
-        node_last=[max(x, y) for x, y in zip(a.node_last, b.node_last)],
-        freed=[max(x, y) for x, y in zip(a.freed, b.freed)],
-        transient=[max(x, y) for x, y in zip(a.transient, b.transient)],
-        kept=[max(x, y) for x, y in zip(a.kept, b.kept)],
-        base=max(a.base, b.base),
-        modules=[x or y for x, y in zip(a.modules, b.modules)],
-    )
 
 
 __all__ = ["Executor", "Profiled", "WholeModelCompiled", "PROFILE", "PLANNED", "FALLBACK", "DECLINED"]

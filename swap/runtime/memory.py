@@ -133,7 +133,7 @@ def vmalloc_arena(device: torch.device) -> Optional[Any]:
     manager as its OOM handler (Note [MemPool mode routes every thread] in vmalloc/torch_allocator.py). Nothing
     evicts or recovers there: an allocation the pool cannot serve is torch's OutOfMemoryError at once (Note
     [What a pool scope costs]), so the plan alone keeps the budget; the copy engine calls no record_stream,
-    so the scope holds no freed copy back (Note [Copies without record_stream] in swap/engines.py).
+    so the scope holds no freed copy back (Note [Copies without record_stream] in swap/runtime/engines.py).
     """
     if device.type != "cuda":
         return None

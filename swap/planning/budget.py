@@ -4,7 +4,8 @@
   not ours to move, the saved tensors the forward pass still holds, and the step's own variable.
 - ``InfeasibleBudget``: raised when the largest floor exceeds the budget; it carries ``min_budget`` (the
   largest floor), the module at that step, what is live there, and which lever would lower it.
-- ``BudgetWarning``: the runtime kept running but could not keep (or could not help keep) the budget.
+(``BudgetWarning``, the runtime's signal that it kept running but could not keep the budget, is in
+swap.runtime.signals.)
 
 Pure: no torch, no I/O, so the scheduler and tests use it directly.
 """
@@ -18,18 +19,17 @@ from .sequence import SAVE, Sequence
 LEVERS = ("min_bytes", "checkpoint", "batch", "budget")
 
 
-class BudgetWarning(UserWarning):
-    """The swap runtime could not keep the budget, or had nothing to do: nothing could be swapped, the
-    budget was exceeded because of ``min_bytes``, ``exclude`` or a device mismatch, or an iteration measured
-    more than it was planned for. Each cause is warned about once per manager."""
-
-
 def fmt_bytes(n: int) -> str:
     """1.50 MiB, 3.00 GiB, 512 B."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
+
+
+def fmt_size(n: Optional[int]) -> str:
+    """``fmt_bytes``, and "-" for None (a figure that does not exist), for tables."""
+    return "-" if n is None else fmt_bytes(n)
 
 
 def fmt_exact(n: int) -> str:

@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from .budget import fmt_bytes
-
-
-def _bytes(n: Any) -> str:
-    return "-" if n is None else fmt_bytes(n)
+from ..planning.budget import fmt_size as _bytes
 
 
 class SwapReport(dict):
@@ -16,7 +10,7 @@ class SwapReport(dict):
     iterations, swapped_out_bytes, swapped_in_bytes, demand_fetches, stall_seconds, peak_device_bytes,
     budget_bytes, window_bytes, replans, overruns (steps measured above the budget), min_budget_bytes,
     policy, memory_source and peak_measured_inside_ops (False on CPU: the peak is of live tensor bytes
-    between operators, see swap.meter), and notes."""
+    between operators, see swap.runtime.meter), and notes."""
 
     ROWS = [
         ("status", "status", str),

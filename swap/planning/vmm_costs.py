@@ -2,7 +2,7 @@
 
 vmalloc maps fixed-size chunks into virtual ranges (``cuMemCreate``, ``cuMemMap``, ``cuMemSetAccess``,
 ``cuMemUnmap``, ``cuMemRelease``). Each call is synchronous host work: while the allocator maps, the host
-issues no kernel, so the compute stream waits (swap.simulator charges it there). ``VmmCosts.seconds``
+issues no kernel, so the compute stream waits (swap.planning.simulator charges it there). ``VmmCosts.seconds``
 turns an allocator's counts (its ``stats()``: num_created_chunks, num_maps, num_unmaps, num_device_free)
 into that time.
 
@@ -106,7 +106,7 @@ def for_device(name: str, chunk_size: int = 2 * MiB) -> VmmCosts:
     if gen is None:
         raise ValueError(
             f"no VMM costs for device {name!r}: use one of {', '.join(sorted(_GENERATION))} or a generation "
-            f"({', '.join(COSTS)}), or load measured ones with swap.vmm_costs.load(path)"
+            f"({', '.join(COSTS)}), or load measured ones with swap.planning.vmm_costs.load(path)"
         )
     return COSTS[gen].for_chunk(chunk_size)
 

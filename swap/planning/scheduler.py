@@ -18,7 +18,7 @@ swap-outs are completed oldest first, then resident variables are evicted farthe
 copy is started after their last access, in hindsight: the plan is made offline), and prefetches that still
 do not fit wait. A plan therefore never exceeds the budget; when the step's own working set (the memory
 that is not ours plus the variable it touches) exceeds it, no plan can, and ``InfeasibleBudget`` says which
-step and by how much (``swap.budget``: the largest failing step, its module, and what would help).
+step and by how much (``swap.planning.budget``: the largest failing step, its module, and what would help).
 """
 
 from __future__ import annotations

@@ -16,12 +16,12 @@ saved operand to rebuild from.
 
 Three parts:
 
-- ``RecomputeHooks`` (runtime): wraps the swap manager's pack/unpack. An eligible tensor is not packed; its
-  handle keeps the rule and the *packed input* (found by reading the node's saved input, which calls our
-  unpack hook: we answer it without touching the executor). At unpack the input is unpacked through the
-  executor (a use, so the plan prefetches it), the rule runs, and the original view is rebuilt. The hooks
-  stay on when the manager declines to swap: the profiled iterations that found the run fits the budget
-  rebuilt, and an unswapped run that kept the outputs could exceed it.
+- ``RecomputeHooks`` (runtime, in swap.runtime.recompute): wraps the swap manager's pack/unpack. An
+  eligible tensor is not packed; its handle keeps the rule and the *packed input* (found by reading the
+  node's saved input, which calls our unpack hook: we answer it without touching the executor). At unpack
+  the input is unpacked through the executor (a use, so the plan prefetches it), the rule runs, and the
+  original view is rebuilt. The hooks stay on when the manager declines to swap: the profiled iterations
+  that found the run fits the budget rebuilt, and an unswapped run that kept the outputs could exceed it.
 - ``recipes`` (planning): which variables of a model's sequence are eligible, and from which variable.
 - ``with_recompute`` (simulation): the sequence the runtime records when those variables are rebuilt, so
   the scheduler and the simulator plan it unchanged; ``choose`` keeps the rebuilds that make the simulated
@@ -57,65 +57,12 @@ RULES: dict[str, Callable[[Any], Rule]] = {
 ELEMENTWISE_FLOPS = 8  # per element of a rebuild, for the roofline (GELU's erf is the dearest)
 
 
-def _producer(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+def producer(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """The tensor that owns ``t``'s storage (``t`` or its base) and the node that made it."""
     root = t._base if t._base is not None else t
     return root, root.grad_fn
 
 
-@dataclass
-class Recomputed:
-    """What autograd stores in place of an eligible saved tensor."""
-
-    rule: Rule
-    source: Any  # the input's packed handle (or the input itself, if it is not swapped)
-    dtype: torch.dtype
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
-
-
-class RecomputeHooks:
-    """The runtime side: ``pack`` returns a ``Recomputed`` handle or None (swap it as usual); ``unpack``
-    rebuilds. ``intercepts(packed)`` says whether an unpack is ours (a handle, or the peek at a saved input)."""
-
-    def __init__(self) -> None:
-        self._peeking = False
-        self._peeked: Any = None
-        self.rebuilt = 0
-
-    def pack(self, t: torch.Tensor) -> Optional[Recomputed]:
-        root, node = _producer(t)
-        make = RULES.get(type(node).__name__) if node is not None else None
-        if make is None or root.requires_grad is False:
-            return None
-        self._peeking, self._peeked = True, None
-        try:
-            _ = node._saved_self  # unpacks through our hook: see intercepts()/unpack()
-        finally:
-            self._peeking = False
-        source, self._peeked = self._peeked, None
-        if source is None or isinstance(source, Recomputed):
-            return None  # Note [No rebuild from a rebuild]
-        return Recomputed(make(node), source, t.dtype, t.size(), t.stride(), t.storage_offset())
-
-    def intercepts(self, packed: Any) -> bool:
-        return self._peeking or isinstance(packed, Recomputed)
-
-    def unpack(self, packed: Any, unpack: Callable[[Any], torch.Tensor]) -> torch.Tensor:
-        if self._peeking:  # the node's saved input, read at pack time: remember its handle, move nothing
-            self._peeked = packed
-            return torch.empty(0)
-        x = unpack(packed.source) if not isinstance(packed.source, torch.Tensor) else packed.source
-        with torch.no_grad():
-            out = packed.rule(x)
-        self.rebuilt += 1
-        return torch.empty(0, dtype=packed.dtype, device=out.device).set_(
-            out.untyped_storage(), packed.offset, packed.size, packed.stride
-        )
-
-
-# -- planning and simulation ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Recipe:
     source: int  # the variable it is rebuilt from
@@ -146,7 +93,7 @@ def recipes(model: torch.nn.Module, inputs: tuple, exclude: Callable[[torch.Tens
         if key not in index:
             index[key] = len(sizes)
             sizes.append(st.nbytes())
-            root, node = _producer(t)
+            root, node = producer(t)
             if node is not None and type(node).__name__ in RULES:
                 peeked.clear()
                 _ = node._saved_self  # our unpack hook records its handle

@@ -1,0 +1,65 @@
+"""The runtime side of elementwise rebuilds (Note [Recompute or swap], swap.planning.recompute): saved outputs
+of GELU/SiLU/leaky ReLU are not packed; autograd keeps a ``Recomputed`` handle, and the output is rebuilt from
+the packed input at its backward use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..planning.recompute import RULES, Rule, producer
+
+
+@dataclass
+class Recomputed:
+    """What autograd stores in place of an eligible saved tensor."""
+
+    rule: Rule
+    source: Any  # the input's packed handle (or the input itself, if it is not swapped)
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class RecomputeHooks:
+    """The runtime side: ``pack`` returns a ``Recomputed`` handle or None (swap it as usual); ``unpack``
+    rebuilds. ``intercepts(packed)`` says whether an unpack is ours (a handle, or the peek at a saved input)."""
+
+    def __init__(self) -> None:
+        self._peeking = False
+        self._peeked: Any = None
+        self.rebuilt = 0
+
+    def pack(self, t: torch.Tensor) -> Optional[Recomputed]:
+        root, node = producer(t)
+        make = RULES.get(type(node).__name__) if node is not None else None
+        if make is None or root.requires_grad is False:
+            return None
+        self._peeking, self._peeked = True, None
+        try:
+            _ = node._saved_self  # unpacks through our hook: see intercepts()/unpack()
+        finally:
+            self._peeking = False
+        source, self._peeked = self._peeked, None
+        if source is None or isinstance(source, Recomputed):
+            return None  # Note [No rebuild from a rebuild]
+        return Recomputed(make(node), source, t.dtype, t.size(), t.stride(), t.storage_offset())
+
+    def intercepts(self, packed: Any) -> bool:
+        return self._peeking or isinstance(packed, Recomputed)
+
+    def unpack(self, packed: Any, unpack: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+        if self._peeking:  # the node's saved input, read at pack time: remember its handle, move nothing
+            self._peeked = packed
+            return torch.empty(0)
+        x = unpack(packed.source) if not isinstance(packed.source, torch.Tensor) else packed.source
+        with torch.no_grad():
+            out = packed.rule(x)
+        self.rebuilt += 1
+        return torch.empty(0, dtype=packed.dtype, device=out.device).set_(
+            out.untyped_storage(), packed.offset, packed.size, packed.stride
+        )
+
