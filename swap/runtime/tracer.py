@@ -101,6 +101,7 @@ class ModulePaths:
         self._names: dict[tuple[int, int], str] = {}
         self.compiled = False  # the last ``current()`` ran inside a torch.compile'd region
         self.in_module = False  # the last ``current()`` ran inside some module's call (compiled or not)
+        self.root: Optional[torch.nn.Module] = None  # the last ``current()``'s outermost module
 
     def current(self) -> str:
         chain = []
@@ -117,6 +118,7 @@ class ModulePaths:
             f = f.f_back
         self.compiled = compiled
         self.in_module = bool(chain)
+        self.root = chain[-1] if chain else None
         chain.reverse()
         parts = [self._name(parent, child) for parent, child in zip(chain, chain[1:])]
         return ".".join(p for p in parts if p)
