@@ -189,7 +189,7 @@ def _best(outcomes: list[Outcome], name: str) -> Outcome:
 
 
 def _levels(ev: Evaluator) -> dict[str, list[str]]:
-    return ev.table.levels()
+    return ev.table.level_sets()
 
 
 def _no_regions(ev: Evaluator, name: str, swap: str) -> Outcome:
@@ -335,7 +335,7 @@ def search(ev: Evaluator, max_evaluations: int = 400) -> JointResult:
     pool = list(baselines.values())
     for level, paths in _levels(ev).items():
         chains = {p: keep_chain(ev, p) for p in paths}
-        depth = max(len(c) for c in chains.values())
+        depth = max((len(c) for c in chains.values()), default=0)
         variants: list[Callable[[str], frozenset]] = [lambda p, m=m, ch=chains: ch[p][min(m, len(ch[p]) - 1)]
                                                       for m in range(depth)]  # fmt: skip
         variants.append(lambda p: selective_keep(ev, p))

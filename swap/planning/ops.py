@@ -32,6 +32,7 @@ bottlenecks are the inner one).
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -124,6 +125,29 @@ class OpTable:
             if c.path not in paths:
                 paths.append(c.path)
         return {k: [p for p in v if not self.blocked(p)] for k, v in out.items() if any(not self.blocked(p) for p in v)}
+
+    def level_sets(self, limit: int = 16) -> dict[str, list[str]]:
+        """Ways to checkpoint "every block" (Note [Candidate regions]): one level from each family of nested
+        levels (T5: its encoder's and its decoder's blocks, or their layers), by name ("a+b") -> paths. Past
+        ``limit`` combinations, only the all-outermost and all-innermost ones and those differing from the
+        all-outermost in one family."""
+        levels = self.levels()
+        families: list[list[str]] = []
+        for p in sorted(levels, key=len):
+            fam = next((f for f in families if any(nested(p, q) or nested(q, p) for q in f)), None)
+            if fam is None:
+                families.append([p])
+            else:
+                fam.append(p)
+        combos = list(itertools.product(*families))
+        if len(combos) > limit:
+            outer = tuple(f[0] for f in families)
+            combos = [outer, tuple(f[-1] for f in families)]
+            combos += [outer[:k] + (alt,) + outer[k + 1 :] for k, f in enumerate(families) for alt in f[1:]]
+        out: dict[str, list[str]] = {}
+        for combo in combos:
+            out.setdefault("+".join(combo), [p for level in combo for p in levels[level]])
+        return out
 
     def keep_candidates(self, call: RegionCall, saved: set[int]) -> list[int]:
         """Operators of ``call`` whose outputs may be kept instead of recomputed: keepable, and an output is a

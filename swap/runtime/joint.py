@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..planning.joint import Evaluator, JointResult, search
+from ..planning.joint import Evaluator, JointResult, checkpoint, checkpoint_window, search
 from ..planning.ops import OpTable, calibrated
 from ..planning.sequence import USE, Sequence
 from .lifecycle import Reprofile
@@ -33,6 +33,7 @@ from .regions import Regions
 from .tracer import Packed
 
 log = logging.getLogger("swap")
+DEFAULT_LINK = 10e9  # bytes/s: feasibility does not depend on it
 
 
 class JointRuntime:
@@ -57,11 +58,14 @@ class JointRuntime:
         self.regions = Regions(m._keep, m._unpack, m._hook_pair, m.device)
 
     def close(self) -> None:
+        """Unwraps the modules and lets go of them: a manager kept for its report must not keep the model."""
         try:
             if self.regions is not None:
                 self.regions.remove()
         finally:
             self._stop_profiler()
+            if self.profiler is not None:
+                self.profiler.forget_modules()
 
     def _stop_profiler(self) -> None:
         p = self.profiler
@@ -85,6 +89,15 @@ class JointRuntime:
         if self.profiler is not None and self.table is None:
             self.table = self.profiler.table
         self._stop_profiler()
+
+    def may_fit(self, seq: Sequence, budget: int) -> bool:
+        """Whether checkpointing every block (swapping what is left) could fit ``budget`` where swapping alone
+        cannot: judged on the first profiled iteration, to fail as early as the swap policies do."""
+        table = self.profiler.table if self.profiler is not None else None
+        if table is None or not table.calls:
+            return False
+        ev = Evaluator(seq, table, budget, DEFAULT_LINK, DEFAULT_LINK)
+        return checkpoint_window(ev).feasible or checkpoint(ev).feasible
 
     def decide(self, seq: Sequence, h2d: float, d2h: float) -> Optional[Reprofile]:
         """Chooses the plan (once); a ``Reprofile`` if it changes what the model saves, else None (schedule

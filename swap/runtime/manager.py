@@ -239,14 +239,15 @@ class SwapManager:
         joint = self._joint
         undecided = joint is not None and not joint.decided  # recompute may still fit what swapping cannot
         if not p.final:
-            if not undecided and diagnose(seq, self.budget) is not None:  # Note [Two profiling iterations]
+            if diagnose(seq, self.budget) is not None:  # Note [Two profiling iterations]: certain already
                 grown, note = seq, "Measured in the first iteration"
                 if p.growth:
                     grown = replace(seq, nonswap=[b + p.growth for b in seq.nonswap[:-1]] + seq.nonswap[-1:],
                                     base=seq.base + p.growth)
                     note += (f", plus the {fmt_bytes(p.growth)} live from the second on (optimizer state, "
                              "gradients): every step needs it too")  # fmt: skip
-                raise diagnose(grown, self.budget, note)
+                if not undecided or not joint.may_fit(grown, self.budget):
+                    raise diagnose(grown, self.budget, note)
             return None
         error = diagnose(seq, self.budget)
         if error is not None and not undecided:

@@ -97,6 +97,23 @@ def blocker(func: Any, args: tuple, kwargs: dict, device: torch.device) -> str:
     return ""
 
 
+PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, torch.layout,
+         torch.memory_format)  # fmt: skip
+
+
+def stateful_argument(leaves: list) -> str:
+    """Why a call with these flattened arguments cannot be rerun ("" if it can): an argument that is neither a
+    tensor nor a plain value may be changed by the forward (a Hugging Face ``DynamicCache`` appends each
+    layer's keys), and a rerun would change it twice (Note [Operators that cannot be rerun])."""
+    for x in leaves:
+        if not isinstance(x, (torch.Tensor,) + PLAIN) and not callable(x):
+            name = type(x).__name__
+            hint = (": pass use_cache=False (Hugging Face's own gradient checkpointing turns the cache off too)"
+                    if "Cache" in name else "")  # fmt: skip
+            return f"an argument is a {name}, which its forward may change (a rerun would change it twice){hint}"
+    return ""
+
+
 def tensors_of(value: Any) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     _tensors(value, out)

@@ -34,7 +34,15 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from ..planning.ops import Op, OpTable, RegionCall
-from .op_facts import aliases_output, blocker, draws_default_rng, element_flops, tensors_of, written_args
+from .op_facts import (
+    aliases_output,
+    blocker,
+    draws_default_rng,
+    element_flops,
+    stateful_argument,
+    tensors_of,
+    written_args,  # fmt: skip
+)
 from .tracer import ModulePaths
 
 # Roofline shape for pricing operators on CUDA (Note [Operator profiler]): only the ratio matters.
@@ -59,6 +67,7 @@ class _Raw:
     hooked: bool
     in_module: bool
     after_backward: bool
+    compiled: bool = False
 
 
 @dataclass
@@ -99,6 +108,10 @@ class OpProfiler(TorchDispatchMode):
         self._open: list[_RawCall] = []
         self._handles: list[Any] = []
         self._cuda = device.type == "cuda"
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # Note [Meter and torch.compile] in swap.runtime.meter: compiled code must stay compiled
 
     # -- storages ---------------------------------------------------------------------------------------
     def _sid(self, t: torch.Tensor) -> int:
@@ -152,6 +165,7 @@ class OpProfiler(TorchDispatchMode):
         self._log.append(_Raw(
             str(func), module, seconds, flops, nbytes, tuple(outs), tuple(out_sizes), tuple(ins), writes, keepable,
             why, rng, ex.step, top is not None and top == self.ours(), self.paths.in_module, ex._backward_done,
+            self.paths.compiled,
         ))  # fmt: skip
         return out
 
@@ -163,8 +177,10 @@ class OpProfiler(TorchDispatchMode):
             if name and name.rsplit(".", 1)[-1].isdigit() and prefix + name not in self.modules:
                 path = prefix + name
                 self.modules[path] = m
-                self._handles.append(m.register_forward_pre_hook(self._pre(path), with_kwargs=True))
-                self._handles.append(m.register_forward_hook(self._post(path), always_call=True))
+                # Note [Hooks and torch.compile] (swap.runtime.executor): dynamo must run the hooks, not trace them.
+                pre, post = torch._dynamo.disable(self._pre(path)), torch._dynamo.disable(self._post(path))
+                self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+                self._handles.append(m.register_forward_hook(post, always_call=True))
 
     def _pre(self, path: str) -> Callable:
         def pre(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -173,9 +189,11 @@ class OpProfiler(TorchDispatchMode):
             leaves, _ = tree_flatten((args, kwargs))
             inputs = [(self._sid(t), t.untyped_storage().nbytes()) for t in leaves
                       if isinstance(t, torch.Tensor) and self.manages(t)]  # fmt: skip
-            why = ""
+            why = stateful_argument(leaves)
             top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-            if not torch.is_grad_enabled():
+            if why:
+                pass
+            elif not torch.is_grad_enabled():
                 why = "it ran with gradients off"
             elif top is None or top != self.ours():
                 why = "it runs inside saved-tensor hooks of your own (your torch.utils.checkpoint, or save_on_cpu)"
@@ -206,7 +224,7 @@ class OpProfiler(TorchDispatchMode):
         tail_from = cut
         while tail_from > 0 and log[tail_from - 1].after_backward:
             tail_from -= 1
-        finished = [c for c in self._calls if c.end >= 0 and c.first < tail_from]
+        finished = [c for c in self._calls if 0 <= c.end <= tail_from]
         if any(not r.after_backward for r in log[:tail_from]):
             self.table = self._finish(log[:tail_from], finished)
         carried = [replace(r, step=0, after_backward=False) for r in log[cut:]]
@@ -234,6 +252,8 @@ class OpProfiler(TorchDispatchMode):
             why = c.blocker
             inputs = {sid for sid, _ in c.inputs}
             for r in log[c.first : c.end]:
+                if not why and r.compiled:
+                    why = "it runs inside torch.compile (a checkpoint cannot wrap a compiled region's forward)"
                 if not why and not r.hooked:
                     why = "it runs a torch.utils.checkpoint (or other saved-tensor hooks) of your own inside"
                 hit = next((s for s in r.writes if s in inputs), None)
@@ -250,6 +270,12 @@ class OpProfiler(TorchDispatchMode):
             h.remove()
         self._handles = []
         self._log, self._calls, self._open = [], [], []
+
+    def forget_modules(self) -> None:
+        """Drops every reference to the model's modules (the paths stay, for the report)."""
+        self.modules = dict.fromkeys(self.modules)  # type: ignore[assignment]
+        self.roots = []
+        self.paths = ModulePaths()
 
     def module(self, path: str) -> Optional[torch.nn.Module]:
         return self.modules.get(path)

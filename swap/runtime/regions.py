@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS, checkpoint
 
 from ..planning.regions import RecomputePlan, Region
-from .op_facts import blocker, draws_default_rng, replace_written, tensors_of
+from .op_facts import blocker, draws_default_rng, replace_written, stateful_argument, tensors_of
 from .timers import CudaStepTimer, HostStepTimer
 
 log = logging.getLogger("swap")
@@ -60,6 +60,7 @@ class RegionStats:
     rerun_marks: list = field(default_factory=list)  # timer marks, resolved when read
     forced: dict[str, str] = field(default_factory=dict)  # operator key -> why it cannot be rerun
     scratch: int = 0  # tensors written on scratch copies (Note [Scratch copies])
+    skipped: int = 0  # calls run unwrapped (an argument the rerun could change twice)
 
 
 class _Counter:
@@ -213,6 +214,9 @@ class Regions:
             if not torch.is_grad_enabled() or top is None or top != self.ours():
                 return forward(*args, **kwargs)  # Note [Whose checkpoint]
             leaves, spec = tree_flatten((args, kwargs))
+            if stateful_argument(leaves):  # profiled without one; this call has one: run it as written
+                self.stats(path).skipped += 1
+                return forward(*args, **kwargs)
             where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
             # The closure must hold no tensor: the checkpoint's frame keeps it until the backward.
             shell = [None if isinstance(x, torch.Tensor) else x for x in leaves]
