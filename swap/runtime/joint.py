@@ -12,7 +12,9 @@ Note [Applying a joint plan]
    the rebuilds on, and profiles once more with the conservative plan, which keeps the budget whatever is
    saved. If the iteration that just began already entered a module it wraps, it profiles two (the first
    one is half wrapped). The swaps are then scheduled on that measured sequence with the plan's swap policy
-   (the window when the plan swaps nothing: what the model misjudged, the window still fixes).
+   (the window when the plan swaps nothing: what the model misjudged, the window still fixes), never
+   declined: the peak "without swapping" that declining relies on is measured from the tensors our hooks
+   hold, and a checkpoint's frame holds the region inputs and kept outputs in its own way.
 4. The wrappers come off when the manager exits, also after an exception.
 """
 
@@ -134,6 +136,11 @@ class JointRuntime:
         return Reprofile(iterations)
 
     @property
+    def applied(self) -> bool:
+        """Whether modules are checkpointed now."""
+        return self.regions is not None and bool(self.regions._wrapped)
+
+    @property
     def swap_policy(self) -> str:
         """The scheduler policy for what the plan still saves (Note [Applying a joint plan], step 3)."""
         if self.result is None or not self.result.best.feasible or self.result.best.strategy.swap == "none":
@@ -159,7 +166,7 @@ class JointRuntime:
         over the run."""
         plan = self.result.best.strategy.plan if self.result is not None and self.result.best.feasible else None
         region_paths = plan.paths if plan is not None else []
-        candidates = sorted(self.profiler.modules if self.profiler is not None else [], key=len, reverse=True)
+        candidates = sorted(self.profiler.modules if self.profiler is not None else [], key=len)  # outermost first
 
         def group(module: str) -> str:
             for p in region_paths:

@@ -253,7 +253,11 @@ class SwapManager:
         if error is not None and not undecided:
             raise error
         need = p.unswapped_peak if p.unswapped_peak is not None else seq.no_swap_peak()
-        if error is None and need <= self.budget and self.executor.allow_decline:
+        # With recompute regions applied, the swaps are planned on what was measured with them, even if none is
+        # needed: the peak a run without swapping would reach is measured for the saved-tensor hooks' tensors,
+        # not for the ones a checkpoint's frame holds (Note [Applying a joint plan]).
+        applied = joint is not None and joint.applied
+        if error is None and need <= self.budget and self.executor.allow_decline and not applied:
             if joint is not None:
                 joint.profiling_done()
             self._note(f"the run fits the budget without swapping (peak {fmt_bytes(need)} <= "

@@ -11,7 +11,10 @@ changes nothing but its outputs:
 - a side effect: a host sync that reads a value (``.item()``), or a collective (another rank would wait);
 - a kernel that is not deterministic on CUDA (atomic adds: ``index_add``, ``scatter_add``, ...) while
   ``torch.use_deterministic_algorithms`` is off: the rerun may round differently.
-Such operators are *kept*: their outputs are saved (and swappable) and handed back at the rerun.
+Such operators are *kept*: their outputs are saved (and swappable) and handed back at the rerun. Keeping
+one must not change what the others compute, so a module is not checkpointed at all when a non-rerunnable
+operator writes in place (its output is its input: handing it back would skip the write) or draws from the
+default generator (the draws after it would shift).
 
 Writes are a separate matter: a rerun operator that writes a tensor from outside the rerun (BatchNorm's
 running statistics, a counter buffer) writes a scratch copy of it instead (Note [Scratch copies] in
@@ -78,8 +81,13 @@ def aliases_output(func: Any) -> bool:
     return any(r.alias_info is not None for r in func._schema.returns)
 
 
-def draws_default_rng(func: Any) -> bool:
-    return torch.Tag.nondeterministic_seeded in func.tags
+def draws_default_rng(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` draws from torch's default generator (which checkpoint replays), not one passed to it."""
+    return torch.Tag.nondeterministic_seeded in func.tags and not _own_generator(args, kwargs)
+
+
+def _own_generator(args: tuple, kwargs: dict) -> bool:
+    return kwargs.get("generator") is not None or any(isinstance(a, torch.Generator) for a in args)
 
 
 def blocker(func: Any, args: tuple, kwargs: dict, device: torch.device) -> str:
@@ -89,7 +97,7 @@ def blocker(func: Any, args: tuple, kwargs: dict, device: torch.device) -> str:
         return SIDE_EFFECTS[name]
     if func.namespace in COLLECTIVE_NAMESPACES:
         return "a collective (a rerun would make other ranks wait for it)"
-    if kwargs.get("generator") is not None or any(isinstance(a, torch.Generator) for a in args):
+    if _own_generator(args, kwargs):
         return "draws from a torch.Generator of its own (checkpoint replays only the default generators)"
     if (device.type == "cuda" and name in NONDETERMINISTIC_ON_CUDA
             and not torch.are_deterministic_algorithms_enabled()):  # fmt: skip

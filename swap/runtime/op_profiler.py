@@ -68,6 +68,7 @@ class _Raw:
     in_module: bool
     after_backward: bool
     compiled: bool = False
+    unkeepable: bool = False  # cannot be rerun, nor kept (Note [Operators that cannot be rerun])
 
 
 @dataclass
@@ -159,13 +160,17 @@ class OpProfiler(TorchDispatchMode):
         if self._cuda:
             seconds = max(flops / CUDA_FLOPS, nbytes / CUDA_BANDWIDTH)
         why = blocker(func, args, kwargs, self.device)
-        rng = draws_default_rng(func)
-        keepable = not aliases_output(func) and not writes and not rng and bool(outs)
+        rng = draws_default_rng(func, args, kwargs)
+        aliasing = aliases_output(func)
+        keepable = not aliasing and not writes and not rng and bool(outs)
+        # Note [Operators that cannot be rerun]: one that also writes in place or draws from the default
+        # generator cannot be kept either; its module is not checkpointed.
+        unkeepable = bool(why) and (aliasing or bool(writes) or rng)
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self._log.append(_Raw(
             str(func), module, seconds, flops, nbytes, tuple(outs), tuple(out_sizes), tuple(ins), writes, keepable,
             why, rng, ex.step, top is not None and top == self.ours(), self.paths.in_module, ex._backward_done,
-            self.paths.compiled,
+            self.paths.compiled, unkeepable,
         ))  # fmt: skip
         return out
 
@@ -256,6 +261,9 @@ class OpProfiler(TorchDispatchMode):
                     why = "it runs inside torch.compile (a checkpoint cannot wrap a compiled region's forward)"
                 if not why and not r.hooked:
                     why = "it runs a torch.utils.checkpoint (or other saved-tensor hooks) of your own inside"
+                if not why and r.unkeepable:
+                    why = (f"{r.name} cannot be rerun ({r.blocker}), nor kept: it writes in place or draws from the "
+                           "default generator")  # fmt: skip
                 hit = next((s for s in r.writes if s in inputs), None)
                 if not why and hit is not None:
                     why = f"{r.name} writes one of its inputs in place (autograd would reject the saved input)"

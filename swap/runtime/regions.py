@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS, checkpoint
 
 from ..planning.regions import RecomputePlan, Region
-from .op_facts import blocker, draws_default_rng, replace_written, stateful_argument, tensors_of
+from .op_facts import blocker, replace_written, stateful_argument, tensors_of
 from .timers import CudaStepTimer, HostStepTimer
 
 log = logging.getLogger("swap")
@@ -81,7 +81,6 @@ class KeepContext(TorchDispatchMode):
         super().__init__()
         self.call = call
         self.counter = _Counter()
-        self.rng_kept = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
@@ -90,12 +89,9 @@ class KeepContext(TorchDispatchMode):
             return out
         key = self.counter.key(func)
         call = self.call
-        why = blocker(func, args, kwargs, call.owner.device)
-        rng = draws_default_rng(func)
-        if why or (rng and self.rng_kept):
-            # A kept draw is not replayed, so every later draw must be kept too (the stream would shift).
-            self.rng_kept |= rng
-            call.owner.stats(call.path).forced.setdefault(f"{key[0]}#{key[1]}", why or "draws after a kept draw")
+        why = blocker(func, args, kwargs, call.owner.device)  # Note [Operators that cannot be rerun]
+        if why:
+            call.owner.stats(call.path).forced.setdefault(f"{key[0]}#{key[1]}", why)
         elif key not in call.keep:
             return out
         leaves, spec = tree_flatten(out)
