@@ -153,3 +153,31 @@ def test_modules_are_unwrapped_on_exit_and_after_an_exception():
                     raise KeyError("the user's own error")
     assert not any("forward" in b.__dict__ for b in model.blocks)
     models.loss_fn(model, model(x), y).backward()  # the model still trains as written
+
+
+def test_the_sequence_model_matches_what_the_runtime_records_and_auto_wins_on_it():
+    # A forced plan (full checkpointing, and selective) on the zoo GPT: the sequence with_regions predicts from
+    # the profile is the one the re-profiled iteration records, step for step; its memory within 20 %.
+    from swap.planning.regions import with_regions
+
+    ref = run("gpt", 4, meter=swap.LiveBytesMeter("cpu"))
+    budget = int(unswapped_peak(ref) * 0.7)
+    for name in ("checkpoint", "selective"):
+        seen = {}
+
+        def choose(ev, name=name, seen=seen):
+            seen["ev"] = ev
+            return fixed(name)(ev)
+
+        got = run("gpt", 4, manager=lambda choose=choose: manager(budget, choose))
+        assert_bitwise_equal(ref, got)
+        ev = seen["ev"]
+        plan = got["manager"]._joint.result.best.strategy.plan
+        model, real = with_regions(ev.seq, ev.table, plan), got["manager"].sequence
+        assert (model.var, model.kind, model.sizes) == (real.var, real.kind, real.sizes), name
+        assert (model.freed, model.node_last) == (real.freed, real.node_last), name
+        assert abs(model.no_swap_peak() - real.no_swap_peak()) <= 0.2 * real.no_swap_peak(), name
+        # The joint policy on this real profile: never slower than a baseline.
+        result = search(ev)
+        for b, o in result.baselines.items():
+            assert not o.feasible or result.best.step_time <= o.step_time, b
