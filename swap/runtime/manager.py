@@ -25,7 +25,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..planning.budget import InfeasibleBudget, diagnose, fmt_bytes, min_budget
+from ..planning.budget import InfeasibleBudget, diagnose, fmt_bytes, min_budget, refuse_over_memory, size_arg
 from ..planning.scheduler import POLICIES, Schedule, plan, validate
 from ..planning.sequence import Sequence
 from ..planning.simulator import choose_window
@@ -164,6 +164,8 @@ class SwapManager:
         self.budget = parse_size(budget, "budget", minimum=1, none="vmalloc's capacity, or free memory less 10%")
         if self.budget is None:
             self.budget = self._default_budget()
+        else:
+            self._refuse_budget_above_memory()
         if self.budget <= 0:
             raise ValueError(f"the budget must be positive, not {self.budget}")
         if isinstance(window, str) and window.strip().lower() == "auto":
@@ -206,6 +208,21 @@ class SwapManager:
             free, total = torch.cuda.mem_get_info(self.device)
             return int(free - total // 10)
         return int(_available_host_memory() * 0.9)
+
+    def _refuse_budget_above_memory(self) -> None:
+        """Note [A budget above the device's memory] (swap/planning/budget.py): on a CUDA device, vmalloc's
+        capacity (when it is the allocator) or else the device's total memory; nothing on the CPU."""
+        if self.device.type != "cuda":
+            return
+        if self.arena is not None:
+            limit, what = int(self.arena.capacity), f"vmalloc's capacity on {self.device}"
+            otherwise = ("budget=None (the capacity); or raise the capacity (arena.set_capacity(...), or "
+                         "vmalloc.configure(capacity=...) before the first CUDA allocation)")  # fmt: skip
+        else:
+            props = torch.cuda.get_device_properties(self.device)
+            limit, what = int(props.total_memory), f"the memory of {self.device} ({props.name})"
+            otherwise = "budget=None (free memory less 10%)"
+        refuse_over_memory(self.budget, limit, what, f"pass budget={size_arg(limit)!r} or less, or {otherwise}")
 
     # -- signals ----------------------------------------------------------------------------------------
     def _warn(self, cause: Any, message: str) -> None:
