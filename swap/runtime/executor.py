@@ -122,6 +122,7 @@ class Executor(Lifecycle, Transfers):
         *,
         replanner: Optional[Callable[[Sequence], Schedule]] = None,
         warn: Optional[Callable[[Any, str], None]] = None,
+        unmanaged: Optional[Callable[[int], None]] = None,
     ) -> None:
         self.device = device
         self.engine = engine
@@ -130,6 +131,9 @@ class Executor(Lifecycle, Transfers):
         self.planner = planner  # judges a profile; returns the schedule, or None to decline (or to go on)
         self.replanner = replanner or (lambda seq: planner(Profiled(seq, True, 0, None, 0)))
         self.warn = warn or (lambda cause, message: log.warning("swap: %s", message))
+        # Told an iteration's peak when it is over the budget and nothing is managed (Note [Nothing to move,
+        # over the budget] in manager.py).
+        self.unmanaged = unmanaged or (lambda peak: None)
         self.budget = budget
         self.timer: Any = CudaStepTimer(device) if device.type == "cuda" else HostStepTimer()
         self.profiles_left = profile_iterations
