@@ -220,8 +220,8 @@ class SwapManager:
             otherwise = ("budget=None (the capacity); or raise the capacity (arena.set_capacity(...), or "
                          "vmalloc.configure(capacity=...) before the first CUDA allocation)")  # fmt: skip
         else:
-            props = torch.cuda.get_device_properties(self.device)
-            limit, what = int(props.total_memory), f"the memory of {self.device} ({props.name})"
+            limit = int(torch.cuda.get_device_properties(self.device).total_memory)
+            what = f"the memory of {self.device}"
             otherwise = "budget=None (free memory less 10%)"
         refuse_over_memory(self.budget, limit, what, f"pass budget={size_arg(limit)!r} or less, or {otherwise}")
 
