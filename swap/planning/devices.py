@@ -39,7 +39,9 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
+
+from .budget import refuse_over_memory, size_arg
 
 log = logging.getLogger("swap")
 GB = 1e9
@@ -120,6 +122,20 @@ def profile(name: str) -> DeviceProfile:
     except KeyError:
         names = ", ".join(list(PROFILES) + list(ALIASES))
         raise ValueError(f"unknown device profile {name!r}: choose one of {names}") from None
+
+
+def refuse_budget_above(budget: int, dev: DeviceProfile, label: str = "",
+                        spell: Callable[[str, str], str] = lambda option, v: f"{option}={v!r}") -> None:  # fmt: skip
+    """ValueError when ``budget`` is more than the device's memory (Note [A budget above the device's memory]
+    in budget.py), naming the largest budget that fits and the profiles that have that much memory.
+    ``label``: the device as the user named it; ``spell(option, value)`` writes an option as the caller takes
+    it ("budget='16GiB'", "--budget 16GiB")."""
+    instead = f"pass {spell('budget', size_arg(dev.memory))} or less"
+    larger = [name for name, p in PROFILES.items() if p.memory >= budget]
+    if larger:
+        also = f"; also {', '.join(larger[1:])}" if larger[1:] else ""
+        instead += f", or a device with that much memory ({spell('device', larger[0])}{also})"
+    refuse_over_memory(budget, dev.memory, f"the memory of {label or dev.name}", instead)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ..capture import CaptureError, LinearTrace, Trace, capture
-from .devices import DeviceProfile, read_measured, with_measured
+from .devices import DeviceProfile, read_measured, refuse_budget_above, with_measured
 from .devices import profile as device_profile
 from .from_trace import sequence_from_trace
 from .replay import ALLOCATORS, fitting_budget, measure
@@ -281,6 +281,7 @@ def plan(
     say = _Progress(progress)
     budget = _size(budget, "budget")
     dev = device if isinstance(device, DeviceProfile) else device_profile(device)
+    refuse_budget_above(budget, dev, device if isinstance(device, str) else "")
     if allocator in ("ideal", "none"):
         allocator = None
     if allocator is not None and allocator not in ALLOCATORS:

@@ -234,3 +234,36 @@ def test_reading_a_saved_tensor_the_manager_left_alone_outside_backward():
             assert torch.equal(out.grad_fn._saved_result, out)
             out.sum().backward()
     assert sm.report()["iterations"] == 3
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def backward_raises_once(model, x, y, it):
+    if it == 1:  # a gradient hook raises halfway through the backward; the loop catches it and tries again
+        hook = model.blocks[0].out.weight.register_hook(lambda grad: (_ for _ in ()).throw(Boom("halfway")))
+        try:
+            models.loss_fn(model, model(x), y).backward()
+        except Boom:
+            pass
+        finally:
+            hook.remove()
+        model.zero_grad(set_to_none=True)
+    loss = models.loss_fn(model, model(x), y)
+    loss.backward()
+    return loss
+
+
+def test_the_manager_plans_on_after_a_backward_that_raised():
+    # Autograd runs no final callback when a backward raises: the manager saw no end of that backward, and
+    # began no iteration after it, for the rest of the run (Note [A backward that raised]).
+    ref = run("gpt", 5, meter=swap.LiveBytesMeter("cpu"), pattern=backward_raises_once)
+    budget = int(max(ref["peaks"]) * 0.6)
+    got = run("gpt", 5, pattern=backward_raises_once, meter=swap.LiveBytesMeter("cpu"),
+              manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes="16KiB"))  # fmt: skip
+    assert_bitwise_equal(ref, got)
+    assert_within(got["peaks"], budget)
+    r = got["manager"].report()
+    assert r["iterations"] == 6, r  # every backward pass, the one that raised included
+    assert r["status"] == "planned" and r["swapped_out_bytes"] > 0, r
