@@ -116,7 +116,7 @@ def test_a_measured_profile_replaces_the_datasheet(tmp_path):
     assert p.device.h2d_bandwidth == 3e9 and p.device.d2h_bandwidth == 2e9 and "test GPU" in p.device.name
     # The roofline at batch 8 now takes the measured 2 ms per step.
     again = sequence_from_trace(capture(TinyCNN, cnn_batch, 8, optimizer=sgd),
-                                cost=lambda f, m: p.device.step_seconds(f, m), min_bytes=16 * KiB)  # fmt: skip
+                                cost=p.device, min_bytes=16 * KiB)  # fmt: skip
     assert sum(again.compute) == pytest.approx(0.002 * len(seq), rel=1e-6)
     # Without the batch in the file, it is found from the profile's saved bytes.
     path = seq.save(tmp_path / "nobatch.json", {"h2d_bandwidth": 3e9, "d2h_bandwidth": 2e9})
