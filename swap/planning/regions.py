@@ -166,8 +166,11 @@ def _prepare(seq: Sequence, table: OpTable, c: RegionCall, keep: frozenset) -> O
     if not saves:
         return None
     saved = {seq.var[i] for i in saves}
-    inside = {v: all(lo <= i < hi for i, (x, k) in enumerate(zip(seq.var, seq.kind)) if x == v and k == SAVE)
-              for v in saved}  # fmt: skip
+    save_steps: dict[int, list[int]] = defaultdict(list)
+    for i, (x, k) in enumerate(zip(seq.var, seq.kind)):
+        if k == SAVE and x in saved:
+            save_steps[x].append(i)
+    inside = {v: all(lo <= i < hi for i in save_steps[v]) for v in saved}
     uses_by_var: dict[int, list[int]] = defaultdict(list)
     for i, (v, k) in enumerate(zip(seq.var, seq.kind)):
         if k == USE and v in saved:
