@@ -36,7 +36,7 @@ from .pricing import event_seconds, iteration_seconds
 from .sequence import Sequence
 
 STRATEGIES = (*BASELINES, "auto")
-MULTIPLES = (1, 2, 3, 5)  # of the no-swap batch: where the strategies are compared (issue 17, item 5)
+MULTIPLES = (1, 2, 3, 5, 10)  # of the no-swap batch: where the strategies are compared (issue 17, item 5)
 AUTO_EVALUATIONS = 200  # plans the joint policy judges per batch (Note [Joint policy])
 
 

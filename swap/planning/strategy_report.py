@@ -53,11 +53,9 @@ def table(results: dict[str, StrategyResult], batch: Optional[int] = None) -> st
     return "\n".join(lines)
 
 
-def plot(results: dict[str, StrategyResult], path: Union[str, Path], title: str) -> Path:
-    """samples/s against batch, one line per strategy, through the batches compared where it fits."""
-    plt = pyplot()
-    path = Path(path)
-    fig, ax = plt.subplots(figsize=(9, 5))
+def draw(ax: Any, results: dict[str, StrategyResult], title: str) -> None:
+    """samples/s against batch on ``ax``: one line per strategy through the batches compared where it fits, the
+    joint policy in bold, the largest batch without swapping dotted."""
     for name, r in results.items():
         pts = sorted((n, p.samples_per_s) for n, p in r.points.items() if p.fits and p.samples_per_s)
         if not pts:
@@ -70,7 +68,15 @@ def plot(results: dict[str, StrategyResult], path: Union[str, Path], title: str)
     ax.set_xlabel("batch size")
     ax.set_ylabel("samples/s (simulated)")
     ax.set_ylim(bottom=0)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=9)
+
+
+def plot(results: dict[str, StrategyResult], path: Union[str, Path], title: str) -> Path:
+    """A PNG of ``draw``."""
+    plt = pyplot()
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(9, 5))
+    draw(ax, results, title)
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
