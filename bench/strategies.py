@@ -120,10 +120,14 @@ def plot(runs: list[dict[str, Any]], path: Path) -> Path:
     from swap.planning.strategy_report import draw, pyplot
 
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 4.6), squeeze=False)
-    for ax, run_ in zip(axes[0], runs):
+    cols = min(2, len(runs))
+    rows = (len(runs) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 4.8 * rows), squeeze=False)
+    for ax, run_ in zip(axes.flat, runs):
         w = run_["workload"]
         draw(ax, run_["strategies"], f"{w['name']}\n{run_['device']}, budget {w['budget']} (simulated)")
+    for ax in list(axes.flat)[len(runs) :]:
+        ax.set_visible(False)
     axes[0][0].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
