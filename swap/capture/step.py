@@ -408,6 +408,7 @@ def capture(
         "format_version": FORMAT_VERSION, "source": "capture", "model": label, "batch": batch,
         "dtype": str(dtype or _param_dtype(net)).replace("torch.", ""), "steps": steps, "target": target,
         "parameters": sum(p.numel() for p in net.parameters()),
+        "root_module": where.root,  # how ``modules`` names the model itself (its class name)
     }  # fmt: skip
     return b.build(meta)
 

@@ -28,6 +28,8 @@ from .devices import profile as device_profile
 from .planner import _size, plan
 from .replay import ALLOCATORS
 from .scheduler import POLICIES
+from .strategies import STRATEGIES
+from .strategy_report import pyplot
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -104,7 +106,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--dtype", default=None, choices=DTYPES, help="train the model in this dtype")
     ap.add_argument("--size", type=int, default=None, help="built-ins: image side or sequence length")
     ap.add_argument("--min-bytes", default="1MiB", help="saved tensors below this stay on the device")
-    ap.add_argument("--plot", default=None, help="write a PNG of one step's memory, unswapped and swapped")
+    ap.add_argument("--strategies", default="all",
+                    help=f"keep/swap/recompute strategies to compare: all, off, or some of {','.join(STRATEGIES)}")
+    ap.add_argument("--at-batch", type=int, default=None, help="also compare the strategies at this batch size")
+    ap.add_argument("--plot", default=None, help="write a PNG of samples/s against batch, one line per strategy "
+                    "(without strategies: one step's memory, unswapped and swapped)")
+    ap.add_argument("--plot-memory", default=None, help="write a PNG of one step's memory, unswapped and swapped")
     ap.add_argument("--json", default=None, help="write the plan as JSON")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     args = ap.parse_args(argv)
@@ -119,6 +126,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     for p in policies:
         if p not in POLICIES:
             ap.error(f"unknown policy {p!r}: choose among {', '.join(POLICIES)}")
+    strategies = {"all": STRATEGIES, "off": (), "none": ("none",)}.get(args.strategies)
+    if strategies is None:
+        strategies = tuple(s for s in args.strategies.split(",") if s)
+        for s in strategies:
+            if s not in STRATEGIES:
+                ap.error(f"unknown strategy {s!r} in --strategies: choose all, off, or among {', '.join(STRATEGIES)}")
+    if args.at_batch is not None and args.at_batch < 1:
+        ap.error(f"--at-batch must be at least 1, not {args.at_batch}")
+    if args.plot or args.plot_memory:
+        try:  # before the planning, not after it
+            pyplot()
+        except ImportError as e:
+            ap.error(f"--plot: {e}")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     optimizer = _optimizer(args.optimizer) if args.optimizer else None
     try:
@@ -143,14 +163,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             model_fn, batch_fn, loss_fn, budget=args.budget, device=args.device,
             allocator=None if args.allocator == "ideal" else args.allocator, max_batch=args.max_batch,
             optimizer=optimizer, dtype=dtype, profile=args.profile, policies=policies, min_bytes=args.min_bytes,
-            name=name, progress=not args.quiet,
+            name=name, progress=not args.quiet, strategies=strategies, batch=args.at_batch,
         )  # fmt: skip
     except (CaptureError, ValueError) as e:
         print(f"swap.plan: {e}", file=sys.stderr)
         return 2
     print(result.table())
     if args.plot:
-        print(f"wrote {result.plot(args.plot)}")
+        print(f"wrote {result.plot_strategies(args.plot) if result.strategies else result.plot(args.plot)}")
+    if args.plot_memory:
+        print(f"wrote {result.plot(args.plot_memory)}")
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_dict(), indent=1) + "\n")
         print(f"wrote {args.json}")

@@ -28,6 +28,7 @@ from .scheduler import POLICIES, InfeasibleBudget, Schedule
 from .scheduler import plan as make_schedule
 from .sequence import Sequence
 from .simulator import choose_window, simulate
+from .strategies import STRATEGIES, StrategyBook, compare
 
 Size = Union[int, str]
 LINEAR_BATCHES = (2, 4)  # fitted
@@ -245,6 +246,8 @@ def plan(
     target: str = "cuda",
     name: Optional[str] = None,
     progress: bool = True,
+    strategies: tuple[str, ...] = STRATEGIES,
+    batch: Optional[int] = None,
 ) -> Plan:
     """The largest batch of your model that fits ``budget`` on ``device``, per swap policy, and its speed.
 
@@ -268,8 +271,12 @@ def plan(
         min_bytes: saved tensors smaller than this stay on the device, as ``SwapManager(min_bytes=...)``.
         target: whose kernels to mirror in the capture ("cuda", or "cpu" to compare with a CPU run).
         progress: log lines to stderr as it goes.
+        strategies: which keep / swap / recompute strategies to compare side by side (default: every baseline
+            of ``swap.planning.joint.BASELINES`` and the joint policy "auto"; ``()``: none).
+        batch: also compare the strategies at this batch size.
     Returns:
-        ``swap.Plan``: ``max_batch``, ``throughput``, ``window``, ``table()``, ``plot(path)``.
+        ``swap.Plan``: ``max_batch``, ``throughput``, ``window``, ``strategies``, ``table()``, ``plot(path)``,
+        ``plot_strategies(path)``.
     Raises:
         swap.capture.CaptureError: the model's training step cannot run on the meta device (says which
             operator, where, and what to do).
@@ -288,6 +295,11 @@ def plan(
             raise ValueError(f"unknown policy {p!r}: choose among {', '.join(POLICIES)}")
     if max_batch is not None and max_batch < 1:
         raise ValueError(f"max_batch must be at least 1, not {max_batch}")
+    for s in strategies:
+        if s not in STRATEGIES:
+            raise ValueError(f"unknown strategy {s!r}: choose among {', '.join(STRATEGIES)}")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise ValueError(f"batch must be a positive int, not {batch!r}")
     min_bytes_ = _size(min_bytes, "min_bytes") if min_bytes else 0
     label = name or getattr(model_fn, "__name__", "model")
 
@@ -316,8 +328,13 @@ def plan(
         ev, found = _search_all(traces, dev, budget, allocator, min_bytes_, policies, cap, say)
     results = {p: ev.result(p, n, plan_budget, trials) for p, (n, plan_budget, trials) in found.items()}
     memory = _memory(ev, results.get("window"))
+    compared = {}
+    if strategies:
+        book = StrategyBook(traces.at, ev.sequence, dev, budget, min_bytes_)
+        guess = results["none"].max_batch if "none" in results else _guess(ev, "none")
+        compared = compare(book, strategies, lambda fits, g: _search(fits, g, cap), guess, batch, say)
     result = Plan(label, budget, dev, allocator, results, memory=memory, linear=traces.linear is not None,
-                  captures=sorted(traces.captured), notes=notes)  # fmt: skip
+                  captures=sorted(traces.captured), notes=notes, strategies=compared, batch=batch)  # fmt: skip
     result.seconds = time.perf_counter() - t0
     say(f"done in {result.seconds:.1f} s")
     return result

@@ -8,6 +8,10 @@ from typing import Any, Optional, Union
 
 from .budget import fmt_size as fmt_bytes  # one byte formatter for the tables
 from .devices import DeviceProfile
+from .strategies import StrategyResult
+from .strategy_report import plot as plot_strategies
+from .strategy_report import pyplot
+from .strategy_report import table as strategy_table
 
 
 def fmt_seconds(t: Optional[float]) -> str:
@@ -44,6 +48,10 @@ class Plan:
         memory: one step of the window policy's largest batch: device bytes per access step, unswapped and
             swapped (what ``plot`` draws).
         linear: the trace was scaled from small captures (Note [Linear traces]); False: captured per batch.
+        strategies: strategy (each baseline of swap.planning.joint, and "auto") -> ``StrategyResult``: its
+            largest batch, and per batch compared its samples/s, planned peak, bytes recomputed and copied
+            (Note [Strategies from one capture]).
+        batch: the batch the strategies were also compared at (``swap.plan(batch=...)``), if any.
     """
 
     model: str
@@ -59,6 +67,8 @@ class Plan:
     captures: list[int] = field(default_factory=list)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    strategies: dict[str, StrategyResult] = field(default_factory=dict)
+    batch: Optional[int] = None
 
     def __post_init__(self) -> None:
         self.max_batch = {p: r.max_batch for p, r in self.policies.items()}
@@ -87,6 +97,8 @@ class Plan:
             f"planned in {self.seconds:.1f} s"
         )
         lines += [f"note: {n}" for n in self.notes]
+        if self.strategies:
+            lines += ["", strategy_table(self.strategies, self.batch)]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -102,10 +114,7 @@ class Plan:
         swapping against swapped, with the budget line."""
         if not self.memory:
             raise ValueError("nothing to plot: no batch fits the budget with the window policy")
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
 
         path = Path(path)
         gib = float(1 << 30)
@@ -127,3 +136,10 @@ class Plan:
         fig.savefig(path, dpi=120)
         plt.close(fig)
         return path
+
+    def plot_strategies(self, path: Union[str, Path]) -> Path:
+        """A PNG of samples/s against batch, one line per strategy (Note [Strategies from one capture])."""
+        if not self.strategies:
+            raise ValueError("nothing to plot: no strategy was compared (swap.plan(strategies=()) ?)")
+        title = f"{self.model} on {self.device.name}, budget {fmt_bytes(self.budget)} (simulated)"
+        return plot_strategies(self.strategies, path, title)

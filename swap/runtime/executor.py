@@ -309,6 +309,9 @@ class Executor(Lifecycle, Transfers):
         if ref is not var.copy_ref:
             return
         var.copy_ref = None
+        rec = self.recorder
+        if rec is not None and var.iteration == self.iteration:
+            rec.copy_died(var.last_access, self._now())  # Note [A fetched copy held past its node]
         if var.original() is None:
             self._set_on_device(var, False)
 

@@ -45,6 +45,14 @@ log = logging.getLogger("swap")
 PROFILE, PLANNED, FALLBACK, DECLINED = "profile", "planned", "fallback", "declined"
 
 
+@dataclass(frozen=True)
+class Reprofile:
+    """What the manager's planner returns to profile again before planning: it changed what the model saves
+    (recompute regions applied), so the sequence profiled so far no longer holds."""
+
+    iterations: int = 1
+
+
 @dataclass
 class Profiled:
     """What a finished profiling iteration hands to the manager's planner."""
@@ -106,6 +114,10 @@ class Lifecycle:
         except InfeasibleBudget:
             self.mode, self.profiles_left, self._previous = PROFILE, 1, None
             raise
+        if isinstance(schedule, Reprofile):
+            self.mode, self.profiles_left, self._previous = PROFILE, schedule.iterations, None
+            self._unswapped_peak = None  # measured without the change: a run with it has its own
+            return
         if final:
             self.sequence, self.schedule = seq, schedule
             self.mode = PLANNED if schedule is not None else DECLINED
@@ -256,4 +268,4 @@ def _merge(a: Sequence, b: Sequence) -> Sequence:
     )
 
 
-__all__ = ["Lifecycle", "Profiled", "PROFILE", "PLANNED", "FALLBACK", "DECLINED"]
+__all__ = ["Lifecycle", "Profiled", "Reprofile", "PROFILE", "PLANNED", "FALLBACK", "DECLINED"]

@@ -32,6 +32,8 @@ from ..planning.simulator import choose_window
 from .engines import CudaEngine, HostEngine
 from .executor import DECLINED, PLANNED, PROFILE, Counters, Executor, Profiled
 from .host_pool import HostPool
+from .joint import JointRuntime
+from .lifecycle import Reprofile
 from .memory import ArenaMemory, DeviceMemory, MeterMemory, TorchCudaMemory, vmalloc_arena
 from .recompute import RecomputeHooks
 from .report import SwapReport
@@ -43,6 +45,7 @@ Size = Union[int, str, None]
 
 DEFAULT_BANDWIDTH = 10e9  # bytes/s, until copies have been measured
 SIZE_FORMS = "a number of bytes or a size string such as '12GiB', '512MiB', '1.5GiB'"
+MANAGER_POLICIES = ("auto",) + POLICIES  # "auto": swap.runtime.joint (Note [Applying a joint plan])
 
 _active_lock = threading.Lock()
 _active: list[SwapManager] = []  # entered and not exited, process-wide
@@ -118,8 +121,10 @@ class SwapManager:
             CUDA allocator, else the device's free memory less 10% (CPU runs: available host memory less 10%).
         window: seed 001's look-ahead in bytes, or "auto" (chosen by simulating the profiled iteration on the
             measured link bandwidth and step times).
-        policy: "window", "fixed_distance" (TFLMS: ``swapout_threshold``, ``swapin_ahead``), "all" (vDNN) or
-            "none" (swap nothing).
+        policy: "auto" (the default: keep, swap or recompute each saved tensor, checkpointing modules of the
+            model where that is faster than swapping them; Note [Applying a joint plan] in swap.runtime.joint),
+            "window" (swap only, seed 001), "fixed_distance" (TFLMS: ``swapout_threshold``, ``swapin_ahead``),
+            "all" (vDNN) or "none" (swap nothing).
         min_bytes: saved storages smaller than this stay on the device.
         device: the compute device; None: the current CUDA device if CUDA is available, else "cpu".
         host_pool_limit: cap on host memory for swapped variables; None: no cap.
@@ -140,7 +145,7 @@ class SwapManager:
         self,
         budget: Size = None,
         window: Union[int, str] = "auto",
-        policy: str = "window",
+        policy: str = "auto",
         min_bytes: Size = "1MiB",
         device: Any = None,
         host_pool_limit: Size = None,
@@ -151,8 +156,8 @@ class SwapManager:
         arena: Any = None,
         recompute: bool = False,
     ) -> None:
-        if not isinstance(policy, str) or policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(repr(p) for p in POLICIES)}")
+        if not isinstance(policy, str) or policy not in MANAGER_POLICIES:
+            raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(repr(p) for p in MANAGER_POLICIES)}")
         self.policy = policy
         self.device = _device(device)
         if arena is not None and not (hasattr(arena, "set_oom_handler") and hasattr(arena, "capacity")):
@@ -180,7 +185,7 @@ class SwapManager:
                 else:
                     message += "; or pass window='auto'"
                 raise type(e)(message) from None
-        validate(self.budget, self.window, policy)
+        validate(self.budget, self.window, "window" if policy == "auto" else policy)
         self.min_bytes = parse_size(min_bytes, "min_bytes", none="0: every saved tensor may move") or 0
         self.host_pool_limit = parse_size(host_pool_limit, "host_pool_limit", minimum=1, none="no limit")
         self.exclude = Exclusions(exclude)
@@ -196,6 +201,8 @@ class SwapManager:
         if not isinstance(recompute, bool):
             raise TypeError(f"recompute must be True or False, not {recompute!r} ({type(recompute).__name__})")
         self._recompute = RecomputeHooks() if recompute else None  # Note [Recompute or swap]
+        self._joint: Optional[JointRuntime] = JointRuntime(self) if policy == "auto" else None
+        self._in_hooks = 0  # depth inside our saved-tensor hooks (the operator profiler skips what runs there)
         self._final: Optional[dict[str, Any]] = None
         self._skipped: dict[str, list[int]] = {}  # profiling: why saved tensors stayed -> [count, bytes]
         self._profile_skips: dict[str, list[int]] = {}  # ... in the last profiled iteration
@@ -240,7 +247,7 @@ class SwapManager:
             self._notes.append(message)
 
     # -- planning ---------------------------------------------------------------------------------------
-    def _profiled(self, p: Profiled) -> Optional[Schedule]:
+    def _profiled(self, p: Profiled) -> Union[Schedule, Reprofile, None]:
         """A profiling iteration ended: raise if no plan can fit, warn if the manager cannot help, and (after
         the last one) decline or plan."""
         seq = p.sequence
@@ -248,6 +255,8 @@ class SwapManager:
         self._nothing_to_do(seq, max(p.peak, p.unswapped_peak or 0))
         if seq is None:
             return None
+        joint = self._joint
+        undecided = joint is not None and not joint.decided  # recompute may still fit what swapping cannot
         if not p.final:
             if diagnose(seq, self.budget) is not None:  # Note [Two profiling iterations]: certain already
                 grown, note = seq, "Measured in the first iteration"
@@ -256,28 +265,43 @@ class SwapManager:
                                     base=seq.base + p.growth)
                     note += (f", plus the {fmt_bytes(p.growth)} live from the second on (optimizer state, "
                              "gradients): every step needs it too")  # fmt: skip
-                raise diagnose(grown, self.budget, note)
+                if not undecided or not joint.may_fit(grown, self.budget):
+                    raise diagnose(grown, self.budget, note)
             return None
         error = diagnose(seq, self.budget)
-        if error is not None:
+        if error is not None and not undecided:
             raise error
         need = p.unswapped_peak if p.unswapped_peak is not None else seq.no_swap_peak()
-        if need <= self.budget and self.executor.allow_decline:
+        # With recompute regions applied, the swaps are planned on what was measured with them, even if none is
+        # needed: the peak a run without swapping would reach is measured for the saved-tensor hooks' tensors,
+        # not for the ones a checkpoint's frame holds (Note [Applying a joint plan]).
+        applied = joint is not None and joint.applied
+        if error is None and need <= self.budget and self.executor.allow_decline and not applied:
+            if joint is not None:
+                joint.profiling_done()
             self._note(f"the run fits the budget without swapping (peak {fmt_bytes(need)} <= "
                        f"{fmt_bytes(self.budget)}): not swapping")  # fmt: skip
             return None
+        if undecided:
+            engine = self.executor.engine
+            again = joint.decide(seq, engine.h2d_bw.rate(DEFAULT_BANDWIDTH), engine.d2h_bw.rate(DEFAULT_BANDWIDTH))
+            if again is not None:
+                return again
+        if error is not None:
+            raise error
         return self._schedule(seq, need)
 
     def _schedule(self, seq: Sequence, no_swap: Optional[int] = None) -> Schedule:
         engine = self.executor.engine
         h2d = engine.h2d_bw.rate(DEFAULT_BANDWIDTH)
         d2h = engine.d2h_bw.rate(DEFAULT_BANDWIDTH)
-        if self.policy == "window" and self.window is None:
+        policy = self._joint.swap_policy if self._joint is not None else self.policy
+        if policy == "window" and self.window is None:
             window, schedule, _ = choose_window(seq, self.budget, h2d, d2h)
         else:
             window = self.window
             schedule = plan(
-                seq, self.budget, window, self.policy,
+                seq, self.budget, window, policy,
                 swapout_threshold=self.swapout_threshold, swapin_ahead=self.swapin_ahead,
             )  # fmt: skip
         self._window_used = window
@@ -349,12 +373,42 @@ class SwapManager:
         return None
 
     def _pack(self, t: torch.Tensor) -> Any:
+        joint = self._joint
+        if joint is None:
+            return self._take(t)
+        ex = self.executor
+        if ex._backward_done and not ex._in_backward:
+            joint.boundary()
+        self._in_hooks += 1
+        try:
+            packed = self._take(t)
+        finally:
+            self._in_hooks -= 1
+        if ex.mode == PROFILE:
+            joint.saved(t, packed)
+        return packed
+
+    def _keep(self, t: torch.Tensor) -> Any:
+        """A kept operator's output in a recompute region (swap.runtime.regions): saved like any saved tensor,
+        never rebuilt (its producer's saved input lives in the checkpoint, out of our reach)."""
+        self._in_hooks += 1
+        try:
+            return self._take(t, rebuild=False)
+        finally:
+            self._in_hooks -= 1
+
+    def _hook_pair(self) -> Any:
+        """The (pack, unpack) pair autograd calls, to tell our hooks from others (Note [Whose checkpoint])."""
+        h = self._hooks
+        return (h.pack_hook, h.unpack_hook) if h is not None else None
+
+    def _take(self, t: torch.Tensor, rebuild: bool = True) -> Any:
         ex = self.executor
         if ex.mode == DECLINED and self._recompute is None:
             return ex.pack(t)
         reason = self._skip_reason(t)
         if reason is None:
-            if self._recompute is not None and (rebuilt := self._recompute.pack(t)) is not None:
+            if rebuild and self._recompute is not None and (rebuilt := self._recompute.pack(t)) is not None:
                 return rebuilt
             return ex.pack(t)
         ex.observe(t)
@@ -373,9 +427,13 @@ class SwapManager:
         entry[1] += t.untyped_storage().nbytes()
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if self._recompute is not None and self._recompute.intercepts(packed):
-            return self._recompute.unpack(packed, self.executor.unpack)
-        return self.executor.unpack(packed)
+        self._in_hooks += 1
+        try:
+            if self._recompute is not None and self._recompute.intercepts(packed):
+                return self._recompute.unpack(packed, self.executor.unpack)
+            return self.executor.unpack(packed)
+        finally:
+            self._in_hooks -= 1
 
     # -- context manager --------------------------------------------------------------------------------
     def __enter__(self) -> SwapManager:
@@ -416,6 +474,8 @@ class SwapManager:
                 torch._dynamo.disable(self._pack), torch._dynamo.disable(self._unpack)
             )
             self._hooks.__enter__()
+            if self._joint is not None:
+                self._joint.start()
         except BaseException:
             self._active = False
             with _active_lock:
@@ -432,6 +492,13 @@ class SwapManager:
         if self.executor is None:
             self._final = self._snapshot()
             return
+        try:
+            if self._joint is not None:
+                self._joint.close()
+        finally:
+            self._exit_hooks(exc_type, exc, tb)
+
+    def _exit_hooks(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
             if self._hooks is not None:
                 self._hooks.__exit__(exc_type, exc, tb)
@@ -490,6 +557,7 @@ class SwapManager:
             "host_pool_peak_used_bytes": ex.pool.peak_used,
             "memory_source": self.memory.name,
             "peak_measured_inside_ops": self.memory.sees_inside_ops,
+            **(self._joint.snapshot(seq, ex.schedule if ex.mode == PLANNED else None) if self._joint else {}),
         }
 
     def report(self) -> SwapReport:

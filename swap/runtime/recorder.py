@@ -6,6 +6,14 @@ the variable, what is on the device that belongs to variables of this iteration,
 between, callbacks note when a variable dies (``freed``) and when the forward lets go of a saved tensor we
 released (``held_until``).
 
+Note [A fetched copy held past its node]
+A use's tensor is normally held by the backward node that unpacked it, until the node has run (``node_last``
+from node groups). Something else may hold it longer: a checkpoint's frame keeps the region inputs it
+unpacked for its rerun until the nodes that saved them have run (swap.planning.regions, Note [Recompute
+regions]). Releasing our copy earlier frees nothing, so the profile records when the copy fetched for a use
+actually died and extends that use's ``node_last`` to it: the scheduler then keeps the bytes counted (and
+plans no release) until then.
+
 Note [What a step's nonswap leaves out]
 Every live variable of the iteration whose bytes are on the device is left out of ``nonswap``: the ones we
 hold, and the ones the forward pass still holds after we released them (a residual input). The scheduler
@@ -38,6 +46,12 @@ class Recorder:
         self.overruns: list[tuple[int, int]] = []  # (step, measured) above the budget
         self._dying = 0  # bytes of held tensors freed in the open step
         self.unheld: list[int] = []  # per step: bytes put back into nonswap (Note [A held tensor freed mid-step])
+        self.copy_held: dict[int, int] = {}  # use step -> step at which the copy fetched for it died
+
+    def copy_died(self, use_step: int, now: int) -> None:
+        """Note [A fetched copy held past its node]: the copy fetched for the use at ``use_step`` died at ``now``."""
+        if 0 <= use_step < len(self.kind) and self.kind[use_step] != "save":
+            self.copy_held[use_step] = max(self.copy_held.get(use_step, 0), now)
 
     def __len__(self) -> int:
         return len(self.var)
@@ -93,6 +107,8 @@ class Recorder:
         for i in range(n - 2, -1, -1):
             if self.node[i] >= 0 and self.node[i + 1] == self.node[i]:
                 node_last[i] = node_last[i + 1]
+        for i, died in self.copy_held.items():  # Note [A fetched copy held past its node]
+            node_last[i] = max(node_last[i], min(n - 1, died - 1))
         return Sequence(
             list(self.var), list(self.kind), list(sizes), nonswap, compute, swappable, held_until,
             freed=freed, modules=list(modules), transient=transient, kept=list(self.kept), base=self.base,

@@ -10,7 +10,9 @@ class SwapReport(dict):
     iterations, swapped_out_bytes, swapped_in_bytes, demand_fetches, stall_seconds, peak_device_bytes,
     budget_bytes, window_bytes, replans, overruns (steps measured above the budget), min_budget_bytes,
     policy, memory_source and peak_measured_inside_ops (False on CPU: the peak is of live tensor bytes
-    between operators, see swap.runtime.meter), and notes."""
+    between operators, see swap.runtime.meter), and notes. With ``policy="auto"`` also recompute_plan,
+    recompute_seconds, simulated_step_seconds and ``modules``: per module, bytes kept on the device, swapped
+    and recomputed per iteration, and the seconds spent recomputing it (swap.runtime.joint)."""
 
     ROWS = [
         ("status", "status", str),
@@ -31,6 +33,8 @@ class SwapReport(dict):
         ("evictions", "OOM evictions", str),
         ("host_pool_bytes", "host pool", _bytes),
         ("declined", "declined to swap", str),
+        ("recompute_plan", "recompute", str),
+        ("recompute_seconds", "recompute time", lambda s: f"{s:.3f} s"),
     ]
 
     def __str__(self) -> str:
@@ -41,6 +45,14 @@ class SwapReport(dict):
             if key == "peak_device_bytes" and self.get("peak_measured_inside_ops") is False:
                 label = "peak (between-op live bytes)"
             lines.append(f"{label:<30}{fmt(self[key]) if self[key] is not None else '-':>18}")
+        rows = [r for r in self.get("modules", []) if r["kept_bytes"] or r["swapped_bytes"] or r["recomputed_bytes"]]
+        if rows:
+            lines.append("")
+            lines.append(f"{'module':<34}{'kept':>11}{'swapped':>11}{'recomputed':>11}{'rerun':>10}")
+            for r in rows:
+                lines.append(f"{r['module'][:33]:<34}{_bytes(r['kept_bytes']):>11}{_bytes(r['swapped_bytes']):>11}"
+                             f"{_bytes(r['recomputed_bytes']):>11}{r['recompute_seconds']:>9.3f}s")  # fmt: skip
+            lines.append("(bytes per iteration; rerun: seconds recomputing over the run)")
         for note in self.get("notes", []):
             lines.append(f"note: {note}")
         return "\n".join(lines)

@@ -101,6 +101,7 @@ class ModulePaths:
         self._names: dict[tuple[int, int], str] = {}
         self.compiled = False  # the last ``current()`` ran inside a torch.compile'd region
         self.in_module = False  # the last ``current()`` ran inside some module's call (compiled or not)
+        self._root: Optional[weakref.ref] = None  # the last ``current()``'s outermost module (weakly)
 
     def current(self) -> str:
         chain = []
@@ -117,9 +118,15 @@ class ModulePaths:
             f = f.f_back
         self.compiled = compiled
         self.in_module = bool(chain)
+        self._root = weakref.ref(chain[-1]) if chain else None
         chain.reverse()
         parts = [self._name(parent, child) for parent, child in zip(chain, chain[1:])]
         return ".".join(p for p in parts if p)
+
+    @property
+    def root(self) -> Optional[torch.nn.Module]:
+        """The outermost module of the last ``current()`` (held weakly: the executor must not keep a model)."""
+        return self._root() if self._root is not None else None
 
     def _name(self, parent: torch.nn.Module, child: torch.nn.Module) -> str:
         if getattr(parent, "_orig_mod", None) is child:

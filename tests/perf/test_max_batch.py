@@ -19,7 +19,8 @@ def planned():
     w = ZOO[MODEL]
     return {
         alloc: swap.plan(w.model_fn(), w.batch_fn(SIZE), budget=BUDGET, device="v100", allocator=alloc,
-                         optimizer=w.optimizer, policies=("window",), min_bytes=0, steps=3, progress=False)
+                         optimizer=w.optimizer, policies=("window",), min_bytes=0, steps=3, progress=False,
+                         strategies=())
         for alloc in ("vmalloc", None)
     }  # fmt: skip
 

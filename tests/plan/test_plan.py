@@ -157,7 +157,7 @@ def test_the_command_line_on_a_users_file(tmp_path, capsys):
 
 def test_the_command_line_keeps_the_built_in_models(capsys):
     args = ["--model", "unet", "--size", "32", "--budget", "1GiB", "--device", "v100", "--allocator", "ideal",
-            "--policies", "none,window", "--quiet"]  # fmt: skip
+            "--policies", "none,window", "--strategies", "off", "--quiet"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[2:4]}

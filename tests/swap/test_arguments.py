@@ -18,7 +18,7 @@ import swap
         ({"window": "abc"}, ValueError, r"window must be 'auto' or a number of bytes or a size string"),
         ({"window": 2.5}, TypeError, r"window must be 'auto' or a number of bytes"),
         ({"window": 0}, ValueError, r"window must be at least 1 byte"),
-        ({"policy": "lru"}, ValueError, r"unknown policy 'lru': choose one of 'window', 'fixed_distance', 'all'"),
+        ({"policy": "lru"}, ValueError, r"unknown policy 'lru': choose one of 'auto', 'window', 'fixed_distance'"),
         ({"policy": None}, ValueError, r"unknown policy None: choose one of"),
         ({"min_bytes": "small"}, ValueError, r"min_bytes must be .*size string.*or None"),
         ({"min_bytes": -1}, ValueError, r"min_bytes must not be negative"),

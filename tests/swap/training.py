@@ -74,11 +74,13 @@ def run(
             del loss
             if meter is not None:
                 peaks.append(meter.reset_window())
-    return {"losses": losses, "grads": grads, "manager": sm, "peaks": peaks}
+    buffers = [b.detach().numpy().copy() for b in model.buffers()]  # BatchNorm's running statistics, counters
+    return {"losses": losses, "grads": grads, "manager": sm, "peaks": peaks, "buffers": buffers}
 
 
 def assert_bitwise_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert a["losses"] == b["losses"]
+    assert all(np.array_equal(x, y) for x, y in zip(a["buffers"], b["buffers"])), "a buffer differs"
     assert len(a["grads"]) == len(b["grads"])
     for it, (ga, gb) in enumerate(zip(a["grads"], b["grads"])):
         for k, (x, y) in enumerate(zip(ga, gb)):

@@ -1,0 +1,201 @@
+"""``policy="auto"`` inside the manager: profile the operators, choose keep / swap / recompute, apply the
+choice to the model, and say what was done per module.
+
+Note [Applying a joint plan]
+1. The profiling iterations also run the operator profiler (swap.runtime.op_profiler): the planner's operator
+   table, and the candidate modules with the tensors a checkpoint of them would save.
+2. After the last one, if the run fits the budget the manager declines as with any policy (no swap, no
+   recompute). Otherwise the joint policy (swap.planning.joint, Note [Joint policy]) picks a plan on the
+   profiled sequence, the measured link and step times.
+3. If the plan checkpoints modules or rebuilds activations, what the model saves changes: the manager wraps
+   the modules' forward (swap.runtime.regions, paths resolved in the root module the profiler saw), turns
+   the rebuilds on, and profiles once more with the conservative plan, which keeps the budget whatever is
+   saved. If the iteration that just began already entered a module it wraps, it profiles two (the first
+   one is half wrapped). The swaps are then scheduled on that measured sequence with the plan's swap policy
+   (the window when the plan swaps nothing: what the model misjudged, the window still fixes), never
+   declined: the peak "without swapping" that declining relies on is measured from the tensors our hooks
+   hold, and a checkpoint's frame holds the region inputs and kept outputs in its own way.
+4. The wrappers come off when the manager exits, also after an exception.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..planning.joint import Evaluator, JointResult, checkpoint, checkpoint_window, search
+from ..planning.ops import OpTable, calibrated
+from ..planning.sequence import USE, Sequence
+from .lifecycle import Reprofile
+from .op_profiler import OpProfiler, remove_mode
+from .recompute import RecomputeHooks
+from .regions import Regions
+from .tracer import Packed
+
+log = logging.getLogger("swap")
+DEFAULT_LINK = 10e9  # bytes/s: feasibility does not depend on it
+
+
+class JointRuntime:
+    """The manager's side of ``policy="auto"`` (Note [Applying a joint plan])."""
+
+    def __init__(self, manager: Any) -> None:
+        self.m = manager
+        self.profiler: Optional[OpProfiler] = None
+        self.regions: Optional[Regions] = None
+        self.result: Optional[JointResult] = None
+        self.table: Optional[OpTable] = None
+        self.decided = False
+        # How the plan is chosen from the evaluator; a test or a benchmark may fix a strategy instead.
+        self.choose: Callable[[Evaluator], JointResult] = search
+
+    # -- lifecycle --------------------------------------------------------------------------------------
+    def start(self) -> None:
+        m = self.m
+        self.profiler = OpProfiler(m.executor, lambda t: m._skip_reason(t) is None, m._hook_pair, m.device,
+                                   busy=lambda: m._in_hooks > 0)  # fmt: skip
+        self.profiler.__enter__()
+        self.regions = Regions(m._keep, m._unpack, m._hook_pair, m.device)
+
+    def close(self) -> None:
+        """Unwraps the modules and lets go of them: a manager kept for its report must not keep the model."""
+        try:
+            if self.regions is not None:
+                self.regions.remove()
+        finally:
+            self._stop_profiler()
+            if self.profiler is not None:
+                self.profiler.forget_modules()
+
+    def _stop_profiler(self) -> None:
+        p = self.profiler
+        if p is not None and p.active:
+            p.stop()
+            remove_mode(p)
+
+    # -- hooks ------------------------------------------------------------------------------------------
+    def boundary(self) -> None:
+        """An iteration is about to start (the manager's pack hook saw it)."""
+        if self.profiler is not None and self.profiler.active:
+            self.profiler.iteration_starts()
+
+    def saved(self, t: torch.Tensor, packed: Any) -> None:
+        if isinstance(packed, Packed) and self.profiler is not None and self.profiler.active:
+            self.profiler.saved(t, packed.var.id)
+
+    # -- planning ---------------------------------------------------------------------------------------
+    def profiling_done(self) -> None:
+        """The last profiling iteration was judged: the operator profiler is not needed any more."""
+        if self.profiler is not None and self.table is None:
+            self.table = self.profiler.table
+        self._stop_profiler()
+
+    def may_fit(self, seq: Sequence, budget: int) -> bool:
+        """Whether checkpointing every block (swapping what is left) could fit ``budget`` where swapping alone
+        cannot: judged on the first profiled iteration, to fail as early as the swap policies do."""
+        table = self.profiler.table if self.profiler is not None else None
+        if table is None or not table.calls:
+            return False
+        ev = Evaluator(seq, table, budget, DEFAULT_LINK, DEFAULT_LINK)
+        return checkpoint_window(ev).feasible or checkpoint(ev).feasible
+
+    def decide(self, seq: Sequence, h2d: float, d2h: float) -> Optional[Reprofile]:
+        """Chooses the plan (once); a ``Reprofile`` if it changes what the model saves, else None (schedule
+        the swaps on ``seq`` with ``swap_policy``)."""
+        open_paths = {c.path for c in self.profiler._open} if self.profiler is not None else set()
+        self.profiling_done()
+        self.decided = True
+        table = self.table
+        if table is None or not table.ops:
+            self.m._note("policy 'auto': no operator was profiled in the forward; swapping only")
+            return None
+        if self.m.device.type == "cuda":
+            first_use = next((i for i, k in enumerate(seq.kind) if k == USE), len(seq))
+            table = self.table = calibrated(table, sum(seq.compute[:first_use]))
+        ev = Evaluator(seq, table, self.m.budget, h2d, d2h)
+        self.result = result = self.choose(ev)
+        best = result.best
+        for c in table.calls:
+            if c.blocker:
+                self.m._note(f"{c.path} is not checkpointed: {c.blocker}")
+        if not best.feasible:
+            return None
+        p = best.strategy.plan
+        if not p.regions and not p.rebuild:
+            return None
+        if p.rebuild and self.m._recompute is None:
+            self.m._recompute = RecomputeHooks()
+        if p.regions:
+            modules = {r.path: self.profiler.module(r.path) for r in p.regions}
+            self.regions.apply(p, modules)
+        iterations = 2 if open_paths & set(p.paths) else 1
+        self.m._note(f"policy 'auto': {p.describe()}, swap policy {self.swap_policy!r} (simulated "
+                     f"{best.step_time:.4g} s per step; {result.evaluations} plans judged); profiling again")
+        return Reprofile(iterations)
+
+    @property
+    def applied(self) -> bool:
+        """Whether modules are checkpointed now."""
+        return self.regions is not None and bool(self.regions._wrapped)
+
+    @property
+    def swap_policy(self) -> str:
+        """The scheduler policy for what the plan still saves (Note [Applying a joint plan], step 3)."""
+        if self.result is None or not self.result.best.feasible or self.result.best.strategy.swap == "none":
+            return "window"
+        return self.result.best.strategy.swap
+
+    # -- report -----------------------------------------------------------------------------------------
+    def snapshot(self, seq: Optional[Sequence], schedule: Any) -> dict[str, Any]:
+        """The report's keys for ``policy="auto"``: the plan, its simulated step, and the per-module rows."""
+        best = self.result.best if self.result is not None else None
+        swapped = {v for step in schedule.swap_out for v in step} if schedule is not None else set()
+        rows = self.rows(seq, swapped) if seq is not None or best is not None else []
+        return {
+            "recompute_plan": (best.strategy.plan.describe() if best is not None and best.feasible
+                               else "none (the run fits, or not planned yet)"),  # fmt: skip
+            "recompute_seconds": sum(r["recompute_seconds"] for r in rows),
+            "simulated_step_seconds": best.step_time if best is not None and best.feasible else None,
+            "modules": rows,
+        }
+
+    def rows(self, seq: Optional[Sequence], swapped: set[int]) -> list[dict[str, Any]]:
+        """Per module: bytes kept on the device, swapped and recomputed per iteration, and the recompute time
+        over the run."""
+        plan = self.result.best.strategy.plan if self.result is not None and self.result.best.feasible else None
+        region_paths = plan.paths if plan is not None else []
+        candidates = sorted(self.profiler.modules if self.profiler is not None else [], key=len)  # outermost first
+
+        def group(module: str) -> str:
+            for p in region_paths:
+                if module == p or module.startswith(p + "."):
+                    return p
+            for p in candidates:
+                if module == p or module.startswith(p + "."):
+                    return p
+            return module or "(outside modules)"
+
+        rows: dict[str, dict[str, Any]] = {}
+
+        def row(name: str) -> dict[str, Any]:
+            return rows.setdefault(name, {"module": name, "kept_bytes": 0, "swapped_bytes": 0, "recomputed_bytes": 0,
+                                          "recompute_seconds": 0.0, "reruns": 0})  # fmt: skip
+
+        if seq is not None:
+            for v, size in enumerate(seq.sizes):
+                r = row(group(seq.modules[v] if seq.modules else ""))
+                r["swapped_bytes" if v in swapped else "kept_bytes"] += size
+        if self.result is not None and self.result.best.model is not None and plan is not None:
+            for path, b in self.result.best.model.recomputed_bytes.items():
+                row(path)["recomputed_bytes"] += b
+        if self.regions is not None:
+            for path in region_paths:
+                s = self.regions._stats.get(path)
+                r = row(path)
+                r["recompute_seconds"] = self.regions.rerun_seconds(path)
+                r["reruns"] = s.reruns if s else 0
+                if s and s.forced:
+                    r["kept_because"] = dict(s.forced)
+        return sorted(rows.values(), key=lambda r: r["module"])

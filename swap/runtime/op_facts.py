@@ -1,0 +1,157 @@
+"""What an operator does besides computing its outputs: which arguments it writes, whether its outputs alias
+its inputs, whether it can be rerun. Read from the operator's schema and tags, plus the few facts schemas
+leave out. Used by the operator profiler (swap.runtime.op_profiler) and the recompute contexts
+(swap.runtime.regions).
+
+Note [Operators that cannot be rerun]
+A recompute region reruns its operators in the backward, so an operator is rerun only if doing it twice
+changes nothing but its outputs:
+- an explicit ``torch.Generator`` argument: checkpoint restores the default generators' state
+  (``preserve_rng_state``), never a generator of the user's, so the rerun would draw other numbers;
+- a side effect: a host sync that reads a value (``.item()``), or a collective (another rank would wait);
+- a kernel that is not deterministic on CUDA (atomic adds: ``index_add``, ``scatter_add``, ...) while
+  ``torch.use_deterministic_algorithms`` is off: the rerun may round differently.
+Such operators are *kept*: their outputs are saved (and swappable) and handed back at the rerun. Keeping
+one must not change what the others compute, so a module is not checkpointed at all when a non-rerunnable
+operator writes in place (its output is its input: handing it back would skip the write) or draws from the
+default generator (the draws after it would shift).
+
+Writes are a separate matter: a rerun operator that writes a tensor from outside the rerun (BatchNorm's
+running statistics, a counter buffer) writes a scratch copy of it instead (Note [Scratch copies] in
+swap.runtime.regions), and an operator that writes one of the region's inputs makes the module impossible to
+checkpoint at all (autograd would find the saved input modified).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+# Schemas that write arguments without saying so: (operator, argument indices written when training).
+LEGACY_WRITES: dict[str, tuple[int, ...]] = {
+    "aten.native_batch_norm.default": (3, 4),
+    "aten.cudnn_batch_norm.default": (3, 4),
+    "aten.miopen_batch_norm.default": (3, 4),
+    "aten._batch_norm_impl_index.default": (3, 4),
+}
+SIDE_EFFECTS = {"aten._local_scalar_dense.default": "a host sync that reads a value (.item())",
+                "aten.item.default": "a host sync that reads a value (.item())"}  # fmt: skip
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
+NONDETERMINISTIC_ON_CUDA = {
+    "aten.index_add.default", "aten.index_add_.default", "aten.scatter_add.default", "aten.scatter_add_.default",
+    "aten.scatter_reduce.two", "aten.scatter_reduce_.two", "aten.index_put.default", "aten.index_put_.default",
+    "aten._index_put_impl_.default", "aten.put.default", "aten.put_.default", "aten.bincount.default",
+    "aten.histc.default", "aten.embedding_bag.default", "aten._embedding_bag.default",
+}  # fmt: skip
+
+
+def written_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors ``func`` writes in place (schema ``Tensor(a!)``, plus ``LEGACY_WRITES``)."""
+    out: list[torch.Tensor] = []
+    schema = func._schema
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(a.name)
+        _tensors(value, out)
+    for i in LEGACY_WRITES.get(str(func), ()):
+        if i < len(args):
+            _tensors(args[i], out)
+    return out
+
+
+def replace_written(func: Any, args: tuple, kwargs: dict, swap: Any) -> tuple[tuple, dict]:
+    """``args``/``kwargs`` with each written tensor ``t`` replaced by ``swap(t)`` (Note [Scratch copies])."""
+    args, kwargs = list(args), dict(kwargs)
+    schema = func._schema
+    positions = {i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
+    positions |= set(LEGACY_WRITES.get(str(func), ()))
+    for i in sorted(positions):
+        name = schema.arguments[i].name if i < len(schema.arguments) else ""
+        if i < len(args):
+            args[i] = _map(args[i], swap)
+        elif name in kwargs:
+            kwargs[name] = _map(kwargs[name], swap)
+    return tuple(args), kwargs
+
+
+def aliases_output(func: Any) -> bool:
+    """Whether an output is a view of an input or an input itself (views, in-place and out= operators)."""
+    return any(r.alias_info is not None for r in func._schema.returns)
+
+
+def draws_default_rng(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` draws from torch's default generator (which checkpoint replays), not one passed to it."""
+    return torch.Tag.nondeterministic_seeded in func.tags and not _own_generator(args, kwargs)
+
+
+def _own_generator(args: tuple, kwargs: dict) -> bool:
+    return kwargs.get("generator") is not None or any(isinstance(a, torch.Generator) for a in args)
+
+
+def blocker(func: Any, args: tuple, kwargs: dict, device: torch.device) -> str:
+    """Why ``func`` cannot be rerun (Note [Operators that cannot be rerun]); "" if it can."""
+    name = str(func)
+    if name in SIDE_EFFECTS:
+        return SIDE_EFFECTS[name]
+    if func.namespace in COLLECTIVE_NAMESPACES:
+        return "a collective (a rerun would make other ranks wait for it)"
+    if _own_generator(args, kwargs):
+        return "draws from a torch.Generator of its own (checkpoint replays only the default generators)"
+    if (device.type == "cuda" and name in NONDETERMINISTIC_ON_CUDA
+            and not torch.are_deterministic_algorithms_enabled()):  # fmt: skip
+        return "a non-deterministic CUDA kernel (torch.use_deterministic_algorithms is off)"
+    return ""
+
+
+PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, torch.layout,
+         torch.memory_format)  # fmt: skip
+
+
+def stateful_argument(leaves: list) -> str:
+    """Why a call with these flattened arguments cannot be rerun ("" if it can): an argument that is neither a
+    tensor nor a plain value may be changed by the forward (a Hugging Face ``DynamicCache`` appends each
+    layer's keys), and a rerun would change it twice (Note [Operators that cannot be rerun])."""
+    for x in leaves:
+        if not isinstance(x, (torch.Tensor,) + PLAIN) and not callable(x):
+            name = type(x).__name__
+            hint = (": pass use_cache=False (Hugging Face's own gradient checkpointing turns the cache off too)"
+                    if "Cache" in name else "")  # fmt: skip
+            return f"an argument is a {name}, which its forward may change (a rerun would change it twice){hint}"
+    return ""
+
+
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    _tensors(value, out)
+    return out
+
+
+def _tensors(value: Any, out: list) -> None:
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _tensors(v, out)
+
+
+def _map(value: Any, fn: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map(v, fn) for v in value)
+    return value
+
+
+def element_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> Optional[float]:
+    """FLOPs from torch.utils.flop_counter's registry (matmuls, convolutions, attention), else None."""
+    from torch.utils.flop_counter import flop_registry
+
+    formula = flop_registry.get(func._overloadpacket)
+    if formula is None:
+        return None
+    try:
+        return float(formula(*args, **kwargs, out_val=out))
+    except Exception:  # noqa: BLE001 - a formula that does not fit these arguments: no FLOPs known
+        return None
