@@ -117,9 +117,6 @@ class JointRuntime:
         ev = Evaluator(seq, table, self.m.budget, h2d, d2h)
         self.result = result = self.choose(ev)
         best = result.best
-        for c in table.calls:
-            if c.blocker:
-                self.m._note(f"{c.path} is not checkpointed: {c.blocker}")
         if not best.feasible:
             return None
         p = best.strategy.plan
@@ -159,6 +156,29 @@ class JointRuntime:
             "recompute_seconds": sum(r["recompute_seconds"] for r in rows),
             "simulated_step_seconds": best.step_time if best is not None and best.feasible else None,
             "modules": rows,
+            **self.not_recomputable(),
+        }
+
+    def not_recomputable(self) -> dict[str, Any]:
+        """What the profiled forward cannot recompute, and why (Note [Operators that cannot be rerun]):
+        ``not_recomputable``, its operators grouped by (module, operator, reason) with their count per
+        iteration (they are kept or swapped, never rerun), and ``not_checkpointed``, candidate module -> why
+        it is never checkpointed (an in-place write to one of its inputs, a user's own checkpoint, ...)."""
+        table = self.table if self.table is not None else (self.profiler.table if self.profiler is not None else None)
+        if table is None:
+            return {"not_recomputable": [], "not_checkpointed": {}}
+        groups: dict[tuple[str, str, str], int] = {}
+        for op in table.ops:
+            if op.blocker:
+                k = (op.module or "(outside modules)", op.name, op.blocker)
+                groups[k] = groups.get(k, 0) + 1
+        blocked: dict[str, str] = {}
+        for c in table.calls:
+            if c.blocker:
+                blocked.setdefault(c.path, c.blocker)
+        return {
+            "not_recomputable": [{"module": m, "operator": n, "why": w, "count": k} for (m, n, w), k in groups.items()],
+            "not_checkpointed": blocked,
         }
 
     def rows(self, seq: Optional[Sequence], swapped: set[int]) -> list[dict[str, Any]]:
