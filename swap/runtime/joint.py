@@ -118,6 +118,7 @@ class JointRuntime:
         self.result = result = self.choose(ev)
         best = result.best
         if not best.feasible:
+            self.m._note(f"policy 'auto': no recompute plan fits the budget ({best.name}: {best.why}); swapping only")
             return None
         p = best.strategy.plan
         if not p.regions and not p.rebuild:
@@ -150,9 +151,14 @@ class JointRuntime:
         best = self.result.best if self.result is not None else None
         swapped = {v for step in schedule.swap_out for v in step} if schedule is not None else set()
         rows = self.rows(seq, swapped) if seq is not None or best is not None else []
+        if best is None:
+            plan = "none (the run fits, or not planned yet)"
+        elif not best.feasible:
+            plan = f"none ({best.name} does not fit the budget: swapping only)"
+        else:
+            plan = best.strategy.plan.describe()
         return {
-            "recompute_plan": (best.strategy.plan.describe() if best is not None and best.feasible
-                               else "none (the run fits, or not planned yet)"),  # fmt: skip
+            "recompute_plan": plan,
             "recompute_seconds": sum(r["recompute_seconds"] for r in rows),
             "simulated_step_seconds": best.step_time if best is not None and best.feasible else None,
             "modules": rows,

@@ -231,3 +231,21 @@ def test_the_sequence_model_matches_what_the_runtime_records_and_auto_wins_on_it
         result = search(ev)
         for b, o in result.baselines.items():
             assert not o.feasible or result.best.step_time <= o.step_time, b
+
+
+def test_a_plan_that_does_not_fit_is_reported_and_the_manager_swaps_only():
+    from swap.planning.joint import Outcome
+
+    def infeasible(ev):
+        return JointResult(Outcome(Strategy("checkpoint_window"), False, float("inf"), "the rerun of blocks.0 is over"),
+                           {}, ev.evaluations)  # fmt: skip
+
+    ref = run("gpt", 4, meter=swap.LiveBytesMeter("cpu"))
+    budget = int(unswapped_peak(ref) * 0.7)
+    got = run("gpt", 4, manager=lambda: manager(budget, infeasible), meter=swap.LiveBytesMeter("cpu"))
+    assert_bitwise_equal(ref, got)
+    assert_within(got["peaks"], budget)
+    report = got["manager"].report()
+    assert report["recompute_plan"] == "none (checkpoint_window does not fit the budget: swapping only)"
+    assert any("the rerun of blocks.0 is over" in n for n in report["notes"]), report["notes"]
+    assert report["status"] == "planned" and not got["manager"]._joint.applied
