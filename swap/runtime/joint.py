@@ -117,10 +117,8 @@ class JointRuntime:
         ev = Evaluator(seq, table, self.m.budget, h2d, d2h)
         self.result = result = self.choose(ev)
         best = result.best
-        for c in table.calls:
-            if c.blocker:
-                self.m._note(f"{c.path} is not checkpointed: {c.blocker}")
         if not best.feasible:
+            self.m._note(f"policy 'auto': no recompute plan fits the budget ({best.name}: {best.why}); swapping only")
             return None
         p = best.strategy.plan
         if not p.regions and not p.rebuild:
@@ -153,12 +151,40 @@ class JointRuntime:
         best = self.result.best if self.result is not None else None
         swapped = {v for step in schedule.swap_out for v in step} if schedule is not None else set()
         rows = self.rows(seq, swapped) if seq is not None or best is not None else []
+        if best is None:
+            plan = "none (the run fits, or not planned yet)"
+        elif not best.feasible:
+            plan = f"none ({best.name} does not fit the budget: swapping only)"
+        else:
+            plan = best.strategy.plan.describe()
         return {
-            "recompute_plan": (best.strategy.plan.describe() if best is not None and best.feasible
-                               else "none (the run fits, or not planned yet)"),  # fmt: skip
+            "recompute_plan": plan,
             "recompute_seconds": sum(r["recompute_seconds"] for r in rows),
             "simulated_step_seconds": best.step_time if best is not None and best.feasible else None,
             "modules": rows,
+            **self.not_recomputable(),
+        }
+
+    def not_recomputable(self) -> dict[str, Any]:
+        """What the profiled forward cannot recompute, and why (Note [Operators that cannot be rerun]):
+        ``not_recomputable``, its operators grouped by (module, operator, reason) with their count per
+        iteration (they are kept or swapped, never rerun), and ``not_checkpointed``, candidate module -> why
+        it is never checkpointed (an in-place write to one of its inputs, a user's own checkpoint, ...)."""
+        table = self.table if self.table is not None else (self.profiler.table if self.profiler is not None else None)
+        if table is None:
+            return {"not_recomputable": [], "not_checkpointed": {}}
+        groups: dict[tuple[str, str, str], int] = {}
+        for op in table.ops:
+            if op.blocker:
+                k = (op.module or "(outside modules)", op.name, op.blocker)
+                groups[k] = groups.get(k, 0) + 1
+        blocked: dict[str, str] = {}
+        for c in table.calls:
+            if c.blocker:
+                blocked.setdefault(c.path, c.blocker)
+        return {
+            "not_recomputable": [{"module": m, "operator": n, "why": w, "count": k} for (m, n, w), k in groups.items()],
+            "not_checkpointed": blocked,
         }
 
     def rows(self, seq: Optional[Sequence], swapped: set[int]) -> list[dict[str, Any]]:

@@ -11,8 +11,10 @@ class SwapReport(dict):
     budget_bytes, window_bytes, replans, overruns (steps measured above the budget), min_budget_bytes,
     policy, memory_source and peak_measured_inside_ops (False on CPU: the peak is of live tensor bytes
     between operators, see swap.runtime.meter), and notes. With ``policy="auto"`` also recompute_plan,
-    recompute_seconds, simulated_step_seconds and ``modules``: per module, bytes kept on the device, swapped
-    and recomputed per iteration, and the seconds spent recomputing it (swap.runtime.joint)."""
+    recompute_seconds, simulated_step_seconds, ``modules``: per module, bytes kept on the device, swapped
+    and recomputed per iteration, and the seconds spent recomputing it, ``not_recomputable``: the operators
+    that cannot be recomputed (module, operator, why, count per iteration) and ``not_checkpointed``: candidate
+    modules that are never checkpointed, and why (swap.runtime.joint)."""
 
     ROWS = [
         ("status", "status", str),
@@ -53,6 +55,17 @@ class SwapReport(dict):
                 lines.append(f"{r['module'][:33]:<34}{_bytes(r['kept_bytes']):>11}{_bytes(r['swapped_bytes']):>11}"
                              f"{_bytes(r['recomputed_bytes']):>11}{r['recompute_seconds']:>9.3f}s")  # fmt: skip
             lines.append("(bytes per iteration; rerun: seconds recomputing over the run)")
+        ops = self.get("not_recomputable", [])
+        if ops:
+            lines.append("")
+            lines.append("cannot be recomputed (kept or swapped instead):")
+            for r in ops:
+                lines.append(f"  {r['module']}: {r['operator']} x{r['count']}: {r['why']}")
+        blocked = self.get("not_checkpointed", {})
+        if blocked:
+            lines.append("")
+            lines.append("modules never checkpointed:")
+            lines.extend(f"  {path}: {why}" for path, why in blocked.items())
         for note in self.get("notes", []):
             lines.append(f"note: {note}")
         return "\n".join(lines)

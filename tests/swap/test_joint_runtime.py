@@ -118,6 +118,56 @@ def test_operators_that_cannot_be_rerun_are_kept_and_the_report_says_why():
     assert any("torch.Generator" in w for w in why.values()), why
     assert any(".item()" in w for w in why.values()), why
     assert not any("dropout" in k or "bernoulli" in k for k in why)  # the default generator's draw is rerun
+    # The report lists them per module with the reason, per profiled iteration, and prints them.
+    report = got["manager"].report()
+    listed = {(r["module"], r["why"].split(" (")[0]): r["count"] for r in report["not_recomputable"]}
+    for path in ("0", "1", "2"):
+        assert listed[path, "draws from a torch.Generator of its own"] == 1, listed
+        assert listed[path, "a host sync that reads a value"] == 1, listed
+    assert "a host sync that reads a value (.item())" in str(report)
+
+
+class WritesItsInput(nn.Module):
+    """A block that rectifies its input in place: a checkpoint of it would find its saved input modified."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.relu_()
+        return x + self.fc(x)
+
+
+def test_a_module_that_writes_its_input_in_place_is_not_checkpointed_and_the_report_says_why():
+    kw = dict(build=lambda: nn.Sequential(*[WritesItsInput() for _ in range(3)]), batch_fn=noisy_batch, pattern=mse)
+    ref = run("in_place", 4, meter=swap.LiveBytesMeter("cpu"), **kw)
+    budget = int(unswapped_peak(ref) * 0.9)
+    got = run("in_place", 4, manager=lambda: manager(budget, fixed("checkpoint")), **kw)
+    assert_bitwise_equal(ref, got)
+    report = got["manager"].report()
+    assert report["status"] == "planned", dict(report)  # it had to act, and swapped instead
+    blocked = report["not_checkpointed"]
+    assert set(blocked) == {"0", "1", "2"}, blocked
+    assert all("aten.relu_.default writes one of its inputs in place" in why for why in blocked.values()), blocked
+    assert not got["manager"]._joint.applied
+    assert "modules never checkpointed" in str(report)
+
+
+def test_non_deterministic_cuda_kernels_cannot_be_rerun_unless_deterministic_algorithms_are_on():
+    from swap.runtime.op_facts import blocker
+
+    index_add, cuda = torch.ops.aten.index_add.default, torch.device("cuda")
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        assert "non-deterministic CUDA kernel" in blocker(index_add, (), {}, cuda)
+        assert blocker(index_add, (), {}, torch.device("cpu")) == ""  # CPU kernels are deterministic
+        assert blocker(torch.ops.aten.mm.default, (), {}, cuda) == ""
+        torch.use_deterministic_algorithms(True)
+        assert blocker(index_add, (), {}, cuda) == ""
+    finally:
+        torch.use_deterministic_algorithms(was)
 
 
 def test_a_users_own_checkpoint_keeps_working_and_is_not_wrapped_again():
@@ -181,3 +231,21 @@ def test_the_sequence_model_matches_what_the_runtime_records_and_auto_wins_on_it
         result = search(ev)
         for b, o in result.baselines.items():
             assert not o.feasible or result.best.step_time <= o.step_time, b
+
+
+def test_a_plan_that_does_not_fit_is_reported_and_the_manager_swaps_only():
+    from swap.planning.joint import Outcome
+
+    def infeasible(ev):
+        return JointResult(Outcome(Strategy("checkpoint_window"), False, float("inf"), "the rerun of blocks.0 is over"),
+                           {}, ev.evaluations)  # fmt: skip
+
+    ref = run("gpt", 4, meter=swap.LiveBytesMeter("cpu"))
+    budget = int(unswapped_peak(ref) * 0.7)
+    got = run("gpt", 4, manager=lambda: manager(budget, infeasible), meter=swap.LiveBytesMeter("cpu"))
+    assert_bitwise_equal(ref, got)
+    assert_within(got["peaks"], budget)
+    report = got["manager"].report()
+    assert report["recompute_plan"] == "none (checkpoint_window does not fit the budget: swapping only)"
+    assert any("the rerun of blocks.0 is over" in n for n in report["notes"]), report["notes"]
+    assert report["status"] == "planned" and not got["manager"]._joint.applied
