@@ -53,6 +53,7 @@ from torch.utils.checkpoint import checkpoint
 import swap
 from bench import cpu_profile
 from bench.plan_vs_reality import MIN_BYTES, gpt2, optimizer, resnet, unet
+from swap import zoo
 from swap.capture import capture
 from swap.planning.devices import DeviceProfile
 from swap.planning.from_trace import sequence_from_trace
@@ -89,7 +90,10 @@ class Checkpointed(nn.Module):
 
 
 def blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(parent, attribute) of each block to checkpoint in the three models."""
+    """(parent, attribute) of each block to checkpoint in the three models, and in the built-in ResNet and
+    GPT (swap.zoo: bottlenecks, transformer blocks)."""
+    if isinstance(model, (zoo.ResNet, zoo.GPT)):
+        return [(model.blocks, str(i)) for i in range(len(model.blocks))]
     if hasattr(model, "transformer"):  # GPT2LMHeadModel
         h = model.transformer.h
         return [(h, str(i)) for i in range(len(h))]
