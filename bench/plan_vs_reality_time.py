@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import platform
 import statistics
 import sys
@@ -51,8 +50,9 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import swap
-from bench import cpu_profile
+from bench import cpu_profile, op_breakdown
 from bench.plan_vs_reality import MIN_BYTES, gpt2, optimizer, resnet, unet
+from bench.write import write_results
 from swap import zoo
 from swap.capture import capture
 from swap.planning.devices import DeviceProfile
@@ -137,7 +137,7 @@ def predict(spec: dict[str, Any], cpu: cpu_profile.CpuProfile) -> dict[str, Any]
     budget = floor + (seq.no_swap_peak() - floor) // 2
     window, _, sim = choose_window(seq, budget, cpu.link_bandwidth, cpu.link_bandwidth)
     b, e = plain.iterations()[-1]
-    return {
+    return {"breakdown": op_breakdown.predicted(plain, dev),
         "plain": iteration_seconds(plain, dev), "checkpointed": iteration_seconds(ckpt, dev),
         "swapped": swapped_seconds(sim.compute_time, sim.d2h_bytes, sim.h2d_bytes, cpu.link_bandwidth),
         "swapped_compute": sim.compute_time, "bytes_out": sim.d2h_bytes, "bytes_in": sim.h2d_bytes,
@@ -147,9 +147,8 @@ def predict(spec: dict[str, Any], cpu: cpu_profile.CpuProfile) -> dict[str, Any]
 
 
 # -- measured -----------------------------------------------------------------------------------------------
-def timed_steps(spec: dict[str, Any], run: str, budget: int, warmup: int, steps: int) -> dict[str, Any]:
-    """Seconds of ``steps`` training steps of a fresh model after ``warmup`` (the manager's after its
-    profiling iterations)."""
+def make_step(spec: dict[str, Any], run: str) -> Callable[[], tuple[float, float]]:
+    """One training step of a fresh model (seeded), returning its (CPU, wall) seconds."""
     torch.manual_seed(0)
     model = (checkpointed(spec["model_fn"]) if run == "checkpointed" else spec["model_fn"])().train()
     opt, loss_fn = optimizer(model.parameters()), loss_of(spec)
@@ -162,6 +161,13 @@ def timed_steps(spec: dict[str, Any], run: str, budget: int, warmup: int, steps:
         opt.step()
         return time.process_time() - t0, time.perf_counter() - w0
 
+    return step
+
+
+def timed_steps(spec: dict[str, Any], run: str, budget: int, warmup: int, steps: int) -> dict[str, Any]:
+    """Seconds of ``steps`` training steps of a fresh model after ``warmup`` (the manager's after its
+    profiling iterations)."""
+    step = make_step(spec, run)
     sm = swap.SwapManager(budget=budget, device="cpu", min_bytes=MIN_BYTES) if run == "swapped" else None
     if sm is not None:
         sm.__enter__()
@@ -195,6 +201,10 @@ def measure(spec: dict[str, Any], budget: int, rounds: int, warmup: int, steps: 
             wall[run] += got.pop("wall")
             extra.update(got)
         log(f"  round {k + 1}/{rounds}: " + ", ".join(f"{r} {statistics.median(times[r]):.3f} s" for r in RUNS))
+    step = make_step(spec, "plain")
+    for _ in range(warmup):
+        step()
+    extra["breakdown"] = op_breakdown.measured(step, statistics.median(times["plain"]))
     return {"steps": times, "median": {r: statistics.median(times[r]) for r in RUNS}, "wall_steps": wall,
             "wall_median": {r: statistics.median(wall[r]) for r in RUNS}, **extra}  # fmt: skip
 
@@ -261,6 +271,12 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"- {r['model']}: budget {p['budget'] / MiB:.1f} MiB; out {p['bytes_out'] / MiB:.1f} / "
                      f"{s.get('bytes_out', 0) / MiB:.1f} MiB, in {p['bytes_in'] / MiB:.1f} / "
                      f"{s.get('bytes_in', 0) / MiB:.1f} MiB; {p['operators']} operators per step")  # fmt: skip
+    lines += ["", "Where the plain step's time goes, predicted / measured seconds (bench/op_breakdown.py: the "
+              "profiler's operator self times over one step, as shares of the median step):", "",
+              "| model | " + " | ".join(op_breakdown.KINDS) + " |", "|---|" + "---|" * len(op_breakdown.KINDS)]
+    for r in results["models"]:
+        p, s = r["predicted"]["breakdown"], r["measured"]["breakdown"]
+        lines.append(f"| {r['model']} | " + " | ".join(f"{p[k]:.3f} / {s[k]:.3f}" for k in op_breakdown.KINDS) + " |")
     w = results["worst"]
     lines += ["", f"Worst absolute error: per run {w['run']:.1%} (goal {GOAL_ERROR:.0%}: "
               f"{verdict(w['run'], GOAL_ERROR)}), ratios {w['ratio']:.1%} (goal {GOAL_RATIO:.0%}: "
@@ -295,11 +311,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                   "ratio": max(abs(v["error"]) for r in rows for v in r["ratio"].values())},  # fmt: skip
     }
     results["meta"]["seconds"] = round(time.perf_counter() - t0, 1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "plan_vs_reality_time.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "plan_vs_reality_time.md").write_text(markdown(results))
-    print(markdown(results))
+    write_results(Path(args.out), "plan_vs_reality_time", results, markdown(results))
     return 0
 
 

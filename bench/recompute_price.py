@@ -14,7 +14,6 @@ Writes bench/results/recompute_price.{json,md}.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 
 from bench.plan_vs_reality_time import checkpointed
+from bench.write import write_results
 from swap.capture import OP, SAVE, USE, Trace, capture
 from swap.planning.devices import DeviceProfile, profile
 from swap.planning.pricing import iteration_seconds, low_precision_model
@@ -93,10 +93,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "torch": torch.__version__, "device": dev.name, "seconds": 0.0},
                "rows": [price(name, batch, dev) for name, batch in CASES]}  # fmt: skip
     results["meta"]["seconds"] = round(time.perf_counter() - t0, 1)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "recompute_price.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "recompute_price.md").write_text(markdown(results))
-    print(markdown(results))
+    write_results(out, "recompute_price", results, markdown(results))
     return 0
 
 
