@@ -5,8 +5,8 @@ Note [FLOPs of the CPU attention kernels]
 CPU's flash attention (``_scaled_dot_product_flash_attention_for_cpu`` and its backward), which is what SDPA
 runs on a CPU and what a capture with ``target="cpu"`` records (Note [The target device's kernels]). Without
 a formula those operators cost nothing on the roofline but their bytes: on the plan-vs-reality U-Net they
-are 3.2 of its 5.5 s per CPU step. They get the CUDA kernels' formulas (the same matmuls; like PyTorch's
-counter, causal masking is not discounted).
+take 1.43 of its 2.32 s per CPU step (bench/results/plan_vs_reality_time.md). They get the CUDA kernels'
+formulas (the same matmuls; like PyTorch's counter, causal masking is not discounted).
 """
 
 from __future__ import annotations

@@ -52,7 +52,8 @@ def test_the_profile_round_trips_and_a_missing_file_says_how_to_make_one(tmp_pat
 
 def test_swapped_steps_pay_every_copy_and_ratios_compare_strategies():
     assert swapped_seconds(1.0, 3 * 10**9, 10**9, 4e9) == pytest.approx(2.0)
-    c = compare({"plain": 1.0, "checkpointed": 1.2, "swapped": 1.5}, {"plain": 2.0, "checkpointed": 2.6, "swapped": 3.0})
+    predicted = {"plain": 1.0, "checkpointed": 1.2, "swapped": 1.5}
+    c = compare(predicted, {"plain": 2.0, "checkpointed": 2.6, "swapped": 3.0})
     assert c["error"] == pytest.approx({"plain": -0.5, "checkpointed": -1.4 / 2.6, "swapped": -0.5})
     assert c["ratio"]["checkpointed"]["predicted"] == pytest.approx(1.2)
     assert c["ratio"]["checkpointed"]["measured"] == pytest.approx(1.3)
