@@ -70,8 +70,8 @@ WHY = (
     "softmax, GELU's tanh, normalization) are compute-bound and take several times longer ('other'); CPU flash "
     "attention with narrow heads (the U-Net's are 8 wide) runs far below the matmul rate ('attention'); "
     "checkpointing recomputes exactly those forward kernels, so where they dominate (ResNet's BatchNorm and ReLU) "
-    "the checkpointed/plain ratio is under-predicted; and the swapped runs pay the manager's own costs per saved "
-    "tensor, beyond the per-operator meter cost calibrated on the tiny step."
+    "the checkpointed/plain ratio is under-predicted; and the swapped runs pay more of the manager's own cost "
+    "(hooks, meter, bookkeeping) than the per-operator figure calibrated on the tiny step accounts for."
 )
 
 
