@@ -3,7 +3,7 @@
 PY ?= python3
 ASAN_PKG := build/asan/pkg
 
-.PHONY: setup demo demo-allocator test test-python test-sanitize lint bench-latency bench-plan clean fakecuda
+.PHONY: setup demo demo-allocator test test-python test-sanitize lint bench-latency bench-plan bench-clock clean fakecuda
 
 # torch: keep an installed build (GPU users keep their CUDA torch); otherwise 2.13.0, which on this
 # project's CPU machines is a local CPU build.
@@ -71,6 +71,11 @@ bench-latency: setup
 # The planner's predicted peaks against real CPU training of three third-party models (bench/results/plan_vs_reality.*).
 bench-plan: setup
 	$(PY) -m bench.plan_vs_reality
+
+# The planner's step times against measured ones on this machine's CPU, calibrated first (plan_vs_reality_time.*).
+bench-clock: setup
+	$(PY) -m bench.cpu_profile
+	$(PY) -m bench.plan_vs_reality_time
 
 clean:
 	rm -rf build vmalloc/*.so

@@ -199,6 +199,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines += ["", f"Worst absolute error: no swap {results['worst']['no_swap']:.2%}, under the budget (planned "
               f"iterations) {results['worst']['under_budget_planned']:.2%}, (all iterations) "
               f"{results['worst']['under_budget_all']:.2%}."]  # fmt: skip
+    lines += ["", "Step times, predicted against measured for the same models: bench/results/plan_vs_reality_time.md "
+              "(`python -m bench.plan_vs_reality_time`)."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

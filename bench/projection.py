@@ -33,6 +33,7 @@ from bench.replay import measure
 from bench.swap_schedule import STEPS, run_policy, sequence, window_with_allocator
 from bench.traces import MODELS, cached_capture
 from swap import InfeasibleBudget, Sequence, choose_window
+from swap.capture.target import target_kernels
 from swap.planning.devices import DeviceProfile, profile
 from swap.planning.recompute import choose, recipes, with_recompute
 from swap.planning.vmm_costs import for_device
@@ -130,7 +131,8 @@ def run_workload(model: str, size: Optional[int], dev: DeviceProfile, memory: in
             net = MODELS[model][0]().to(torch.bfloat16 if lowp else torch.float32)
         x, _ = models.example_batch(net, batch, size or MODELS[model][1], None, "meta")
         xs = x.untyped_storage()
-        found = recipes(net, (x,), exclude=lambda t, xs=xs: t.untyped_storage() is xs, expect_sizes=seq.sizes)
+        with target_kernels("cuda"):  # the capture's attention kernels, so the forward saves what it saved
+            found = recipes(net, (x,), exclude=lambda t, xs=xs: t.untyped_storage() is xs, expect_sizes=seq.sizes)
         row["recompute_candidates"] = len(found)
         if found and window:
             chosen, _ = choose(seq, found, rebuild_seconds(dev, lowp), window_time(dev, memory))

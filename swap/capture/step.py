@@ -46,8 +46,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import flop_registry
 
+from .flops import operator_flops
 from .grad_accumulation import EngineAccumulation
 from .target import foreach_on_meta, library_value_checks, target_kernels
 from .trace import (
@@ -187,8 +187,7 @@ class _Recorder(TorchDispatchMode):
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if not inputs and not outputs:
             return  # no tensor in or out: bookkeeping such as the profiler's record_function markers
-        flop_fn = flop_registry.get(func._overloadpacket)
-        flops = float(flop_fn(*args, **kwargs, out_val=out)) if flop_fn is not None else 0.0
+        flops = operator_flops(func, args, kwargs, out)
         moved = 0
         first_float: Optional[torch.dtype] = None  # the operator's precision: its first float input's
         for t in inputs:

@@ -189,3 +189,38 @@ def test_format_5_files_still_load_and_unknown_ones_say_what_to_do(tmp_path):
     np.savez_compressed(path, op=old.op, meta=np.array('{"format_version": 4}'))
     with pytest.raises(ValueError, match="capture it again"):
         Trace.load(path)
+
+
+class Attention(nn.Module):
+    """One self-attention layer through SDPA (4 heads of 8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, 4, 8).transpose(1, 2) for z in self.qkv(x).split(32, dim=2))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def attention_batch(n: int) -> tuple:
+    return torch.randn(n, 16, 32), torch.randn(n, 4, 16, 8)
+
+
+def test_the_cpu_attention_kernels_carry_their_flops():
+    # Note [FLOPs of the CPU attention kernels]: PyTorch's counter knows the CUDA kernels only; on CPU
+    # attention cost nothing but its bytes.
+    def loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    flops = {}
+    for target in ("cpu", "cuda"):
+        t = capture(Attention, attention_batch, 2, loss, target=target)
+        for k in range(*last(t).indices(len(t))):
+            if t.op[k] == OP and "attention" in t.op_name(k):
+                flops[(target, t.phase[k] == PHASE["backward"])] = t.flops[k]
+    # Forward: QK^T and PV, 2 * 2 * b * h * t * t * d; backward: 2.5x that (PyTorch's formula).
+    forward = 2 * 2 * 2 * 4 * 16 * 16 * 8
+    assert flops[("cpu", False)] == flops[("cuda", False)] == forward
+    assert flops[("cpu", True)] == flops[("cuda", True)] == 2.5 * forward

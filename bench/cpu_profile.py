@@ -1,0 +1,251 @@
+"""A device profile of this machine's CPU, calibrated from measurements, for checking the planner's clock.
+
+    python -m bench.cpu_profile        # ~30 s; writes bench/results/cpu_profile.json
+
+Note [The CPU as a device]
+The planner prices each operator on a roofline (Note [Per-operator roofline] in swap/planning/pricing.py)
+with a device's peak FLOP/s, memory bandwidth and per-operator overhead. On a GPU these come from the
+datasheet (and ``--profile`` corrects them from a run); here every figure is measured, once, on the machine
+that trains, with PyTorch's own kernels and thread count:
+
+- ``matmul_flops``: FLOP/s of fp32 ``torch.mm`` at 1024 x 1024 x 1024 (2 n^3 FLOPs; median of repeats). The
+  CPU has no low-precision tensor cores worth a separate peak: bf16/fp16 operators get the same figure.
+- ``mem_bandwidth``: bytes/s of ``torch.mul(a, b)`` counting what the capture counts for it (two inputs read,
+  one output written), on 8 MiB tensors (the size of the benchmark models' activations), out of place: a
+  training step's operators allocate their outputs, and fresh memory costs page faults that an ``out=``
+  kernel into a warm buffer does not pay (1 thread, this machine: 39 GB/s out of place, 54 GB/s with
+  ``out=``; at 32 MiB, past glibc's mmap threshold, 5.6 against 30).
+- ``op_overhead``: seconds per operator beyond its roofline (Python, module calls, the dispatcher, autograd's
+  nodes and engine, the optimizer's loop): a training step of a model so small that its roofline is
+  negligible (a stack of 8-wide Linear/GELU/LayerNorm layers, AdamW), measured, less its roofline, divided by
+  the number of operators its capture records.
+- ``runtime_op_overhead``: what ``SwapManager`` adds per operator on CPU (the ``LiveBytesMeter`` dispatch mode
+  that measures the budget, and its saved-tensor hooks): the same small step under a manager whose budget the
+  step fits (it profiles, then steps aside with its meter still on), less the plain step, per operator.
+- ``link_bandwidth``: the CPU has no copy engine. ``SwapManager`` on CPU "swaps" into host blocks in the same
+  memory, with ``dst.copy_(src)`` on a worker thread that competes with the compute threads for the cores.
+  The link is that memcpy: bytes/s of ``copy_`` of 8 MiB tensors (counting each byte once, as the runtime's
+  swapped-bytes counters do). A swapped step is predicted as its compute plus every copied byte at this
+  bandwidth, serially (bench/plan_vs_reality_time.py), not as copies hidden behind compute.
+
+Everything runs on one intra-op thread (``THREADS``), the calibration and the runs it predicts alike: this
+machine is shared (a load of 6 on 2 cores is common), and with two OpenMP threads every parallel region
+waits at its barrier for whichever thread the kernel descheduled, so the same step took 0.2 s or 4 s (GPT-2
+quick: five plain steps 4.9, 4.6, 2.2, 2.0, 2.0 s; on one thread 0.14, 0.11, 0.10, 0.09, 0.09 s).
+
+Times are CPU time of the process (``time.process_time``), not wall time: other engineers' jobs share the
+cores, and the time the kernel gives them is not the step's (bench/swap_overhead.py, Note [CPU time, not wall
+time]). A swapped step's copy workers are counted in it, which is what Note [Copies on a CPU] in
+bench/plan_vs_reality_time.py predicts.
+
+``profile_from`` (pure: measurements in, profile out) turns the figures into a ``DeviceProfile`` at
+efficiency 1 (the rates are what the kernels reached, not peaks to be scaled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+
+import swap
+from swap.capture import capture
+from swap.planning.devices import DeviceProfile
+from swap.planning.pricing import iteration_seconds
+
+ROOT = Path(__file__).resolve().parents[1]
+PATH = ROOT / "bench" / "results" / "cpu_profile.json"
+MiB = 1 << 20
+MATMUL_N = 1024
+TENSOR_BYTES = 8 * MiB
+TINY_WIDTH, TINY_LAYERS, TINY_BATCH = 8, 16, 2
+THREADS = 1  # Note [The CPU as a device]: one intra-op thread, for steady timings on a shared machine
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class CpuMeasurements:
+    """What was measured (seconds are medians of repeats)."""
+
+    matmul_n: int
+    matmul_seconds: float  # one n x n x n fp32 matmul
+    mul_bytes: int  # bytes of each operand of the (out-of-place) multiply
+    mul_seconds: float
+    copy_bytes: int
+    copy_seconds: float
+    tiny_ops: int  # operators the capture records in one step of the tiny model
+    tiny_roofline_seconds: float  # their roofline on the measured rates, without overhead
+    tiny_step_seconds: float  # one step, plain
+    tiny_managed_step_seconds: float  # one step under SwapManager (declined: meter and hooks on)
+    threads: int
+    memory: int  # bytes of the machine's memory
+
+
+@dataclass(frozen=True)
+class CpuProfile:
+    """The CPU as a device (Note [The CPU as a device]): the roofline's figures, and the copy 'link' and the
+    swap runtime's per-operator cost, which only a swapped run pays."""
+
+    device: DeviceProfile
+    link_bandwidth: float  # bytes/s of the runtime's host copies (memcpy, competing with compute)
+    runtime_op_overhead: float  # seconds per operator that SwapManager's meter and hooks add on CPU
+
+    def to_json(self) -> dict[str, Any]:
+        return {"device": dataclasses.asdict(self.device), "link_bandwidth": self.link_bandwidth,
+                "runtime_op_overhead": self.runtime_op_overhead}  # fmt: skip
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> CpuProfile:
+        return CpuProfile(DeviceProfile(**d["device"]), float(d["link_bandwidth"]), float(d["runtime_op_overhead"]))
+
+
+def rates(m: CpuMeasurements) -> tuple[float, float]:
+    """(matmul FLOP/s, memory bytes/s) of the measurements."""
+    if min(m.matmul_seconds, m.mul_seconds, m.copy_seconds) <= 0:
+        raise ValueError(f"measured times must be positive: {m}")
+    return 2 * m.matmul_n**3 / m.matmul_seconds, 3 * m.mul_bytes / m.mul_seconds
+
+
+def profile_from(m: CpuMeasurements, name: str = "cpu") -> CpuProfile:
+    """The CPU profile the measurements imply (Note [The CPU as a device]); pure. ``tiny_roofline_seconds``
+    must be the tiny step's roofline on ``rates(m)``; overheads below zero (noise) count as 0."""
+    if m.tiny_ops <= 0:
+        raise ValueError(f"the tiny step recorded no operators ({m.tiny_ops}): nothing to calibrate the overhead on")
+    flops, bandwidth = rates(m)
+    op_overhead = max(0.0, (m.tiny_step_seconds - m.tiny_roofline_seconds) / m.tiny_ops)
+    runtime = max(0.0, (m.tiny_managed_step_seconds - m.tiny_step_seconds) / m.tiny_ops)
+    link = m.copy_bytes / m.copy_seconds
+    device = DeviceProfile(
+        f"{name}, {m.threads} threads (measured)", flops, flops, bandwidth, link, link, m.memory, efficiency=1.0,
+        source=f"measured by python -m bench.cpu_profile: fp32 mm {m.matmul_n}^3, mul and copy_ of "
+               f"{m.mul_bytes // MiB} MiB tensors, a {TINY_LAYERS}-layer {TINY_WIDTH}-wide training step",
+        op_overhead=op_overhead,
+    )  # fmt: skip
+    return CpuProfile(device, link, runtime)
+
+
+def load(path: Path = PATH) -> CpuProfile:
+    """The committed calibration (``python -m bench.cpu_profile`` writes it)."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{path}: no CPU profile; calibrate one with `python -m bench.cpu_profile`")
+    return CpuProfile.from_json(json.loads(Path(path).read_text())["profile"])
+
+
+# -- measuring ----------------------------------------------------------------------------------------------
+def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return statistics.median(times)
+
+
+def tiny_model() -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(TINY_LAYERS):
+        layers += [nn.Linear(TINY_WIDTH, TINY_WIDTH), nn.GELU(), nn.LayerNorm(TINY_WIDTH)]
+    return nn.Sequential(*layers)
+
+
+def tiny_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, TINY_WIDTH), torch.randn(n, TINY_WIDTH)
+
+
+def tiny_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def tiny_steps(managed: bool, steps: int) -> float:
+    """Median seconds of a tiny training step (after the manager's profiling iterations, when managed)."""
+    torch.manual_seed(0)
+    model, data = tiny_model(), tiny_batch(TINY_BATCH)
+    opt = optimizer(model.parameters())
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        tiny_loss(model, data).backward()
+        opt.step()
+
+    if not managed:
+        return median_seconds(step, steps, warmup=3)
+    with swap.SwapManager(budget="1GiB", device="cpu", min_bytes="64KiB"):
+        return median_seconds(step, steps, warmup=3)
+
+
+def measure(repeats: int = 30) -> CpuMeasurements:
+    """Times the kernels and the tiny step on this machine (a few tens of seconds)."""
+    a, b = torch.randn(MATMUL_N, MATMUL_N), torch.randn(MATMUL_N, MATMUL_N)
+    mm = median_seconds(lambda: torch.mm(a, b), repeats)
+    log(f"matmul {MATMUL_N}^3: {mm * 1e3:.2f} ms = {2 * MATMUL_N**3 / mm / 1e9:.1f} GFLOP/s")
+    n = TENSOR_BYTES // 4
+    x, y, z = torch.randn(n), torch.randn(n), torch.empty(n)
+    mul = median_seconds(lambda: torch.mul(x, y), repeats * 3)
+    copy = median_seconds(lambda: z.copy_(x), repeats * 3)
+    log(f"mul of {TENSOR_BYTES // MiB} MiB tensors: {3 * TENSOR_BYTES / mul / 1e9:.1f} GB/s; "
+        f"copy_: {TENSOR_BYTES / copy / 1e9:.1f} GB/s")  # fmt: skip
+    trace = capture(tiny_model, tiny_batch, TINY_BATCH, tiny_loss, optimizer=optimizer, target="cpu")
+    begin, end = trace.iterations()[-1]
+    ops = int((trace.op[begin : end + 1] == swap.capture.trace.OP).sum())
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    partial = CpuMeasurements(MATMUL_N, mm, TENSOR_BYTES, mul, TENSOR_BYTES, copy, ops, 0.0, 0.0, 0.0,
+                              torch.get_num_threads(), memory)  # fmt: skip
+    flops, bandwidth = rates(partial)
+    unit = DeviceProfile("rates", flops, flops, bandwidth, 1.0, 1.0, partial.memory, efficiency=1.0)
+    roofline = iteration_seconds(trace, unit)
+    plain, managed = [], []
+    for _ in range(3):  # interleaved: the machine is shared, so its speed drifts
+        gc.collect()
+        plain.append(tiny_steps(False, repeats * 2))
+        gc.collect()
+        managed.append(tiny_steps(True, repeats * 2))
+    step, step_managed = statistics.median(plain), statistics.median(managed)
+    log(f"tiny step: {ops} operators, {step * 1e3:.2f} ms plain, {step_managed * 1e3:.2f} ms under SwapManager "
+        f"(roofline {roofline * 1e6:.0f} us)")  # fmt: skip
+    return dataclasses.replace(partial, tiny_roofline_seconds=roofline, tiny_step_seconds=step,
+                               tiny_managed_step_seconds=step_managed)  # fmt: skip
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.cpu_profile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--out", default=str(PATH))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(THREADS)
+    m = measure()
+    p = profile_from(m, platform.processor() or platform.machine())
+    d = p.device
+    log(f"profile: {d.fp32_flops / 1e9:.1f} GFLOP/s, {d.mem_bandwidth / 1e9:.1f} GB/s, {d.op_overhead * 1e6:.1f} us "
+        f"per operator (+{p.runtime_op_overhead * 1e6:.1f} us under SwapManager), "
+        f"link {p.link_bandwidth / 1e9:.1f} GB/s")
+    doc = {"command": "python -m bench.cpu_profile", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+           "machine": platform.machine(), "measurements": dataclasses.asdict(m), "profile": p.to_json()}  # fmt: skip
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

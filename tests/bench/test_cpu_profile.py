@@ -1,0 +1,61 @@
+"""The CPU profile from its measurements (bench/cpu_profile.py, Note [The CPU as a device]) and the time
+comparison's arithmetic (bench/plan_vs_reality_time.py): pure functions, no timing."""
+
+import dataclasses
+import json
+
+import pytest
+
+from bench.cpu_profile import CpuMeasurements, CpuProfile, load, profile_from
+from bench.plan_vs_reality_time import compare, swapped_seconds
+
+MiB = 1 << 20
+
+# 1 GFLOP in 10 ms; 3 x 8 MiB in 1 ms; 8 MiB copied in 2 ms; a 1000-operator step of 12 ms (2 of roofline),
+# 32 ms under the manager.
+M = CpuMeasurements(matmul_n=500, matmul_seconds=0.25e-2, mul_bytes=8 * MiB, mul_seconds=1e-3, copy_bytes=8 * MiB,
+                    copy_seconds=2e-3, tiny_ops=1000, tiny_roofline_seconds=2e-3, tiny_step_seconds=12e-3,
+                    tiny_managed_step_seconds=32e-3, threads=1, memory=24 << 30)  # fmt: skip
+
+
+def test_the_profile_is_what_was_measured():
+    p = profile_from(M, "test cpu")
+    d = p.device
+    assert d.fp32_flops == d.lowp_flops == pytest.approx(2 * 500**3 / 0.25e-2)  # 100 GFLOP/s
+    assert d.mem_bandwidth == pytest.approx(3 * 8 * MiB / 1e-3)
+    assert d.efficiency == 1.0 and d.memory == 24 << 30
+    # The step less its roofline, per operator; what the manager adds on top, per operator.
+    assert d.op_overhead == pytest.approx(10e-6) and p.runtime_op_overhead == pytest.approx(20e-6)
+    assert p.link_bandwidth == d.h2d_bandwidth == d.d2h_bandwidth == pytest.approx(8 * MiB / 2e-3)
+    # An operator of 1 GFLOP and 1 MB: compute-bound, plus the overhead.
+    assert d.step_seconds(1e9, 1e6) == pytest.approx(1e-2 + 10e-6)
+
+
+def test_noise_never_makes_an_overhead_negative_and_nonsense_is_refused():
+    faster = dataclasses.replace(M, tiny_step_seconds=1e-3, tiny_managed_step_seconds=0.5e-3)
+    p = profile_from(faster)
+    assert p.device.op_overhead == 0.0 and p.runtime_op_overhead == 0.0
+    with pytest.raises(ValueError, match="no operators"):
+        profile_from(dataclasses.replace(M, tiny_ops=0))
+    with pytest.raises(ValueError, match="positive"):
+        profile_from(dataclasses.replace(M, copy_seconds=0.0))
+
+
+def test_the_profile_round_trips_and_a_missing_file_says_how_to_make_one(tmp_path):
+    p = profile_from(M)
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({"profile": p.to_json()}))
+    assert load(path) == p and isinstance(load(path), CpuProfile)
+    with pytest.raises(FileNotFoundError, match="python -m bench.cpu_profile"):
+        load(tmp_path / "none.json")
+
+
+def test_swapped_steps_pay_every_copy_and_ratios_compare_strategies():
+    assert swapped_seconds(1.0, 3 * 10**9, 10**9, 4e9) == pytest.approx(2.0)
+    predicted = {"plain": 1.0, "checkpointed": 1.2, "swapped": 1.5}
+    c = compare(predicted, {"plain": 2.0, "checkpointed": 2.6, "swapped": 3.0})
+    assert c["error"] == pytest.approx({"plain": -0.5, "checkpointed": -1.4 / 2.6, "swapped": -0.5})
+    assert c["ratio"]["checkpointed"]["predicted"] == pytest.approx(1.2)
+    assert c["ratio"]["checkpointed"]["measured"] == pytest.approx(1.3)
+    assert c["ratio"]["checkpointed"]["error"] == pytest.approx(1.2 / 1.3 - 1)
+    assert c["ratio"]["swapped"]["error"] == pytest.approx(0.0)
