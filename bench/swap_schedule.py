@@ -71,8 +71,8 @@ def log(msg: str) -> None:
 
 
 def sequence(trace: Trace, dev: DeviceProfile) -> Sequence:
-    lowp = trace.meta.get("dtype") == "bfloat16"
-    return sequence_from_trace(trace, cost=lambda f, m: dev.step_seconds(f, m, lowp))
+    """The trace's swap sequence, every operator priced on ``dev`` (Note [Per-operator roofline])."""
+    return sequence_from_trace(trace, cost=dev)
 
 
 def summary(sim: SimResult, sched: Schedule) -> dict[str, Any]:

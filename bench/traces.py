@@ -144,9 +144,12 @@ def cached_capture(model: str, batch: int, steps: int, size: Optional[int] = Non
     path = CACHE / f"{model}_b{batch}{'' if size is None else f'_n{size}'}_s{steps}.npz"
     if path.exists():
         try:
-            return Trace.load(path)
+            cached = Trace.load(path)
+            if cached.meta.get("format_version") == FORMAT_VERSION:
+                return cached
         except (ValueError, OSError):
-            pass  # an older format: capture again
+            pass
+        # an older format (e.g. without operator events): capture again
     t0 = time.perf_counter()
     trace = capture(model, batch, steps, size, progress=False)
     trace.save(path)

@@ -12,6 +12,10 @@ from .trace import (
     FREE,
     ITER_BEGIN,
     ITER_END,
+    OP,
+    PHASE,
+    PHASES,
+    PRECISIONS,
     SAVE,
     TAG,
     TAGS,
@@ -24,7 +28,8 @@ from .trace import (
 )  # fmt: skip
 
 __all__ = [
-    "ALLOC", "FORMAT_VERSION", "FREE", "ITER_BEGIN", "ITER_END", "SAVE", "TAG", "TAGS", "UNREF", "USE",
+    "ALLOC", "FORMAT_VERSION", "FREE", "ITER_BEGIN", "ITER_END", "OP", "PHASE", "PHASES", "PRECISIONS", "SAVE", "TAG",
+    "TAGS", "UNREF", "USE",
     "CaptureError", "LinearTrace", "Trace", "TraceBuilder", "build_model", "capture", "default_loss",
     "default_optimizer", "live_peak", "make_batch", "summary",
 ]  # fmt: skip

@@ -3,11 +3,13 @@
 Note [Linear traces]
 For most models, one training step at batch n runs the same operators in the same order whatever n is, and
 every tensor is either independent of the batch (weights, optimizer state) or proportional to it
-(activations). Then the event arrays (op, id, tag) are identical across batch sizes and each event's bytes,
-FLOPs and bytes moved are a + b*n. ``LinearTrace.fit`` checks the first part exactly on two captures and
-derives (a, b) per event; ``check`` compares a third capture with the extrapolation, event by event (sizes
-exactly, FLOPs to 1e-9). A model that breaks linearity (control flow on the batch size, an n x n
-similarity matrix) fails the check, and the planner captures every batch it evaluates instead.
+(activations). Then the event arrays (op, id, tag, and the operators' module, phase and precision) and the
+operator and module tables are identical across batch sizes, and each event's bytes, FLOPs and bytes moved
+(an operator's own, or a segment's sum in older traces) are a + b*n. ``LinearTrace.fit`` checks the first
+part exactly on two captures and derives (a, b) per event; ``check`` compares a third capture with the
+extrapolation, event by event (sizes exactly, FLOPs and bytes moved to 1e-9). A model that breaks
+linearity (control flow on the batch size, an n x n similarity matrix) fails the check, and the planner
+captures every batch it evaluates instead.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Optional
 import numpy as np
 
 from .trace import Trace
+
+_SAME = ("module", "phase", "precision")  # per-event fields that must not depend on the batch
 
 
 @dataclass
@@ -35,7 +39,9 @@ class LinearTrace:
         na, nb = int(a.meta["batch"]), int(b.meta["batch"])
         if na == nb or len(a) != len(b):
             return None
-        if not (np.array_equal(a.op, b.op) and np.array_equal(a.id, b.id) and np.array_equal(a.tag, b.tag)):
+        if not all(np.array_equal(getattr(a, k), getattr(b, k)) for k in ("op", "id", "tag", *_SAME)):
+            return None
+        if any(a.meta.get(k) != b.meta.get(k) for k in ("ops", "modules")):
             return None
         ds = b.size - a.size
         if np.any(ds % (nb - na)):
@@ -57,14 +63,15 @@ class LinearTrace:
         return Trace(
             t.op, t.id, self.size[0] + self.size[1] * batch, t.tag, t.stream,
             np.maximum(0.0, self.flops[0] + self.flops[1] * batch),
-            np.maximum(0.0, self.bytes[0] + self.bytes[1] * batch), meta,
+            np.maximum(0.0, self.bytes[0] + self.bytes[1] * batch), meta, t.module, t.phase, t.precision,
         )  # fmt: skip
 
     def check(self, captured: Trace) -> Optional[str]:
         """None if ``captured`` is what the model predicts at its batch, else what differs."""
         n = int(captured.meta["batch"])
         want = self.at(n)
-        if len(want) != len(captured) or not np.array_equal(want.op, captured.op):
+        if len(want) != len(captured) or not all(np.array_equal(getattr(want, k), getattr(captured, k))
+                                                 for k in ("op", *_SAME)):  # fmt: skip
             return f"batch {n} runs a different sequence of events ({len(captured)} vs {len(want)})"
         bad = np.flatnonzero(want.size != captured.size)
         if len(bad):

@@ -5,14 +5,21 @@
 The model is built under ``torch.device("meta")`` and trained on meta tensors, so a batch that needs
 100 GiB on a GPU is captured on a laptop. Every new storage an operator returns is an allocation, and the
 storage's Python object dying (PyTorch keeps exactly one per storage) is its free. The saved-tensor hooks
-mark each activation's saves and uses, and the FLOPs and bytes of the operators between them feed the
-cost model. Two steps by default: the second has the optimizer state the first created (the steady state).
+mark each activation's saves and uses, and every operator is recorded with its own FLOPs and bytes, its
+module, its phase and its precision, for the cost model (Note [Trace file format]). Two steps by default:
+the second has the optimizer state the first created (the steady state).
+
+Checkpointed models capture as they train: ``torch.utils.checkpoint`` (reentrant or not, with a
+``context_fn``), ``checkpoint_sequential`` and Hugging Face's ``gradient_checkpointing_enable()``; the
+recompute in the backward takes the same kernels as the forward (swap.capture.target), and its operators
+are recorded as "recompute".
 
 What the meta device cannot run, and the error says so (``CaptureError``: the operator, the module path,
 the phase, and what to do):
 
 - reading a tensor's value: ``.item()``, ``if tensor:``, ``.tolist()``, ``.cpu()`` (Hugging Face models
-  check ``attention_mask`` for padding this way: leave it out of the batch when nothing is padded);
+  check ``attention_mask`` for padding this way: leave it out of the batch when nothing is padded), except
+  the library checks whose answer a real batch gives anyway (Note [Value checks of libraries]);
 - operators whose output shape depends on values: ``nonzero``, boolean-mask indexing ``x[mask]``,
   ``masked_select``, ``unique``, ``bincount``;
 - custom kernels (C++/CUDA extensions, Triton) without a meta implementation: register one with
@@ -24,38 +31,41 @@ under a dispatch mode], swap.capture.grad_accumulation).
 
 Not modelled: ``torch.autocast`` (autocast acts on CUDA tensors only; build the model in the training dtype,
 ``dtype=torch.bfloat16``), ``torch.compile`` fusion, and memory an operator allocates internally.
-
-Note [The target device's kernels]
-The meta device runs the reference decomposition of ``scaled_dot_product_attention`` (the math path, which
-materializes batch x heads x seq x seq attention weights), and PyTorch's optimizers take their for-loop path
-for it. A GPU does neither: SDPA runs flash attention (fp16/bf16, no mask) or memory-efficient attention,
-which save only a log-sum-exp per row, and optimizers default to ``foreach`` kernels with whole-model
-temporaries. ``target="cuda"`` therefore routes SDPA to the CUDA kernels' own meta implementations and lets
-optimizers see meta tensors as foreach-capable; ``target="cpu"`` mirrors the CPU dispatcher (flash
-attention for CPU when there is no dropout, else the math path; for-loop optimizers), which is what the
-plan-vs-reality check on CPU compares with.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import sys
 import time
 import weakref
-from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from .grad_accumulation import EngineAccumulation
-from .trace import ALLOC, FORMAT_VERSION, FREE, ITER_BEGIN, ITER_END, SAVE, TAG, UNREF, USE, Trace, TraceBuilder
+from .target import foreach_on_meta, library_value_checks, target_kernels
+from .trace import (
+    ALLOC,
+    FORMAT_VERSION,
+    FP32,
+    FREE,
+    ITER_BEGIN,
+    ITER_END,
+    LOW_PRECISION,
+    SAVE,
+    TAG,
+    UNREF,
+    USE,
+    Trace,
+    TraceBuilder,
+)
+from .where import Where
 
 ModelFn = Callable[[], nn.Module]
 BatchFn = Callable[[int], Any]
@@ -105,15 +115,16 @@ def default_optimizer(params: Any) -> torch.optim.Optimizer:
 
 # -- the recorder -------------------------------------------------------------------------------------------
 class _Recorder(TorchDispatchMode):
-    """Every new meta storage an operator returns is an allocation; its Python object dying is the free."""
+    """Every new meta storage an operator returns is an allocation; its Python object dying is the free.
+    Every operator that is not a view and touches a tensor is an operator event with its own cost, right
+    before the allocations of its outputs (Note [Trace file format])."""
 
-    def __init__(self, b: TraceBuilder) -> None:
+    def __init__(self, b: TraceBuilder, where: Where) -> None:
         super().__init__()
         self.b = b
+        self.where = where
         self.ids: dict[int, tuple[weakref.ref, int]] = {}  # id(storage object) -> (ref, allocation id)
         self.next_id = 0
-        self.flops = 0.0
-        self.moved = 0.0
         self.watch: dict[int, tuple[weakref.ref, int]] = {}  # allocation id -> (storage ref, aliases we hold)
         self.failed_op: Optional[str] = None
         self.accumulation = EngineAccumulation()  # Note [In-place gradient accumulation under a dispatch mode]
@@ -164,23 +175,35 @@ class _Recorder(TorchDispatchMode):
             raise
         if summed_into is not None:  # eager PyTorch writes this sum into the first operand's memory
             self._take_over(summed_into.untyped_storage(), out.untyped_storage())
-        flop_fn = flop_registry.get(func._overloadpacket)
-        if flop_fn is not None:
-            self.flops += flop_fn(*args, **kwargs, out_val=out)
-        view = getattr(func, "is_view", False)  # views move no data
-        if not view:
-            for t in tree_flatten((args, kwargs))[0]:
-                if isinstance(t, torch.Tensor):
-                    self.moved += t.numel() * t.element_size()
-            for t in _written_without_return(func, args, kwargs):
-                self.moved += t.numel() * t.element_size()
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "meta":
-                if not view:
-                    self.moved += t.numel() * t.element_size()
-                self.alloc_id(t.untyped_storage())
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.device.type == "meta"]
+        if not getattr(func, "is_view", False):  # views move no data and compute nothing
+            self._operator(func, args, kwargs, out, outputs)
+        for t in outputs:
+            self.alloc_id(t.untyped_storage())
         self._check_unrefs()
         return out
+
+    def _operator(self, func: Any, args: tuple, kwargs: dict, out: Any, outputs: list[torch.Tensor]) -> None:
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if not inputs and not outputs:
+            return  # no tensor in or out: bookkeeping such as the profiler's record_function markers
+        flop_fn = flop_registry.get(func._overloadpacket)
+        flops = float(flop_fn(*args, **kwargs, out_val=out)) if flop_fn is not None else 0.0
+        moved = 0
+        first_float: Optional[torch.dtype] = None  # the operator's precision: its first float input's
+        for t in inputs:
+            moved += t.numel() * t.element_size()
+            if first_float is None and t.is_floating_point():
+                first_float = t.dtype
+        for t in _written_without_return(func, args, kwargs):
+            moved += t.numel() * t.element_size()
+        for t in outputs:
+            moved += t.numel() * t.element_size()
+            if first_float is None and t.is_floating_point():
+                first_float = t.dtype
+        precision = LOW_PRECISION if first_float in (torch.bfloat16, torch.float16) else FP32
+        module, phase = self.where.operator()
+        self.b.add_op(str(func), flops, float(moved), module, phase, precision)
 
     def _check_unrefs(self) -> None:
         """Activations that only our aliases (i.e. autograd) still hold: the forward dropped them here."""
@@ -189,11 +212,6 @@ class _Recorder(TorchDispatchMode):
             if st is not None and torch._C._storage_Use_Count(st._cdata) <= aliases + 1:
                 self.b.add(UNREF, ident, st.nbytes())
                 del self.watch[ident]
-
-    def step_cost(self) -> tuple[float, float]:
-        f, m = self.flops, self.moved
-        self.flops = self.moved = 0.0
-        return f, m
 
 
 def _written_without_return(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -212,101 +230,7 @@ def _written_without_return(func: Any, args: tuple, kwargs: dict) -> list[torch.
     return out
 
 
-# -- the target device's kernels (Note [The target device's kernels]) --------------------------------------
-def _float_mask(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """SDPA turns a boolean mask into an additive one before any fused kernel sees it."""
-    if mask is None or mask.dtype != torch.bool:
-        return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask.logical_not(), float("-inf"))
-
-
-class _TargetKernels(TorchFunctionMode):
-    def __init__(self, target: str) -> None:
-        super().__init__()
-        self.target = target
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            out = self._sdpa(*args, **kwargs)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
-
-    def _sdpa(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):  # noqa: ANN001, ANN202
-        if q.device.type != "meta" or q.dim() != 4 or k.dim() != 4 or q.shape[-1] != v.shape[-1]:
-            return None
-        if enable_gqa and k.shape[1] != q.shape[1]:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        if self.target == "cpu":
-            if dropout_p > 0.0:
-                return None  # the CPU dispatcher takes the math path with dropout
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, dropout_p, is_causal, attn_mask=_float_mask(attn_mask, q.dtype), scale=scale
-            )[0]
-        if attn_mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
-            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
-        bias = _float_mask(attn_mask, q.dtype)
-        if bias is not None:
-            bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        grad = q.requires_grad or k.requires_grad or v.requires_grad
-        return torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, bias, grad, dropout_p, is_causal, scale=scale
-        )[0]
-
-
-@contextlib.contextmanager
-def _foreach_on_meta(enabled: bool) -> Iterator[None]:
-    """Optimizers pick foreach kernels for CUDA parameters; make them do so for meta ones too."""
-    import torch.optim.optimizer as optimizer_module
-
-    original = getattr(optimizer_module, "_get_foreach_kernels_supported_devices", None)
-    if not enabled or original is None:
-        yield
-        return
-    optimizer_module._get_foreach_kernels_supported_devices = lambda: [*original(), "meta"]
-    try:
-        yield
-    finally:
-        optimizer_module._get_foreach_kernels_supported_devices = original
-
-
-# -- where we are, for errors -------------------------------------------------------------------------------
-class _Where:
-    """The phase and the module running now (global forward hooks keep a stack of module paths)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.names = {id(m): name or type(model).__name__ for name, m in model.named_modules()}
-        self.types = {id(m): type(m).__name__ for m in model.modules()}
-        self.stack: list[int] = []
-        self.phase = "model construction"
-        self.handles: list[Any] = []
-
-    def __enter__(self) -> _Where:
-        reg = torch.nn.modules.module
-        self.handles = [
-            reg.register_module_forward_pre_hook(lambda m, _a: self.stack.append(id(m))),
-            reg.register_module_forward_hook(lambda m, _a, _o: self._pop(m)),
-        ]
-        return self
-
-    def _pop(self, m: nn.Module) -> None:
-        if self.stack and self.stack[-1] == id(m):
-            self.stack.pop()
-
-    def __exit__(self, *exc: Any) -> None:
-        for h in self.handles:
-            h.remove()
-
-    def module(self) -> Optional[str]:
-        for key in reversed(self.stack):
-            if key in self.names:
-                return f"module `{self.names[key]}` ({self.types[key]})"
-        node = torch._C._current_autograd_node() if self.phase == "backward" else None
-        return f"autograd node {node.name()}" if node is not None else None
-
-
+# -- errors -----------------------------------------------------------------------------------------------
 def _advice(op: Optional[str], error: BaseException) -> str:
     text = f"{op or ''} {error}"
     if "_local_scalar_dense" in text or ".item()" in text:
@@ -403,9 +327,9 @@ def capture(
     optimizer = optimizer or default_optimizer
     label = name or getattr(model_fn, "__name__", "model")
     b = TraceBuilder()
-    rec = _Recorder(b)
     net = _guarded(lambda: build_model(model_fn, dtype), label, None, "model construction")
-    where = _Where(net)
+    where = Where(net, b)
+    rec = _Recorder(b, where)
     opt = optimizer(net.parameters())
     for p in list(net.parameters()) + list(net.buffers()):
         rec.alloc_id(p.untyped_storage(), TAG["weight"])
@@ -425,15 +349,13 @@ def capture(
         b.tags.setdefault(ident, TAG["activation"])
         ref, aliases = rec.watch.get(ident, (weakref.ref(st), 0))
         rec.watch[ident] = (ref, aliases + 1)
-        f, m = rec.step_cost()
-        b.add(SAVE, ident, st.nbytes(), f, m)
+        b.add(SAVE, ident, st.nbytes())
         return h
 
     def unpack(h: Any) -> torch.Tensor:
         if isinstance(h, torch.Tensor):
             return h
-        f, m = rec.step_cost()
-        b.add(USE, h.ident, h.alias.untyped_storage().nbytes(), f, m)
+        b.add(USE, h.ident, h.alias.untyped_storage().nbytes())
         return h.alias
 
     def one_step(it: int) -> None:
@@ -470,13 +392,12 @@ def capture(
     gc.disable()  # frees happen when references go, not when a collection runs
     t0 = time.perf_counter()
     try:
-        with where, _foreach_on_meta(target == "cuda"), _TargetKernels(target), rec, \
+        with where, foreach_on_meta(target == "cuda"), library_value_checks(), target_kernels(target), rec, \
                 torch.autograd.graph.saved_tensors_hooks(pack, unpack):  # fmt: skip
             for it in range(steps):
                 b.add(ITER_BEGIN, it)
                 _guarded(lambda it=it: one_step(it), label, where, None, rec)
-                f, m = rec.step_cost()  # the rest of backward and the optimizer step
-                b.add(ITER_END, it, 0, f, m)
+                b.add(ITER_END, it)
                 if progress:
                     print(f"  captured {label} batch {batch}: step {it + 1}/{steps} ({len(b.rows)} events, "
                           f"{time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)  # fmt: skip
@@ -498,7 +419,7 @@ def _param_dtype(model: nn.Module) -> torch.dtype:
     return max(counts, key=counts.get) if counts else torch.float32
 
 
-def _guarded(fn: Callable[[], Any], label: str, where: Optional[_Where], phase: Optional[str],
+def _guarded(fn: Callable[[], Any], label: str, where: Optional[Where], phase: Optional[str],
              rec: Optional[_Recorder] = None) -> Any:  # fmt: skip
     """Runs ``fn``; any failure becomes a CaptureError that says what failed, where, and what to do."""
     try:
@@ -508,7 +429,7 @@ def _guarded(fn: Callable[[], Any], label: str, where: Optional[_Where], phase: 
     except Exception as e:
         op = rec.failed_op if rec is not None else None
         phase = phase or (where.phase if where is not None else "")
-        module = where.module() if where is not None else None
+        module = where.module_of(e) if where is not None else None
         at = f" in {module}" if module else ""
         what = f"{op} failed" if op else f"{type(e).__name__}"
         raise CaptureError(

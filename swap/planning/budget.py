@@ -37,6 +37,40 @@ def fmt_exact(n: int) -> str:
     return f"{fmt_bytes(n)} ({n} bytes)" if abs(n) >= 1024 else f"{n} bytes"
 
 
+def size_arg(n: int) -> str:
+    """A size string the parsers take back, at most ``n``: whole GiB when exact (``16GiB``), else whole MiB,
+    KiB or bytes, rounded down (``16127MiB``): parsers refuse sizes that are not whole bytes."""
+    if n >= 1 << 30 and n % (1 << 30) == 0:
+        return f"{n >> 30}GiB"
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+# Note [A budget above the device's memory]
+# A budget above the memory the run can have is refused with a ValueError that names the largest budget
+# that fits, not clamped to it. The budget is the user's statement of what the run may use, and every
+# figure made from it assumes the memory exists: swap.plan's largest batch and planned peak, the manager's
+# plan and its decision to decline. A plan for 500 GiB on a 16 GiB V100 is no plan, and one silently made
+# for 16 GiB instead answers a question nobody asked, in a table whose warning scrolls past; a clamp would
+# also hide a typo (GiB for MiB) that the user wants to hear about. Refusing costs one edit, and the message
+# gives the value to write. The memory compared with:
+# - swap.plan and python -m swap.plan: the device profile's memory (``DeviceProfile.memory``);
+# - SwapManager on a CUDA device: vmalloc's capacity when vmalloc is the allocator (the arena can hold no
+#   more, whatever the device has; ``arena.set_capacity`` or ``vmalloc.configure(capacity=...)`` raise it),
+#   else the device's total memory. Total, not free: the budget counts what the run holds already (the
+#   model's weights), and free memory moves as the process runs;
+# - SwapManager on the CPU: nothing. The "device" is host RAM, which also holds the swapped copies, and the
+#   budget is live tensor bytes as ``LiveBytesMeter`` counts them, a limit for tests and simulation; any
+#   budget is taken (tests pass budget="64GiB" to mean "anything fits").
+def refuse_over_memory(budget: int, memory: int, what: str, instead: str) -> None:
+    """Raises ValueError when ``budget`` exceeds ``memory`` (Note [A budget above the device's memory]);
+    ``what`` names the memory, ``instead`` says what to write."""
+    if budget > memory:
+        raise ValueError(f"a budget of {fmt_bytes(budget)} is more than {what} ({fmt_bytes(memory)}): {instead}")
+
+
 class InfeasibleBudget(ValueError):
     """No schedule keeps the device under the budget: at some step, what the step cannot do without exceeds it.
 

@@ -23,8 +23,9 @@ from typing import Any, Callable, Optional
 
 from ..capture import CaptureError
 from ..zoo import ZOO
-from .devices import ALIASES, PROFILES
-from .planner import plan
+from .devices import ALIASES, PROFILES, refuse_budget_above
+from .devices import profile as device_profile
+from .planner import _size, plan
 from .replay import ALLOCATORS
 from .scheduler import POLICIES
 
@@ -109,6 +110,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
+    try:  # before any capture: Note [A budget above the device's memory] (budget.py)
+        refuse_budget_above(_size(args.budget, "--budget"), device_profile(args.device), args.device,
+                            spell=lambda option, value: f"--{option} {value}")  # fmt: skip
+    except ValueError as e:
+        ap.error(str(e))
     policies = tuple(p for p in args.policies.split(",") if p)
     for p in policies:
         if p not in POLICIES:

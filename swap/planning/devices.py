@@ -2,14 +2,17 @@
 
 Note [Device profiles]
 Numbers are the vendors' datasheet peaks (dense, i.e. without 2:4 sparsity); ``efficiency`` scales them to
-what training kernels reach. It is calibrated once, on V100, to seed 001's own no-swap baseline: with 0.71,
-the roofline over the captured ResNet-50 batch-64 step (24.3 GFLOP and 0.80 GB moved per image) gives
-336 images/s, the paper's V100 figure (tests/swap/test_cost_model.py checks it). The same fraction is used
-for the other devices, an assumption until a measured profile replaces it (``measured``: the link
-bandwidths and per-step times ``SwapManager.save_profile`` writes on the GPU itself).
+what training kernels reach. It is calibrated once, on V100, to seed 001's own no-swap baseline: with 0.74,
+the per-operator roofline (Note [Per-operator roofline]) over the captured ResNet-50 batch-64 step (24.3
+GFLOP and 0.80 GB moved per image) gives 338 images/s, the paper's V100 figure being 336
+(tests/swap/test_cost_model.py checks it; with one roofline per segment instead, 0.71 gave 336). The same
+fraction is used for the other devices, an assumption until a measured profile replaces it (``measured``:
+the link bandwidths and per-step times ``SwapManager.save_profile`` writes on the GPU itself).
+``op_overhead`` (seconds per operator beyond its roofline: launches, the framework) is 0 for the datasheet
+profiles, which have nothing measured to set it from; the CPU profile measures it.
 
-fp32 models run on the fp32 peak (PyTorch's default keeps TF32 off for matmuls); bf16/fp16 models on the
-tensor-core peak. Host links are per direction: PCIe Gen4 x16 is 32 GB/s nominal and pinned copies reach
+fp32 operators run on the fp32 peak (PyTorch's default keeps TF32 off for matmuls); bf16/fp16 operators on
+the tensor-core peak. Host links are per direction: PCIe Gen4 x16 is 32 GB/s nominal and pinned copies reach
 about 25; Gen5 x16 is 64 nominal, about 55 reached.
 
 - v100-16gb: fp32 15.7 TF, fp16 tensor 125 TF; 900 GB/s HBM2, 16 GB; NVLink 2.0 to an IBM POWER9, 50 GB/s
@@ -39,7 +42,11 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
+
+from .budget import refuse_over_memory, size_arg
+
+import numpy as np
 
 log = logging.getLogger("swap")
 GB = 1e9
@@ -54,14 +61,18 @@ class DeviceProfile:
     h2d_bandwidth: float  # bytes/s, host to device
     d2h_bandwidth: float  # bytes/s, device to host
     memory: int  # bytes
-    efficiency: float = 0.71  # fraction of peak compute and bandwidth that training kernels reach
+    efficiency: float = 0.74  # fraction of peak compute and bandwidth that training kernels reach
     tf32_flops: float = 0.0  # FLOP/s on tensor cores in TF32 (0: none); informational, see the Note
     source: str = ""  # where the figures come from
+    op_overhead: float = 0.0  # seconds each operator costs beyond its roofline (launch, framework); 0: unmeasured
 
-    def step_seconds(self, flops: float, nbytes: float, low_precision: bool = False) -> float:
-        """Roofline: an operator takes the longer of its compute and its memory traffic."""
-        peak = self.lowp_flops if low_precision else self.fp32_flops
-        return max(flops / (peak * self.efficiency), nbytes / (self.mem_bandwidth * self.efficiency))
+    def step_seconds(self, flops: Any, nbytes: Any, low_precision: Any = False) -> Any:
+        """Roofline: an operator takes the longer of its compute and its memory traffic, plus the per-operator
+        overhead. Scalars give a float; numpy arrays are priced elementwise (swap.planning.pricing)."""
+        peak = np.where(low_precision, self.lowp_flops, self.fp32_flops)
+        seconds = np.maximum(np.divide(flops, peak * self.efficiency),
+                             np.divide(nbytes, self.mem_bandwidth * self.efficiency)) + self.op_overhead  # fmt: skip
+        return seconds if seconds.ndim else float(seconds)
 
 
 class _Profiles(dict):
@@ -120,6 +131,20 @@ def profile(name: str) -> DeviceProfile:
     except KeyError:
         names = ", ".join(list(PROFILES) + list(ALIASES))
         raise ValueError(f"unknown device profile {name!r}: choose one of {names}") from None
+
+
+def refuse_budget_above(budget: int, dev: DeviceProfile, label: str = "",
+                        spell: Callable[[str, str], str] = lambda option, v: f"{option}={v!r}") -> None:  # fmt: skip
+    """ValueError when ``budget`` is more than the device's memory (Note [A budget above the device's memory]
+    in budget.py), naming the largest budget that fits and the profiles that have that much memory.
+    ``label``: the device as the user named it; ``spell(option, value)`` writes an option as the caller takes
+    it ("budget='16GiB'", "--budget 16GiB")."""
+    instead = f"pass {spell('budget', size_arg(dev.memory))} or less"
+    larger = [name for name, p in PROFILES.items() if p.memory >= budget]
+    if larger:
+        also = f"; also {', '.join(larger[1:])}" if larger[1:] else ""
+        instead += f", or a device with that much memory ({spell('device', larger[0])}{also})"
+    refuse_over_memory(budget, dev.memory, f"the memory of {label or dev.name}", instead)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 ``sequence_from_trace`` turns one iteration of a trace into the scheduler's ``swap.Sequence``: its saves
 and uses, each activation's bytes, the memory that is not swappable at each step (live bytes less the
-saved activations that only autograd holds), and each step's compute time from a cost model. Saved
+saved activations that only autograd holds), and each step's compute time: the sum of its operators' times
+on a device profile (Note [Per-operator roofline], swap.planning.pricing). Saved
 storages under ``min_bytes`` are not variables, as in the runtime (``SwapManager(min_bytes=...)``): they
 stay on the device and count as memory that is not swappable.
 
@@ -14,22 +15,29 @@ says best-fit caching handles worst.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional, Union
 
 import numpy as np
 
 from ..capture.trace import ALLOC, FREE, ITER_BEGIN, ITER_END, SAVE, TAG, UNREF, USE, Trace
+from .devices import DeviceProfile
+from .pricing import event_seconds
 from .scheduler import Schedule, plan
 from .sequence import Sequence
 from .simulator import choose_window
 
-CostModel = Callable[[float, float], float]  # (flops, bytes) -> seconds
+Cost = Union[DeviceProfile, np.ndarray]  # a device to price every event on, or seconds per event
 
 
 def sequence_from_trace(
-    trace: Trace, iteration: int = -1, cost: Optional[CostModel] = None, min_bytes: int = 0
+    trace: Trace, iteration: int = -1, cost: Optional[Cost] = None, min_bytes: int = 0
 ) -> Sequence:
     """The swap sequence of one iteration (default: the last, the steady state).
+
+    ``cost``: a device profile (each event priced by ``swap.planning.pricing.event_seconds``), or seconds per
+    event of ``trace`` (e.g. ``event_seconds`` of another profile); None leaves compute at 0. A step's
+    compute is the sum over the events from its access (exclusive) to the next access (inclusive); the
+    events before the first access run in step 0.
 
     Note [Held after the last use]
     The scheduler holds a variable from its save to its last access, and drops it after that step. Autograd
@@ -42,7 +50,10 @@ def sequence_from_trace(
     """
     begin, end = trace.iterations()[iteration]
     ops, ids, sizes = trace.op.tolist(), trace.id.tolist(), trace.size.tolist()
-    flops, moved = trace.flops.tolist(), trace.bytes.tolist()
+    if cost is None:
+        seconds = [0.0] * len(trace)
+    else:
+        seconds = (event_seconds(trace, cost) if isinstance(cost, DeviceProfile) else np.asarray(cost)).tolist()
     live = 0
     alive: dict[int, int] = {}
     for k in range(begin):
@@ -64,10 +75,11 @@ def sequence_from_trace(
     unref_step: dict[int, int] = {}  # variable -> the first step after the forward dropped it
     dropped: set[int] = set()
     interval = live
-    step_cost: list[tuple[float, float]] = []
-    carried = (0.0, 0.0)  # compute of skipped (small) saves and uses, added to the next step
+    step_cost: list[float] = []  # seconds of the events up to each access, since the previous one
+    pending = 0.0  # seconds since the last access (small saves and uses are not accesses)
     for k in range(begin, end + 1):
         o, i = ops[k], ids[k]
+        pending += seconds[k]
         if o == ALLOC:
             alive[i] = sizes[k]
             live += sizes[k]
@@ -81,7 +93,6 @@ def sequence_from_trace(
             dropped.add(i)
         elif o in (SAVE, USE):
             if sizes[k] < min_bytes:
-                carried = (carried[0] + flops[k], carried[1] + moved[k])
                 continue
             if var:
                 nonswap.append(max(0, interval))
@@ -104,29 +115,27 @@ def sequence_from_trace(
                 dropped.discard(j)
             var.append(var_of[i])
             kind.append("save" if o == SAVE else "use")
-            step_cost.append((flops[k] + carried[0], moved[k] + carried[1]))
-            carried = (0.0, 0.0)
+            step_cost.append(pending)
+            pending = 0.0
             interval = live - saved_alive
             continue
         interval = max(interval, live - saved_alive)
     if var:
         nonswap.append(max(0, interval))
     held_until = [unref_step.get(v, len(var)) for v in range(len(nbytes))]
-    # The cost recorded at an access is the compute of the step before it; the iteration's end carries the
-    # compute after the last access (the end of backward, the optimizer step).
-    step_cost.append((flops[end] + carried[0], moved[end] + carried[1]))
+    # The cost up to an access is the compute of the step before it; what follows the last access (the end
+    # of backward, the optimizer step) runs in the last step.
+    step_cost.append(pending)
     if not var:  # nothing to swap: one empty step would lose the iteration's compute, so keep none
         return Sequence([], [], [], [], [])
     for j in range(len(var)):
-        f, m = step_cost[j + 1]
-        if j == 0:  # the compute before the first access (the start of the forward) runs in step 0 too
-            f, m = f + step_cost[0][0], m + step_cost[0][1]
-        compute.append(cost(f, m) if cost else 0.0)
+        # the compute before the first access (the start of the forward) runs in step 0 too
+        compute.append(step_cost[j + 1] + (step_cost[0] if j == 0 else 0.0))
     return Sequence(var, kind, nbytes, nonswap, compute, held_until=held_until)
 
 
 def plan_for(trace: Trace, budget: int, policy: str = "window", window: Optional[int] = None,
-             cost: Optional[CostModel] = None, bandwidth: float = 50e9) -> tuple[Sequence, Schedule]:  # fmt: skip
+             cost: Optional[Cost] = None, bandwidth: float = 50e9) -> tuple[Sequence, Schedule]:  # fmt: skip
     """The sequence of ``trace`` and its schedule for ``budget`` (window policy: window chosen by simulation
     on ``bandwidth`` when not given)."""
     seq = sequence_from_trace(trace, cost=cost)
@@ -145,14 +154,12 @@ def swapped(trace: Trace, budget: int, policy: str = "window", window: Optional[
     if schedule is None:
         schedule = plan_for(trace, budget, policy, window)[1] if min_bytes == 0 else _plan(seq, budget, policy, window)
     signature = seq.signature()
-    rows: list[tuple[int, int, int, int, int, float, float]] = []
+    rows: list[tuple[int, int, int, int, int]] = []  # op, id, size, tag, the source event (-1: a new one)
     next_id = int(trace.id.max()) + 1 if len(trace) else 0
     ops, ids, sizes, tags = trace.op.tolist(), trace.id.tolist(), trace.size.tolist(), trace.tag.tolist()
-    streams, flops, moved = trace.stream.tolist(), trace.flops.tolist(), trace.bytes.tolist()
 
     def emit(o: int, i: int, s: int, tag: int = 0, k: int = -1) -> None:
-        rows.append((o, i, s, tag, streams[k] if k >= 0 else 0, flops[k] if k >= 0 else 0.0,
-                     moved[k] if k >= 0 else 0.0))  # fmt: skip
+        rows.append((o, i, s, tag, k))
 
     def is_step(k: int) -> bool:
         return ops[k] in (SAVE, USE) and sizes[k] >= min_bytes
@@ -226,12 +233,18 @@ def swapped(trace: Trace, budget: int, policy: str = "window", window: Optional[
         emit(o, i, sizes[k], tags[k] if o in (ALLOC, FREE) else 0, k)
         if o == ITER_END:
             step = 0
-    a = np.array(rows, dtype=np.float64).reshape(-1, 7)
+    a = np.array(rows, dtype=np.int64).reshape(-1, 5)
     meta = dict(trace.meta)
     meta["swap"] = {"budget": budget, "policy": schedule.policy, "window": schedule.window,
                     "planned_peak": schedule.peak, "no_swap_peak": seq.no_swap_peak()}  # fmt: skip
-    return Trace(a[:, 0].astype(np.uint8), a[:, 1].astype(np.int64), np.array([r[2] for r in rows], dtype=np.int64),
-                 a[:, 3].astype(np.uint8), a[:, 4].astype(np.int64), a[:, 5], a[:, 6], meta)  # fmt: skip
+    src, new = np.maximum(a[:, 4], 0), a[:, 4] < 0
+
+    def carried(x: np.ndarray, empty: float) -> np.ndarray:  # a source event's field; ``empty`` for new events
+        return np.where(new, empty, x[src]).astype(x.dtype)
+
+    return Trace(a[:, 0].astype(np.uint8), a[:, 1], a[:, 2], a[:, 3].astype(np.uint8), carried(trace.stream, 0),
+                 carried(trace.flops, 0.0), carried(trace.bytes, 0.0), meta, carried(trace.module, -1),
+                 carried(trace.phase, -1), carried(trace.precision, -1))  # fmt: skip
 
 
 def _plan(seq: Sequence, budget: int, policy: str, window: Optional[int]) -> Schedule:

@@ -10,6 +10,7 @@ allocator); fragmentation lowers the budget the schedule is made for until it do
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import Any, Callable, Optional, Union
@@ -17,9 +18,10 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ..capture import CaptureError, LinearTrace, Trace, capture
-from .devices import DeviceProfile, read_measured, with_measured
+from .devices import DeviceProfile, read_measured, refuse_budget_above, with_measured
 from .devices import profile as device_profile
 from .from_trace import sequence_from_trace
+from .pricing import iteration_seconds
 from .replay import ALLOCATORS, fitting_budget, measure
 from .result import Plan, PolicyResult, fmt_bytes
 from .scheduler import POLICIES, InfeasibleBudget, Schedule
@@ -98,27 +100,22 @@ class _Traces:
 class _Evaluator:
     """Whether a batch fits, per policy, and at what speed; sequences cached per batch."""
 
-    def __init__(self, traces: _Traces, dev: DeviceProfile, budget: int, allocator: Optional[str], min_bytes: int,
-                 lowp: bool) -> None:  # fmt: skip
+    def __init__(self, traces: _Traces, dev: DeviceProfile, budget: int, allocator: Optional[str],
+                 min_bytes: int) -> None:  # fmt: skip
         self.traces, self.dev, self.budget, self.allocator = traces, dev, budget, allocator
-        self.min_bytes, self.lowp = min_bytes, lowp
+        self.min_bytes = min_bytes
         self.seqs: dict[int, Sequence] = {}
 
-    def cost(self, flops: float, nbytes: float) -> float:
-        return self.dev.step_seconds(flops, nbytes, self.lowp)
-
     def sequence(self, n: int) -> Sequence:
-        if n not in self.seqs:
-            self.seqs[n] = sequence_from_trace(self.traces.at(n), cost=self.cost, min_bytes=self.min_bytes)
+        if n not in self.seqs:  # every operator priced on the device (Note [Per-operator roofline])
+            self.seqs[n] = sequence_from_trace(self.traces.at(n), cost=self.dev, min_bytes=self.min_bytes)
         return self.seqs[n]
 
     def compute_seconds(self, n: int) -> float:
         seq = self.sequence(n)
         if len(seq):
             return sum(seq.compute)
-        t = self.traces.at(n)  # nothing to swap: the whole iteration as one step
-        b, e = t.iterations()[-1]
-        return self.cost(float(t.flops[b : e + 1].sum()), float(t.bytes[b : e + 1].sum()))
+        return iteration_seconds(self.traces.at(n), self.dev)  # nothing to swap: the whole iteration
 
     def schedule(self, n: int, policy: str, budget: int) -> tuple[Schedule, Optional[int]]:
         seq = self.sequence(n)
@@ -281,6 +278,7 @@ def plan(
     say = _Progress(progress)
     budget = _size(budget, "budget")
     dev = device if isinstance(device, DeviceProfile) else device_profile(device)
+    refuse_budget_above(budget, dev, device if isinstance(device, str) else "")
     if allocator in ("ideal", "none"):
         allocator = None
     if allocator is not None and allocator not in ALLOCATORS:
@@ -305,18 +303,17 @@ def plan(
         say(f"the trace is linear in the batch (fitted at {LINEAR_BATCHES}, checked at {LINEAR_CHECK}): scaling it")
     else:
         say(f"the trace is not linear in the batch ({why}): capturing every batch the search tries")
-    lowp = traces.at(LINEAR_BATCHES[0]).meta.get("dtype") in ("bfloat16", "float16")
-    dev = _calibrated(dev, profile, traces, min_bytes_, lowp, say, notes)
+    dev = _calibrated(dev, profile, traces, min_bytes_, say, notes)
     cap = max_batch or (SEARCH_CAP if traces.linear is not None else SEARCH_CAP_CAPTURED)
 
-    ev, found = _search_all(traces, dev, budget, allocator, min_bytes_, lowp, policies, cap, say)
+    ev, found = _search_all(traces, dev, budget, allocator, min_bytes_, policies, cap, say)
     wrong = [why for why in (traces.verify(n) for n, _, _ in found.values()) if why]
     if wrong:  # the extrapolation was wrong somewhere: search again on real captures
         note = f"the linear extrapolation failed a check ({wrong[0]}): planned again from per-batch captures"
         say(note)
         notes.append(note)
         traces.linear, cap = None, min(cap, SEARCH_CAP_CAPTURED)
-        ev, found = _search_all(traces, dev, budget, allocator, min_bytes_, lowp, policies, cap, say)
+        ev, found = _search_all(traces, dev, budget, allocator, min_bytes_, policies, cap, say)
     results = {p: ev.result(p, n, plan_budget, trials) for p, (n, plan_budget, trials) in found.items()}
     memory = _memory(ev, results.get("window"))
     result = Plan(label, budget, dev, allocator, results, memory=memory, linear=traces.linear is not None,
@@ -327,10 +324,10 @@ def plan(
 
 
 def _search_all(traces: _Traces, dev: DeviceProfile, budget: int, allocator: Optional[str], min_bytes: int,
-                lowp: bool, policies: tuple[str, ...], cap: int, say: _Progress,
+                policies: tuple[str, ...], cap: int, say: _Progress,
                 ) -> tuple[_Evaluator, dict[str, tuple[int, Optional[int], int]]]:  # fmt: skip
     """Per policy: (largest batch, the budget its plan is made for, batch sizes tried)."""
-    ev = _Evaluator(traces, dev, budget, allocator, min_bytes, lowp)
+    ev = _Evaluator(traces, dev, budget, allocator, min_bytes)
     found: dict[str, tuple[int, Optional[int], int]] = {}
     for p in policies:
         budgets: dict[int, Optional[int]] = {}
@@ -346,7 +343,7 @@ def _search_all(traces: _Traces, dev: DeviceProfile, budget: int, allocator: Opt
     return ev, found
 
 
-def _calibrated(dev: DeviceProfile, path: Optional[str], traces: _Traces, min_bytes: int, lowp: bool,
+def _calibrated(dev: DeviceProfile, path: Optional[str], traces: _Traces, min_bytes: int,
                 say: _Progress, notes: list[str]) -> DeviceProfile:  # fmt: skip
     """The device with a measured profile's link bandwidths, and its compute scaled to the measured step
     time at the batch the profile ran (read from the file, or inferred from its saved bytes)."""
@@ -368,11 +365,8 @@ def _calibrated(dev: DeviceProfile, path: Optional[str], traces: _Traces, min_by
             say(f"measured profile {path}: its {fmt_bytes(m.saved_bytes)} of saved activations match batch {batch}")
     roofline = None
     if batch:
-        unit = DeviceProfile("roofline at full efficiency", dev.fp32_flops, dev.lowp_flops, dev.mem_bandwidth, 1, 1, 0,
-                             efficiency=1.0)  # fmt: skip
-        seq = sequence_from_trace(traces.at(int(batch)), cost=lambda f, b_: unit.step_seconds(f, b_, lowp),
-                                  min_bytes=min_bytes)  # fmt: skip
-        roofline = sum(seq.compute)
+        unit = dataclasses.replace(dev, efficiency=1.0, op_overhead=0.0)  # the roofline at full efficiency
+        roofline = iteration_seconds(traces.at(int(batch)), unit)
     else:
         notes.append(f"{path} does not say its batch size and none matched its saved bytes: only its link "
                      "bandwidths are used; compute stays on the datasheet roofline")  # fmt: skip

@@ -122,6 +122,7 @@ class Executor(Lifecycle, Transfers):
         *,
         replanner: Optional[Callable[[Sequence], Schedule]] = None,
         warn: Optional[Callable[[Any, str], None]] = None,
+        unmanaged: Optional[Callable[[int], None]] = None,
     ) -> None:
         self.device = device
         self.engine = engine
@@ -130,6 +131,9 @@ class Executor(Lifecycle, Transfers):
         self.planner = planner  # judges a profile; returns the schedule, or None to decline (or to go on)
         self.replanner = replanner or (lambda seq: planner(Profiled(seq, True, 0, None, 0)))
         self.warn = warn or (lambda cause, message: log.warning("swap: %s", message))
+        # Told an iteration's peak when it is over the budget and nothing is managed (Note [Nothing to move,
+        # over the budget] in manager.py).
+        self.unmanaged = unmanaged or (lambda peak: None)
         self.budget = budget
         self.timer: Any = CudaStepTimer(device) if device.type == "cuda" else HostStepTimer()
         self.profiles_left = profile_iterations
@@ -184,6 +188,8 @@ class Executor(Lifecycle, Transfers):
         with self.lock:
             if self.closed:
                 return passthrough(t)
+            if self._in_backward and not _backward_running():
+                self._backward_end()  # Note [A backward that raised]
             if self.mode == DECLINED:
                 if self._backward_done and not self._in_backward:
                     self._backward_done, self._iteration_counted = False, False
@@ -216,6 +222,8 @@ class Executor(Lifecycle, Transfers):
 
     def observe(self, t: torch.Tensor) -> None:
         """A saved tensor the manager leaves alone: it still marks where iterations begin."""
+        if self._in_backward and not _backward_running():
+            self._backward_end()  # Note [A backward that raised]
         if self._backward_done and not self._in_backward and self.mode != DECLINED:
             with self.lock:
                 if self._backward_done and not self._in_backward and not self.closed:
@@ -239,6 +247,12 @@ class Executor(Lifecycle, Transfers):
             self._step(var, USE, None)
             return p.view_on(var.dev)
 
+    # Note [A backward that raised]
+    # The end of a backward pass is autograd's final callback, queued at its first unpack. Autograd runs no
+    # final callback when the pass raises (a gradient hook, an anomaly, an interrupt), so ``_in_backward``
+    # would stay set: no later iteration would begin, and the manager would stop planning for the rest of the
+    # run while training went on. So a saved tensor made while ``_in_backward`` is set and no backward runs
+    # on this thread (a checkpointed region recomputed in backward is inside one) ends that backward first.
     def _queue_end_of_backward(self) -> None:
         if not self._in_backward:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)

@@ -170,7 +170,9 @@ class Lifecycle:
                 self.held_vars, self.prefetched = [], None
             elif self.mode == DECLINED:
                 peak = self.memory.window_peak()
-                if peak > self.budget and self.allow_decline and self.sequence is not None:
+                if peak > self.budget and self.sequence is None:
+                    self.unmanaged(peak)  # Note [Nothing to move, over the budget] (manager.py)
+                elif peak > self.budget and self.allow_decline:
                     self.warn(
                         "declined-overrun",
                         f"the run was not swapped (it fit the budget when profiled), but this iteration reached "

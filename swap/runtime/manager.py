@@ -25,7 +25,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..planning.budget import InfeasibleBudget, diagnose, fmt_bytes, min_budget
+from ..planning.budget import InfeasibleBudget, diagnose, fmt_bytes, min_budget, refuse_over_memory, size_arg
 from ..planning.scheduler import POLICIES, Schedule, plan, validate
 from ..planning.sequence import Sequence
 from ..planning.simulator import choose_window
@@ -164,6 +164,8 @@ class SwapManager:
         self.budget = parse_size(budget, "budget", minimum=1, none="vmalloc's capacity, or free memory less 10%")
         if self.budget is None:
             self.budget = self._default_budget()
+        else:
+            self._refuse_budget_above_memory()
         if self.budget <= 0:
             raise ValueError(f"the budget must be positive, not {self.budget}")
         if isinstance(window, str) and window.strip().lower() == "auto":
@@ -196,6 +198,7 @@ class SwapManager:
         self._recompute = RecomputeHooks() if recompute else None  # Note [Recompute or swap]
         self._final: Optional[dict[str, Any]] = None
         self._skipped: dict[str, list[int]] = {}  # profiling: why saved tensors stayed -> [count, bytes]
+        self._profile_skips: dict[str, list[int]] = {}  # ... in the last profiled iteration
         self._other_devices: set[str] = set()
         self._cpu = self.device == torch.device("cpu")  # the device check on the hot path
 
@@ -206,6 +209,21 @@ class SwapManager:
             free, total = torch.cuda.mem_get_info(self.device)
             return int(free - total // 10)
         return int(_available_host_memory() * 0.9)
+
+    def _refuse_budget_above_memory(self) -> None:
+        """Note [A budget above the device's memory] (swap/planning/budget.py): on a CUDA device, vmalloc's
+        capacity (when it is the allocator) or else the device's total memory; nothing on the CPU."""
+        if self.device.type != "cuda":
+            return
+        if self.arena is not None:
+            limit, what = int(self.arena.capacity), f"vmalloc's capacity on {self.device}"
+            otherwise = ("budget=None (the capacity); or raise the capacity (arena.set_capacity(...), or "
+                         "vmalloc.configure(capacity=...) before the first CUDA allocation)")  # fmt: skip
+        else:
+            limit = int(torch.cuda.get_device_properties(self.device).total_memory)
+            what = f"the memory of {self.device}"
+            otherwise = "budget=None (free memory less 10%)"
+        refuse_over_memory(self.budget, limit, what, f"pass budget={size_arg(limit)!r} or less, or {otherwise}")
 
     # -- signals ----------------------------------------------------------------------------------------
     def _warn(self, cause: Any, message: str) -> None:
@@ -226,7 +244,8 @@ class SwapManager:
         """A profiling iteration ended: raise if no plan can fit, warn if the manager cannot help, and (after
         the last one) decline or plan."""
         seq = p.sequence
-        self._nothing_to_do(seq, p)
+        self._profile_skips, self._skipped = self._skipped, {}  # the next iteration counts afresh
+        self._nothing_to_do(seq, max(p.peak, p.unswapped_peak or 0))
         if seq is None:
             return None
         if not p.final:
@@ -270,11 +289,21 @@ class SwapManager:
         )  # fmt: skip
         return schedule
 
-    def _nothing_to_do(self, seq: Optional[Sequence], p: Profiled) -> None:
-        """BudgetWarning when the manager cannot move what the budget needs moved, naming the cause."""
-        skipped = {k: v for k, v in self._skipped.items() if v[1] > 0}
+    # Note [Nothing to move, over the budget]
+    # One condition warns: the highest memory measured is over the budget and the manager may move nothing
+    # (every saved tensor is under min_bytes, excluded, a parameter, or alive elsewhere). It is judged wherever
+    # a peak is measured: at the end of each profiling iteration, and, once the manager has declined with
+    # nothing to manage, after every backward pass (the executor's ``unmanaged`` callback). Judging it at the
+    # profiles alone missed runs whose memory grows after them: with gradient accumulation the two profiled
+    # iterations are micro-batches that run before the optimizer has made its state, and a later iteration
+    # (longer sequences, a larger batch) can need more. The BudgetWarning and the report's note are one
+    # call (``_warn``): the same text, once per cause. The counts in it are of one profiled iteration.
+    def _nothing_to_do(self, seq: Optional[Sequence], peak: int) -> None:
+        """BudgetWarning when the manager cannot move what the budget needs moved, naming the cause: Note
+        [Nothing to move, over the budget]. ``seq``: the profiled sequence (None: nothing was recorded, or a
+        later iteration); ``peak``: the highest memory measured."""
+        skipped = {k: v for k, v in self._profile_skips.items() if v[1] > 0}
         movable = 0 if seq is None else sum(b for b, s in zip(seq.sizes, seq.swappable) if s)
-        over = p.peak > self.budget or (p.unswapped_peak or 0) > self.budget
         if self._other_devices and (seq is None or not seq.sizes):
             self._warn("device", (
                 f"saved tensors were on {', '.join(sorted(self._other_devices))}, none on the manager's device "
@@ -282,7 +311,7 @@ class SwapManager:
                 f"device={sorted(self._other_devices)[0]!r}"
             ))  # fmt: skip
             return
-        if movable > 0 or not over:
+        if movable > 0 or peak <= self.budget:
             return
         reasons = {
             "min_bytes": f"smaller than min_bytes={self.min_bytes} (lower min_bytes)",
@@ -296,9 +325,9 @@ class SwapManager:
                           "(referenced outside autograd, so moving them frees nothing)")  # fmt: skip
         cause = next((k for k in ("min_bytes", "exclude") if k in skipped), "nothing")
         self._warn(cause, (
-            f"nothing can be swapped, and the run reaches {fmt_bytes(max(p.peak, p.unswapped_peak or 0))}, over the "
-            f"budget of {fmt_bytes(self.budget)}: " + ("; ".join(causes) if causes else "no tensor was saved for "
-                                                        "backward inside the manager")
+            f"nothing can be swapped, and the run reaches {fmt_bytes(peak)}, over the budget of "
+            f"{fmt_bytes(self.budget)}: " + ("per iteration, " + "; ".join(causes) if causes
+                                             else "no tensor was saved for backward inside the manager")
         ))  # fmt: skip
 
     # -- hooks ------------------------------------------------------------------------------------------
@@ -378,7 +407,7 @@ class SwapManager:
             pool = HostPool(pinned=cuda, limit=self.host_pool_limit)
             self.executor = Executor(
                 self.device, engine, pool, memory, self._profiled, self.budget,
-                replanner=self._schedule, warn=self._warn,
+                replanner=self._schedule, warn=self._warn, unmanaged=lambda peak: self._nothing_to_do(None, peak),
             )  # fmt: skip
             if self.arena is not None:
                 self.arena.set_oom_handler(self.executor.evict)

@@ -71,3 +71,22 @@ def test_vmalloc_and_native_runs_agree():
     a, b = run("vmalloc", "resnet"), run("native", "resnet")
     assert a["base"]["grad_sha256"] == b["base"]["grad_sha256"]
     assert a["swapped"]["grad_sha256"] == b["swapped"]["grad_sha256"]
+
+
+def test_a_budget_above_the_device_memory_is_refused():
+    # Issue 20, item 1 (Note [A budget above the device's memory]): the device's total memory is the limit
+    # with torch's allocator; all of it is allowed. In a child, like the runs above: torch's allocator stays
+    # unconfigured in this process.
+    code = (
+        "import torch, swap\n"
+        "total = torch.cuda.get_device_properties(0).total_memory\n"
+        "assert swap.SwapManager(budget=total, device='cuda:0').budget == total\n"
+        "try:\n"
+        "    swap.SwapManager(budget=total + (1 << 30), device='cuda:0')\n"
+        "except ValueError as e:\n"
+        "    print('REFUSED', e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "REFUSED a budget of" in r.stdout and "is more than the memory of cuda:0" in r.stdout, r.stdout
+    assert "pass budget=" in r.stdout and "or budget=None" in r.stdout, r.stdout

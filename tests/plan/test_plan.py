@@ -116,7 +116,7 @@ def test_a_measured_profile_replaces_the_datasheet(tmp_path):
     assert p.device.h2d_bandwidth == 3e9 and p.device.d2h_bandwidth == 2e9 and "test GPU" in p.device.name
     # The roofline at batch 8 now takes the measured 2 ms per step.
     again = sequence_from_trace(capture(TinyCNN, cnn_batch, 8, optimizer=sgd),
-                                cost=lambda f, m: p.device.step_seconds(f, m), min_bytes=16 * KiB)  # fmt: skip
+                                cost=p.device, min_bytes=16 * KiB)  # fmt: skip
     assert sum(again.compute) == pytest.approx(0.002 * len(seq), rel=1e-6)
     # Without the batch in the file, it is found from the profile's saved bytes.
     path = seq.save(tmp_path / "nobatch.json", {"h2d_bandwidth": 3e9, "d2h_bandwidth": 2e9})
@@ -162,3 +162,22 @@ def test_the_command_line_keeps_the_built_in_models(capsys):
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[2:4]}
     assert int(rows["window"]) > int(rows["none"]) > 0
+
+
+def test_a_budget_above_the_device_memory_is_refused_before_any_capture(capsys):
+    # Issue 20: `--model resnet50 --budget 500GiB --device v100-16gb` planned batch 45,307 with a planned
+    # peak of 499.94 GiB on a 16 GB V100 (Note [A budget above the device's memory] in budget.py).
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "resnet50", "--budget", "500GiB", "--device", "v100-16gb", "--quiet"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "a budget of 500.00 GiB is more than the memory of v100-16gb (16.00 GiB): pass --budget 16GiB or less" in err
+    assert "--device" not in err.split("or less")[1]  # no profile has 500 GiB, so none is proposed
+    with pytest.raises(SystemExit):
+        main(["--model", "resnet50", "--budget", "20GiB", "--device", "v100", "--quiet"])
+    assert "or a device with that much memory (--device a100-40gb; also a100-80gb" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"more than the memory of v100-16gb \(16.00 GiB\): pass budget='16GiB' or "
+                                         r"less, or a device with that much memory \(device='a100-40gb'"):  # fmt: skip
+        swap.plan(TinyCNN, cnn_batch, budget="17GiB", device="v100-16gb", progress=False)
+    assert swap.plan(TinyCNN, cnn_batch, budget="16GiB", device="v100-16gb", optimizer=sgd, policies=("none",),
+                     max_batch=4, progress=False).max_batch["none"] == 4  # all of the memory is allowed  # fmt: skip

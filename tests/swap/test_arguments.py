@@ -71,3 +71,35 @@ def test_a_module_excluded_keeps_its_buffers_on_the_device():
         y.sum().backward()
     assert len(saved) == 1 and saved[0] is y.untyped_storage()
     assert sm.report()["swapped_out_bytes"] == 4 << 20
+
+
+class FakeDeviceProperties:
+    """What torch.cuda.get_device_properties reports, for a 16 GiB device (no GPU needed to check arguments)."""
+
+    total_memory = 16 << 30
+
+
+def test_a_budget_above_the_device_memory_is_refused_naming_what_fits(monkeypatch):
+    # Issue 20: a budget above the device's memory was planned without a word (Note [A budget above the
+    # device's memory] in swap/planning/budget.py).
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: FakeDeviceProperties())
+    with pytest.raises(ValueError, match=r"a budget of 500.00 GiB is more than the memory of cuda:0 \(16.00 GiB\): "
+                                         r"pass budget='16GiB' or less, or budget=None"):  # fmt: skip
+        swap.SwapManager(device="cuda:0", budget="500GiB")
+    assert swap.SwapManager(device="cuda:0", budget="16GiB").budget == 16 << 30  # all of it is allowed
+
+
+def test_a_budget_above_vmalloc_capacity_is_refused_naming_how_to_raise_it():
+    import vmalloc
+
+    arena = vmalloc.Arena("sim", capacity="1GiB")  # vmalloc as the CUDA allocator holds at most its capacity
+    with pytest.raises(ValueError, match=r"more than vmalloc's capacity on cuda:0 \(1.00 GiB\): pass "
+                                         r"budget='1GiB' or less, or budget=None .*arena.set_capacity"):  # fmt: skip
+        swap.SwapManager(device="cuda:0", budget="1025MiB", arena=arena)
+    assert swap.SwapManager(device="cuda:0", budget="1GiB", arena=arena).budget == 1 << 30
+    assert swap.SwapManager(device="cuda:0", arena=arena).budget == 1 << 30  # None: the capacity
+
+
+def test_a_cpu_budget_is_not_compared_with_host_memory():
+    # On the CPU the budget is live tensor bytes, a limit for tests and simulation: any size is taken.
+    assert swap.SwapManager(device="cpu", budget="100GiB").budget == 100 << 30

@@ -14,7 +14,7 @@ from swap.planning.devices import PROFILES, profile
 def test_v100_profile_reproduces_the_papers_no_swap_baseline():
     trace = capture("resnet50", 64, steps=2, progress=False)
     dev = profile("v100")
-    seq = sequence_from_trace(trace, cost=lambda f, m: dev.step_seconds(f, m))
+    seq = sequence_from_trace(trace, cost=dev)
     images_per_s = 64 / sum(seq.compute)
     assert images_per_s == pytest.approx(336, rel=0.03)  # seed 001 Table 1, V100 baseline, batch 64
 

@@ -2,7 +2,9 @@
 with swap.BudgetWarning naming the cause; when the run fits it declines (at any budget at or above what the
 run needs without swapping); a report taken before any iteration says so."""
 
+import contextlib
 import functools
+import gc
 import re
 import warnings
 
@@ -42,6 +44,71 @@ def test_nothing_to_manage_warns_once_naming_the_cause(kwargs, cause):
     assert len(found) == 1, found  # once, not per iteration
     assert found[0] and re.search(cause, found[0]), found[0]
     assert any(found[0][len("swap: "):] in n for n in report["notes"])  # and the report keeps it
+
+
+class PreNormMLP(torch.nn.Module):
+    """One block of issue 20's MLP-Mixer: x + fc2(gelu(fc1(layer_norm(x))))."""
+
+    def __init__(self, d: int = 256, hidden: int = 512) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.fc1, self.fc2 = torch.nn.Linear(d, hidden), torch.nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+BLOCKS = {
+    "mixer": lambda: torch.nn.Sequential(*[PreNormMLP() for _ in range(12)]),
+    "mlp": lambda: torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
+                                                             torch.nn.Linear(512, 256)) for _ in range(6)]),
+}  # fmt: skip
+
+
+def train_accumulating(name: str, manager=None, meter=None, iterations: int = 4, micro: int = 2):
+    """AdamW over ``micro`` micro-batches (8x64x256) per step; returns the manager and the model."""
+    torch.manual_seed(0)
+    model = BLOCKS[name]()
+    opt = torch.optim.AdamW(model.parameters())
+    sm = manager() if manager else None
+    with contextlib.ExitStack() as stack:
+        if meter is not None:
+            stack.enter_context(meter.track_existing())
+        if sm is not None:
+            stack.enter_context(sm)
+        for it in range(iterations):
+            for m in range(micro):
+                x = torch.randn(8, 64, 256, generator=torch.Generator().manual_seed(it * micro + m))
+                model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return sm, model
+
+
+@pytest.mark.parametrize("name", ["mixer", "mlp"])
+def test_memory_grown_after_profiling_with_nothing_to_move_warns(name):
+    # Issue 20: with gradient accumulation the two profiled iterations are micro-batches that run before
+    # AdamW has made its state; the run goes over the budget only after them. The warning was judged at the
+    # profiles alone, so the run went over the budget without a word (Note [Nothing to move, over the budget]).
+    meter = swap.LiveBytesMeter("cpu")
+    _, model = train_accumulating(name, meter=meter)
+    static = 4 * sum(p.nbytes for p in model.parameters())  # weights, gradients, AdamW's two moments
+    budget = (static + meter.peak) // 2
+    del model  # live tensors count against the budget on CPU
+    gc.collect()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sm, model = train_accumulating(name, manager=lambda: swap.SwapManager(budget=budget, device="cpu",
+                                                                          min_bytes="100GiB"))  # fmt: skip
+    found = [str(w.message) for w in caught if issubclass(w.category, swap.BudgetWarning)]
+    assert len(found) == 1, found
+    assert re.search(r"nothing can be swapped, and the run reaches .* over the budget", found[0]), found[0]
+    assert found[0][len("swap: "):] in sm.report()["notes"]  # the note and the warning are one
+    # The counts are of one iteration (a micro-batch's forward and backward), not summed over the profiles.
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        model(torch.randn(8, 64, 256)).pow(2).mean().backward()
+    assert f"per iteration, {len(saved)} saved tensor(s)" in found[0], found[0]
 
 
 def test_budget_warning_is_a_user_warning_exported_from_swap():

@@ -10,7 +10,7 @@ from collections import Counter
 
 class RunSummary:
     def __init__(self) -> None:
-        self.ops: Counter = Counter()  # by backend: "host", "cuda"
+        self.ops: Counter = Counter()  # by backend: "host", "cuda", "sim"
         self.faults: Counter = Counter()  # injected faults that fired, by backend call
         self.raised = 0  # of which surfaced as vmalloc.BackendError
 
@@ -37,7 +37,8 @@ class RunSummary:
         per_call = ", ".join(f"{c} {n}" for c, n in sorted(self.faults.items()))
         return [
             f"vmalloc allocator tests: {sum(self.ops.values())} operations ({per_backend}; cuda = the emulated "
-            f"driver); {sum(self.faults.values())} injected backend faults survived ({self.raised} raised "
+            f"driver, sim = bookkeeping without bytes); {sum(self.faults.values())} injected backend faults "
+            f"survived ({self.raised} raised "
             f"BackendError), per call: {per_call or 'none'}"
         ]
 
