@@ -44,9 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-from .budget import refuse_over_memory, size_arg
-
 import numpy as np
+
+from .budget import refuse_over_memory, size_arg
 
 log = logging.getLogger("swap")
 GB = 1e9

@@ -8,9 +8,11 @@ Seed 000 brute-forces the tile count over runs. Here the count comes from the me
 2. Every maximal chain of FT-compatible operators (``OpGraph.runs``) becomes one segment with one tile (a
    checkpoint). While the predicted peak is over the budget and lies in a segment's forward or backward,
    that segment's tiles grow (tiles per dimension in proportion to the segment output's extents; the
-   smallest count that moves the peak off it or under the budget, by bisection). A peak elsewhere (an
-   untiled operator, or a segment already at one output element per tile) is an error that names the
-   operator and what its step holds (``TilingInfeasible``).
+   smallest count that moves the peak off it or under the budget, by bisection). A segment already at one
+   output element per tile is split in two at the strided window nearest its middle (its tiles' halo, the
+   receptive field of one output, shrinks with its depth). A peak elsewhere (an untiled operator, or an
+   unsplittable segment at one element per tile) is an error that names the operator and what its step
+   holds (``TilingInfeasible``).
 3. With a device profile, the plan is then made faster where the budget allows: a segment is split where
    its chain shrinks (after a strided window: the halo grows with depth, and a shallower segment recomputes
    less), and a segment that the budget does not need is dropped; each change is kept when the predicted
@@ -22,17 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional, Union
 
+from ..budget import fmt_bytes as fmt
 from .cost import Estimate, Segment, estimate
 from .graph import OpGraph
 
 MAX_ROUNDS = 64
-
-
-def fmt(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 class TilingInfeasible(ValueError):
@@ -124,11 +120,17 @@ def plan_tiles(graph: OpGraph, budget: Optional[int], *, dev=None, lowp: bool = 
         if est.bytes <= budget:
             break
         seg = _segment_at(est)
+        if seg is not None and levels[seg.start] >= _max_level(graph, seg.end):
+            cut = _split_point(graph, seg)
+            if cut is not None:  # a shallower segment has a smaller halo: split it where the chain shrinks
+                ends[seg.start], ends[cut + 1], levels[seg.start], levels[cut + 1] = cut, seg.end, 1, 1
+                est = estimate(graph, build(levels), dev, lowp, swapped, extra)
+                continue
         if seg is None or levels[seg.start] >= _max_level(graph, seg.end):
             raise _infeasible(graph, est, budget, seg)
         start, top = seg.start, _max_level(graph, seg.end)
 
-        def moves(level: int) -> bool:
+        def moves(level: int, start: int = start) -> bool:
             e = estimate(graph, build({**levels, start: level}), dev, lowp, swapped, extra)
             return e.bytes <= budget or _segment_at(e) is None or _segment_at(e).start != start
 
@@ -147,6 +149,15 @@ def plan_tiles(graph: OpGraph, budget: Optional[int], *, dev=None, lowp: bool = 
     if dev is not None:
         plan = _faster(graph, plan, budget, dev, lowp, swapped, extra)
     return plan
+
+
+def _split_point(graph: OpGraph, seg: Segment) -> Optional[int]:
+    """The strided window (a pooling, a strided convolution) nearest the middle of the segment, where it
+    splits in two; None when it has none before its last operator."""
+    cuts = [i for i in range(seg.start, seg.end) if graph.nodes[i].kind == "window"
+            and any(w.sigma > 1 for w in graph.nodes[i].windows)]  # fmt: skip
+    middle = (seg.start + seg.end) / 2
+    return min(cuts, key=lambda i: abs(i - middle)) if cuts else None
 
 
 def _segment_at(est: Estimate) -> Optional[Segment]:

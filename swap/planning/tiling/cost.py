@@ -63,7 +63,8 @@ def tile_shapes(graph: OpGraph, seg: Segment) -> list[TileShape]:
         sizes = [ops[0].in_shape[2 + d]] + [op.out_shape[2 + d] for op in ops]
         sig: Counter = Counter()
         for lo, hi in grid(sizes[-1], seg.tiles[d]):
-            sig[tuple((s.padded_extent, s.hi - s.lo, bool(s.pad_a or s.pad_b)) for s in spans(windows, sizes, lo, hi))] += 1
+            chain = spans(windows, sizes, lo, hi)
+            sig[tuple((s.padded_extent, s.hi - s.lo, bool(s.pad_a or s.pad_b)) for s in chain)] += 1
         per_dim.append(sig)
     out: list[TileShape] = []
     for combo in itertools.product(*(c.items() for c in per_dim)):

@@ -28,8 +28,9 @@ swap runtime around the training step must not see (and try to move) them; it se
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 

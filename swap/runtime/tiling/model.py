@@ -30,9 +30,11 @@ def _call(node: fx.Node, rule: Any, gm: fx.GraphModule, producer: fx.Node) -> Ca
         module = gm.get_submodule(str(node.target))
         return lambda x: module(x)
 
+    node_args, node_kwargs = node.args, node.kwargs  # read now: erasing the node from its graph clears them
+
     def bind(x: torch.Tensor) -> tuple[tuple, dict]:
         sub = lambda a: x if a is producer else a  # noqa: E731
-        return tree_map(sub, node.args), tree_map(sub, node.kwargs)
+        return tree_map(sub, node_args), tree_map(sub, node_kwargs)
 
     if node.op == "call_method":
         name = str(node.target)
@@ -64,7 +66,8 @@ class TiledModel(nn.Module):
     ``last_plan`` is the plan of the latest call."""
 
     def __init__(self, model: nn.Module, budget: Optional[int], *, tiles: Union[None, int, tuple[int, ...]] = None,
-                 device: Any = None, extra: int = 0, swapped: bool = False, progress: bool = False) -> None:  # fmt: skip
+                 device: Any = None, extra: int = 0, swapped: bool = False,
+                 progress: Union[bool, Callable[[str], None]] = False) -> None:  # fmt: skip
         super().__init__()
         self.model = model
         self.budget, self.tiles, self.device_profile = budget, tiles, device
@@ -96,14 +99,20 @@ class TiledModel(nn.Module):
         lowp = any(isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) for t in tensors)
         plan = plan_tiles(analysis.graph, self.budget, dev=dev, lowp=lowp, swapped=self.swapped, extra=self.extra,
                           tiles=self.tiles)  # fmt: skip
-        say = (lambda msg: print(f"  [swap.tiled] {msg}", file=sys.stderr, flush=True)) if self.progress else None
+        say: Optional[Callable[[str], None]] = None
+        if callable(self.progress):
+            say = self.progress
+        elif self.progress:
+            say = lambda msg: print(f"  [swap.tiled] {msg}", file=sys.stderr, flush=True)  # noqa: E731
         if say is not None:
             say(plan.describe(analysis.graph))
         graph = gm.graph
+        replaced: dict[fx.Node, fx.Node] = {}
         for k, seg in enumerate(plan.segments):
             nodes = analysis.graph.nodes[seg.start : seg.end + 1]
             fxn = analysis.fx_nodes[seg.start : seg.end + 1]
             producer = analysis.fx_nodes[nodes[0].inputs[0]]
+            producer = replaced.get(producer, producer)  # the previous segment's end, when segments touch
             steps = []
             prev = producer
             for node, fnode, rule in zip(nodes, fxn, analysis.rules[seg.start : seg.end + 1]):
@@ -113,12 +122,13 @@ class TiledModel(nn.Module):
             sizes = [[nodes[0].in_shape[2 + d]] + [n.out_shape[2 + d] for n in nodes] for d in range(len(seg.tiles))]
             segment = TiledSegment(steps, seg.tiles, nodes[0].in_shape, nodes[-1].out_shape, sizes,
                                    analysis.dtypes[seg.end], copy_input=nodes[0].alias,
-                                   progress=say if say is not None and seg.count >= 16 else None)  # fmt: skip
+                                   progress=say if callable(self.progress) or seg.count >= 16 else None)  # fmt: skip
             name = f"tiled_segment_{k}"
             gm.add_submodule(name, segment)
             with graph.inserting_after(fxn[-1]):
                 new = graph.call_module(name, (producer,))
             fxn[-1].replace_all_uses_with(new)
+            replaced[fxn[-1]] = new
             for fnode in reversed(fxn):
                 graph.erase_node(fnode)
         graph.lint()

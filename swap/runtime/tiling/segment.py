@@ -107,7 +107,8 @@ class TiledSegment(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tuple(x.shape) != self.in_shape:
-            raise ValueError(f"this tiled segment was planned for inputs of shape {self.in_shape}, not {tuple(x.shape)}")
+            raise ValueError(f"this tiled segment was planned for inputs of shape {self.in_shape}, "
+                             f"not {tuple(x.shape)}")
         shape, dtype = self.out_shape, self.out_dtype
 
         def output(inp: torch.Tensor) -> torch.Tensor:
