@@ -66,3 +66,23 @@ def test_only_segment_boundaries_reach_saved_tensor_hooks() -> None:
     loss.backward()
     assert (1, 3, 32, 32) in packed  # the segment's input, the boundary
     assert [s for s in packed if len(s) == 4] == [(1, 3, 32, 32)], packed  # no tile-sized tensor
+
+
+def test_swap_manager_sees_segment_boundaries_as_swappable_variables() -> None:
+    """A segment's boundary is a saved tensor like any other: the swap runtime records it and may move it."""
+    torch.manual_seed(0)
+    model = vgg(c=4)
+    x, y = torch.randn(1, 3, 64, 64), torch.tensor([3])
+    tiled = swap.tiled(model, budget=215_000)  # two segments: 0..9 and 10..16 (see the budget test)
+    assert len(tiled.plan_for(x)[0].segments) == 2
+    F.cross_entropy(tiled(x), y).backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    boundary = 1 * 8 * 16 * 16 * 4  # the output of block 2 (8 channels at 16 x 16), the input of segment 10..16
+    with swap.SwapManager(budget="1GiB", device="cpu", min_bytes=1024) as sm:
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(tiled(x), y).backward()
+    seq = sm.sequence
+    assert any(size == boundary and ok for size, ok in zip(seq.sizes, seq.swappable)), seq.sizes
+    for p, r in zip(model.parameters(), ref):
+        assert torch.equal(p.grad, r)  # the tiled run under the swap runtime is bitwise the tiled run
