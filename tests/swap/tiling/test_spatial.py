@@ -7,7 +7,8 @@ Every term is computed from the same values (Note [Exact borders], Note [Backwar
 is the order of the sums. The tolerance per tensor is relative to its largest element:
   - float64: |tiled - untiled| <= 1e-10 * max|untiled| (a wrong halo or border shows at 1e-2 and above);
   - float32: |tiled - untiled| <= 2e-5 * max|untiled|: a sum of n terms reordered errs by about
-    sqrt(n) * 6e-8 relative, n up to 4096 positions here (~4e-6), with margin for cancellation.
+    sqrt(n) * 2^-24 (6e-8) relative, n up to 4096 positions here (~4e-6), with margin for cancellation.
+    Larger images sum more positions: bench/tiling_cpu.py checks max(2e-5, 4 * sqrt(n) * 2^-24).
 """
 
 from __future__ import annotations
