@@ -12,9 +12,10 @@ median ratio over the rounds). The gradients of every tiled step are checked aga
 (Note [Tiled gradient tolerance] in tests/swap/tiling/test_spatial.py).
 
 Part 2, the largest image under a fixed budget: for ``checkpoint_sequential`` over the network's layers with
-k = 1..8 segments (on a twin with out-of-place ReLUs, which checkpoint_sequential needs), and for PyTorch-Base (no checkpoint), the largest side (a multiple of 16) whose measured
-peak stays within the budget (bisection on real steps); for ``swap.tiled``, the largest side the planner
-accepts, verified by one real step whose measured peak must hold the budget.
+k = 1..8 segments (on a twin with out-of-place ReLUs, which checkpoint_sequential needs), and for
+PyTorch-Base (no checkpoint), the largest side (a multiple of 16) whose measured peak stays within the
+budget (bisection on real steps); for ``swap.tiled``, the largest side the planner accepts, verified by one
+real step whose measured peak must hold the budget.
 
 Writes <out>/tiling_cpu.json, tiling_cpu.md and tiling_cpu.png.
 """
