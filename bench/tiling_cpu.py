@@ -1,7 +1,7 @@
 """Tiled execution on CPU, for real: a VGG-style CNN at batch 1 under a tenth of its untiled peak, and the
 largest image under a fixed budget against ``checkpoint_sequential`` at its best segment count.
 
-    python -m bench.tiling_cpu            # the sweep and the comparison (about 10 minutes on 2 shared cores)
+    python -m bench.tiling_cpu            # the sweep and the comparison (1 to 5 minutes on 2 shared cores)
     python -m bench.tiling_cpu --quick    # a smoke run
 
 Part 1, the sweep: per image side, the untiled step's peak (``swap.LiveBytesMeter``, live tensor bytes
