@@ -23,7 +23,6 @@ import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Optional
 
 from .geometry import grid, spans
 from .graph import OpGraph, OpNode
@@ -198,12 +197,3 @@ def estimate(graph: OpGraph, segments: list[Segment], dev=None, lowp: bool = Fal
         seconds = fwd_s + bwd_s
     return Estimate(peak, seconds, fwd_s, bwd_s, list(segments), nodes, copy, tiles)
 
-
-def untiled_seconds(graph: OpGraph, dev, lowp: bool = False) -> float:  # noqa: ANN001
-    """The step's time with nothing tiled."""
-    return estimate(graph, [], dev, lowp).seconds
-
-
-def segment_input_grad(graph: OpGraph, seg: Segment) -> Optional[bool]:
-    node = graph.nodes[seg.start]
-    return graph.nodes[node.inputs[0]].needs_grad if node.inputs else None

@@ -72,33 +72,6 @@ class Span:
         return self.b - self.a + self.pad_a + self.pad_b
 
 
-@dataclass(frozen=True)
-class Padding:
-    """How a tile gets its padding along one dimension: ``mode`` "none" (it needs none), "own" (the
-    operator's own symmetric padding ``q``, then the first ``lead`` outputs, computed from padding where the
-    tile has real neighbours, are cropped, keeping ``keep``), or "copy" (an explicit padded copy)."""
-
-    mode: str
-    q: int = 0
-    lead: int = 0
-    keep: int = 0
-    computed: int = 0  # outputs the operator computes on the tile (before cropping)
-
-
-def padding(window: Window, span: Span) -> Padding:
-    """Note [Exact borders]: the cheapest exact way to give a tile its padding. The operator's own
-    (symmetric) padding costs no copy; it is exact when the extra positions it adds before the tile are a
-    multiple of the stride (the outputs stay aligned, the extra ones are cropped)."""
-    if not span.pad_a and not span.pad_b:
-        return Padding("none", keep=span.hi - span.lo, computed=span.hi - span.lo)
-    q = max(span.pad_a, span.pad_b)
-    extra = q - span.pad_a
-    if extra % window.stride == 0 and not (window.pool and q > window.kernel // 2):
-        computed = (span.b - span.a + 2 * q - window.delta - 1) // window.stride + 1
-        return Padding("own", q, extra // window.stride, span.hi - span.lo, computed)
-    return Padding("copy", keep=span.hi - span.lo, computed=span.hi - span.lo)
-
-
 def spans(windows: list[Window], sizes: list[int], lo: int, hi: int) -> list[Span]:
     """The slices of a chain of operators (``windows[i]`` reads a tensor of ``sizes[i]`` positions and writes
     one of ``sizes[i + 1]``) that produce output [lo, hi) of the last one, first operator first: each

@@ -111,10 +111,3 @@ class OpGraph:
         if start is not None:
             out.append((start, len(self.nodes) - 1))
         return out
-
-    def first_barrier_over(self, budget: int) -> Optional[OpNode]:
-        """The first untileable operator whose input and output alone exceed ``budget``."""
-        for n in self.nodes:
-            if n.kind == "barrier" and n.in_bytes + n.out_bytes > budget:
-                return n
-        return None

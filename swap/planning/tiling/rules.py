@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -164,9 +164,3 @@ def classify_call(target: Any, tensor_args: int, args: tuple, kwargs: dict, meth
         return _pool(layer)
     return barrier(f"{name} is not FT-compatible (Note [FT-compatible operators])")
 
-
-def is_arithmetic(target: Any) -> bool:
-    return target in ARITHMETIC or target in ARITHMETIC_METHODS
-
-
-Classifier = Callable[..., Rule]
