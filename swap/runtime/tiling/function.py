@@ -21,6 +21,11 @@ propagates its own outputs' gradients, so summing the input-gradient tiles, and 
 over tiles, is the untiled gradient. Only the order of the sums differs (Note [Tiled gradient tolerance] in
 tests/swap/tiling/test_spatial.py).
 
+Note [Recompute under the forward's autocast]
+Backward runs outside the user's ``torch.autocast`` region, so a recompute there would run in full precision
+and take the gradient of another function than the forward computed. Forward records the autocast state of
+its input's device and backward recomputes under the same, as ``torch.utils.checkpoint`` does.
+
 Note [Recompute is not swapped]
 The recompute runs under identity saved-tensor hooks: a tile's activations live for one tile only, so a
 swap runtime around the training step must not see (and try to move) them; it sees the segment boundaries.
@@ -28,6 +33,7 @@ swap runtime around the training step must not see (and try to move) them; it se
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -75,12 +81,26 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _autocast_state(device_type: str) -> Optional[dict[str, Any]]:
+    """``torch.autocast``'s arguments that reproduce the autocast state now on ``device_type`` (None: the
+    device type has no autocast, e.g. meta)."""
+    if not torch.amp.is_autocast_available(device_type):
+        return None
+    return {"enabled": torch.is_autocast_enabled(device_type), "dtype": torch.get_autocast_dtype(device_type),
+            "cache_enabled": torch.is_autocast_cache_enabled()}  # fmt: skip
+
+
+def _recompute_autocast(device_type: str, state: Optional[dict[str, Any]]) -> Any:
+    return torch.autocast(device_type, **state) if state is not None else contextlib.nullcontext()
+
+
 class TiledFunction(torch.autograd.Function):
     """Note [Tiled autograd]."""
 
     @staticmethod
     def forward(ctx: Any, tiling: Tiling, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.tiling = tiling
+        ctx.autocast = _autocast_state(x.device.type)  # Note [Recompute under the forward's autocast]
         ctx.save_for_backward(x)
         out = tiling.output(x)
         for k, tile in enumerate(tiling.tiles):
@@ -104,7 +124,8 @@ class TiledFunction(torch.autograd.Function):
         acc: list[Optional[torch.Tensor]] = [None] * len(params)
         for k, tile in enumerate(tiling.tiles):
             # Note [Recompute is not swapped]
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_identity, _identity), \
+                    _recompute_autocast(x.device.type, ctx.autocast):
                 xt = x[tile.src].detach()
                 if need_x:
                     xt.requires_grad_(True)

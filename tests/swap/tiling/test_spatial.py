@@ -142,3 +142,35 @@ def test_bad_arguments_get_clear_errors() -> None:
         swap.tiled(lambda x: x, budget=100)
     with pytest.raises(ValueError, match="spatial dimensions"):
         swap.tiled(vgg(), tiles=(2, 2, 2))(torch.randn(1, 3, 16, 16))
+
+
+def test_backward_recomputes_under_the_forward_autocast() -> None:
+    """Note [Recompute under the forward's autocast]: the backward's convolutions run in bfloat16, as the
+    forward's did, and the gradients match the untiled run under the same autocast."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ConvDtypes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dtypes: set[torch.dtype] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.convolution.default:
+                self.dtypes.add(out.dtype)
+            return out
+
+    torch.manual_seed(0)
+    model = vgg(c=4)
+    twin = copy.deepcopy(model)
+    tiled = swap.tiled(twin, tiles=3)
+    x, y = torch.randn(1, 3, 32, 32), torch.tensor([2])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss1, loss2 = F.cross_entropy(model(x), y), F.cross_entropy(tiled(x), y)
+    loss1.backward()
+    with ConvDtypes() as seen:
+        loss2.backward()
+    assert seen.dtypes == {torch.bfloat16}, seen.dtypes  # the recomputed tiles' convolutions
+    assert abs(loss1.item() - loss2.item()) <= 1e-2 * abs(loss1.item())
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert (p.grad - q.grad).abs().max() <= 5e-2 * p.grad.abs().max()  # bfloat16 rounding, summed apart
