@@ -57,3 +57,16 @@ def test_cli_answers_the_largest_image(tmp_path, capsys) -> None:
     assert set(rows) == set(STRATEGIES)
     side = {k: int(v.split("x")[0]) for k, v in rows.items()}
     assert side["tiled"] > side["untiled"] > 0
+
+
+def test_with_a_device_profile_the_plan_is_no_slower_and_still_fits() -> None:
+    from swap.planning.tiling.choose import plan_tiles
+    from swap.planning.tiling.cost import estimate
+
+    graph = image_graph(small_vgg(), 256)
+    budget = 2 << 20
+    fewest = plan_tiles(graph, budget)  # no profile: the fewest tiles that fit
+    fastest = plan_tiles(graph, budget, dev=DEV)
+    assert fewest.peak <= budget and fastest.peak <= budget
+    assert fastest.seconds <= estimate(graph, fewest.segments, DEV).seconds
+    assert fastest.seconds >= fastest.untiled.seconds  # tiles recompute: never faster than untiled
