@@ -174,3 +174,16 @@ def test_backward_recomputes_under_the_forward_autocast() -> None:
     assert abs(loss1.item() - loss2.item()) <= 1e-2 * abs(loss1.item())
     for p, q in zip(model.parameters(), twin.parameters()):
         assert (p.grad - q.grad).abs().max() <= 5e-2 * p.grad.abs().max()  # bfloat16 rounding, summed apart
+
+
+@pytest.mark.parametrize("name", ["resnet-train", "unet-eval"])
+def test_residual_and_skip_networks_tile_between_their_joins(name: str) -> None:
+    """Residual adds and U-Net concatenations end segments; training-mode BatchNorm runs untiled between them."""
+    from swap import zoo
+
+    if name == "resnet-train":
+        model, shape = zoo.resnet((1, 1, 1, 1), width=8, num_classes=10), (2, 3, 48, 48)
+    else:
+        model, shape = zoo.unet(depth=2, width=8).eval(), (1, 3, 32, 32)
+    tiled = compare(model, shape, torch.float64, tiles=2)
+    assert len(tiled.last_plan.segments) >= 5
