@@ -9,7 +9,7 @@ between operators, Note [What the meter cannot see]), then ``swap.tiled(model, b
 measured peak, the planner's prediction, its plan, and the step-time ratio tiled / untiled (CPU time of the
 process, Note [CPU time, not wall time] in bench/swap_overhead.py; untiled and tiled steps interleaved, the
 median ratio over the rounds). The gradients of every tiled step are checked against the untiled ones
-(Note [Tiled gradient tolerance] in tests/swap/tiling/test_spatial.py).
+(Note [Tiled gradient tolerance] in tests/swap/tiling/test_tiled_spatial.py).
 
 Part 2, the largest image under a fixed budget: for ``checkpoint_sequential`` over the network's layers with
 k = 1..8 segments (on a twin with out-of-place ReLUs, which checkpoint_sequential needs), and for

@@ -19,7 +19,7 @@ Every output element belongs to exactly one tile, so each tile contributes exact
 its own outputs; the elements in the overlapping halos are recomputed by several tiles but each tile only
 propagates its own outputs' gradients, so summing the input-gradient tiles, and the parameter gradients
 over tiles, is the untiled gradient. Only the order of the sums differs (Note [Tiled gradient tolerance] in
-tests/swap/tiling/test_spatial.py).
+tests/swap/tiling/test_tiled_spatial.py).
 
 Note [Recompute under the forward's autocast]
 Backward runs outside the user's ``torch.autocast`` region, so a recompute there would run in full precision

@@ -12,7 +12,8 @@ the output is written into one preallocated tensor and input gradients are added
 tensor of a tile is dropped before the next tile starts. Each tile then asks the allocator for the same
 sizes in the same order as the tile before, which a caching allocator serves from the blocks that tile
 freed (vmalloc: any free chunk serves any request): reserved memory stays flat over tiles and iterations
-(tests/swap/tiling/test_memory.py measures it on vmalloc's host backend and with LiveBytesMeter).
+(tests/swap/tiling/test_tiled_allocator.py measures it on vmalloc's host backend, test_tiled_spatial.py with
+LiveBytesMeter).
 """
 
 from __future__ import annotations

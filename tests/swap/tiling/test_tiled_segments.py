@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from models import Residual, vgg
+from tiling_models import Residual, vgg
 
 import swap
 from swap.planning.tiling.analyze import analyze, trace

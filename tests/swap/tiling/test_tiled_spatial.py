@@ -18,18 +18,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from models import Mixed2d, chain1d, chain3d, vgg
+from tiling_models import Mixed2d, assert_close, chain1d, chain3d, vgg
 
 import swap
 from swap.runtime.tiling.model import TiledModel
-
-TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5}
-
-
-def assert_close(tiled: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    scale = ref.abs().max().item() or 1.0
-    err = (tiled - ref).abs().max().item()
-    assert err <= TOLERANCE[ref.dtype] * scale, f"{what}: error {err:.3g} over {TOLERANCE[ref.dtype]} x {scale:.3g}"
 
 
 def compare(model: torch.nn.Module, shape: tuple[int, ...], dtype: torch.dtype, **tiling) -> TiledModel:

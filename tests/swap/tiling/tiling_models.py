@@ -1,4 +1,5 @@
-"""Small models for the tiling tests: every FT-compatible operator kind, and the ones that end a segment."""
+"""Small models for the tiling tests (every FT-compatible operator kind, and the ones that end a segment), and
+the tolerance they are compared with."""
 
 from __future__ import annotations
 
@@ -31,6 +32,16 @@ class Mixed2d(nn.Module):
         x = F.max_pool2d(torch.tanh(self.pool2(x)), 2, ceil_mode=True)
         x = self.conv4(x).relu()
         return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5}  # Note [Tiled gradient tolerance] (test_tiled_spatial.py)
+
+
+def assert_close(tiled: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """``tiled`` within TOLERANCE of ``ref``, relative to ``ref``'s largest element."""
+    scale = ref.abs().max().item() or 1.0
+    err = (tiled - ref).abs().max().item()
+    assert err <= TOLERANCE[ref.dtype] * scale, f"{what}: error {err:.3g} over {TOLERANCE[ref.dtype]} x {scale:.3g}"
 
 
 def chain1d(c: int = 4) -> nn.Sequential:

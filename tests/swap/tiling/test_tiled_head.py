@@ -1,6 +1,6 @@
 """The LM head and cross-entropy tiled along tokens match the untiled loss and gradients (HF models too).
 
-Tolerance: as Note [Tiled gradient tolerance] (tests/swap/tiling/test_spatial.py), float32 relative to each
+Tolerance: as Note [Tiled gradient tolerance] (tests/swap/tiling/test_tiled_spatial.py), float32 relative to each
 tensor's largest element: the head's weight gradient is a sum over token tiles instead of over all tokens.
 """
 
@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from test_spatial import assert_close
+from tiling_models import assert_close
 
 import swap
 from swap.planning.tiling.head import HeadShape, tokens_per_tile

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from models import vgg
+from tiling_models import vgg
 
 import swap
 import vmalloc
