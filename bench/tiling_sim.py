@@ -7,9 +7,9 @@ largest image per strategy and the step time against image size.
 The training step is captured on the meta device (no memory used, whatever the image) and priced per
 operator on the device's roofline (``DeviceProfile.step_seconds``), tiles and their halo recompute
 included; the strategies are those of Note [Strategies for one large image] in
-swap/planning/tiling/largest.py (PyTorch-Base, checkpointed segments, swap.tiled, swap.tiled with the
-segment boundaries swapped to the host). Float32, SGD without momentum (no optimizer state), the whole
-device memory as the budget, as seed 000 ran it.
+swap/planning/tiling/largest.py (PyTorch-Base, checkpointed segments, the swap runtime alone, swap.tiled,
+swap.tiled with the segment boundaries swapped to the host). Float32, SGD without momentum (no optimizer
+state), the whole device memory as the budget, as seed 000 ran it.
 
 Writes <out>/tiling_sim.json, tiling_sim.md and tiling_sim.png.
 """
@@ -72,7 +72,7 @@ def plot(res: dict, path: Path) -> Path:
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.2), squeeze=False)
     for ax, name in zip(axes[0], names):
         d = res["devices"][name]
-        for s, marker in zip(STRATEGIES, "os^v"):
+        for s, marker in zip(STRATEGIES, "osD^v"):
             pts = [(r["side"], r[s]["seconds"]) for r in d["curve"] if r[s]["fits"]]
             big = d["largest"][s]
             if big is not None:

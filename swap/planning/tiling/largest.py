@@ -8,6 +8,8 @@ Each strategy is priced on the same operator graph (``analyze`` on the meta devi
   boundaries are saved, each segment is recomputed whole in backward. The segments are the chains, or the
   chains cut at every strided window (a VGG block each), whichever peaks lower: seed 000's
   ``checkpoint_sequential`` baseline at its best segment count, within what the graph allows.
+- ``swap``: the swap runtime alone, at its floor: every saved tensor on the host between its save and its
+  use (``swapped=True``, copies overlapped with compute); each operator's own inputs and outputs stay whole.
 - ``tiled``: seed 000's fused tiling (``plan_tiles``: segments and tile counts from the budget).
 - ``tiled+swap``: the same with the saved tensors (the segment boundaries) on the host between their uses,
   as ``swap.SwapManager`` moves them: beyond seed 000, whose boundaries stay on the device.
@@ -27,7 +29,7 @@ from .choose import TilePlan, TilingInfeasible, plan_tiles
 from .cost import Segment, estimate
 from .graph import OpGraph
 
-STRATEGIES = ("untiled", "checkpoint", "tiled", "tiled+swap")
+STRATEGIES = ("untiled", "checkpoint", "swap", "tiled", "tiled+swap")
 
 
 @dataclass
@@ -67,8 +69,8 @@ def plan_image(graph: OpGraph, side: int, strategy: str, budget: int, dev, lowp:
     """``strategy`` (Note [Strategies for one large image]) on ``graph`` under ``budget`` bytes."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: choose among {', '.join(STRATEGIES)}")
-    if strategy == "untiled":
-        e = estimate(graph, [], dev, lowp, extra=extra)
+    if strategy in ("untiled", "swap"):
+        e = estimate(graph, [], dev, lowp, swapped=strategy == "swap", extra=extra)
         return ImagePlan(strategy, side, e.bytes <= budget, e.bytes, e.seconds)
     if strategy == "checkpoint":
         e = min((estimate(graph, segs, dev, lowp, extra=extra) for segs in _checkpoint_segments(graph)),
