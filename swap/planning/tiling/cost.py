@@ -9,6 +9,12 @@ through the segment and its backward (``backward_tile_bytes``: the eager model o
 model] run on the tile's chain, its padded copies included). Tiles of one shape cost the same, so each
 distinct shape is priced once and counted (at most 2 shapes per dimension: ``geometry.grid``).
 
+Note [Host inputs]
+With ``swapped=True`` a model input that only tiled segments read (the image itself, the largest tensor of a
+gigapixel step) stays in host memory: the segment copies each tile's slice to the device (the runtime's
+``TiledSegment(device=...)``), so the input costs the device nothing but that copy, which the tile's bytes
+count (it is not a view of a device tensor any more). Its gradient, when it has one, is summed on the host.
+
 Step time is priced on the device roofline (``DeviceProfile.step_seconds``) per operator: an untiled
 operator once forward and once backward; a tiled one per tile at the tile's extent (its halo included),
 twice forward (the forward pass, the backward's recompute) and once backward. With swapped boundaries, the
@@ -101,10 +107,18 @@ def forward_tile_bytes(chain: list[OpNode]) -> int:
     return max(chain[k].in_bytes + chain[k].out_bytes for k in range(1, len(chain)))
 
 
-def backward_tile_bytes(chain: list[OpNode]) -> int:
-    """One tile recomputed with gradients and run backward (the input slice is a view: not counted)."""
+def backward_tile_bytes(chain: list[OpNode], copied: bool = False) -> int:
+    """One tile recomputed with gradients and run backward (the input slice is a view, not counted, unless
+    ``copied`` from the host: Note [Host inputs])."""
     peak = step_peak(chain, (len(chain) - 1,))
-    return peak.bytes - chain[0].out_bytes
+    return peak.bytes - (0 if copied else chain[0].out_bytes)
+
+
+def host_inputs(graph: OpGraph, segments: list[Segment]) -> set[int]:
+    """The model inputs that only the given segments read (Note [Host inputs])."""
+    starts = {s.start for s in segments}
+    return {i for i, n in enumerate(graph.nodes)
+            if n.kind == "input" and graph.users[i] and all(u in starts for u in graph.users[i])}  # fmt: skip
 
 
 @dataclass
@@ -142,6 +156,7 @@ def estimate(graph: OpGraph, segments: list[Segment], dev=None, lowp: bool = Fal
     ``dev`` is a ``swap.planning.devices.DeviceProfile`` (None: no time); ``extra`` bytes are live throughout
     (optimizer state, the loss's tensors); ``swapped`` puts saved tensors on the host between uses."""
     by_start = {s.start: s for s in segments}
+    host = host_inputs(graph, segments) if swapped else set()  # Note [Host inputs]
     nodes: list[OpNode] = []
     remap: dict[int, int] = {}
     tf: dict[int, int] = {}
@@ -153,6 +168,8 @@ def estimate(graph: OpGraph, segments: list[Segment], dev=None, lowp: bool = Fal
         node = graph.nodes[i]
         seg = by_start.get(i)
         if seg is None:
+            if i in host:
+                node = replace(node, itemsize=0)  # on the host: no device bytes
             nodes.append(replace(node, inputs=tuple(remap[j] for j in node.inputs)))
             remap[i] = len(nodes) - 1
             if dev is not None and node.kind != "input":
@@ -168,13 +185,14 @@ def estimate(graph: OpGraph, segments: list[Segment], dev=None, lowp: bool = Fal
         nodes.append(OpNode(
             f"{node.name}..{last.name}", "segment", f"{node.where}..{last.where}", inputs=(remap[node.inputs[0]],),
             in_shape=node.in_shape, out_shape=last.out_shape, itemsize=last.itemsize, in_itemsize=node.in_itemsize,
-            save_in=node.in_bytes if last.needs_grad else 0, params=params, needs_grad=last.needs_grad,
+            save_in=node.in_bytes if last.needs_grad and node.inputs[0] not in host else 0, params=params,
+            needs_grad=last.needs_grad,
             flops=sum(op.flops for op in ops), flops_bwd=sum(op.flops_bwd for op in ops),
         ))  # fmt: skip
         shapes = tile_shapes(graph, seg)
         tf[k] = max(forward_tile_bytes(c) for c in (tile_chain(graph, seg, s, False) for s in shapes))
         chains = [(s, tile_chain(graph, seg, s, input_grad)) for s in shapes]
-        tb[k] = max(backward_tile_bytes(c) for _, c in chains) if last.needs_grad else 0
+        tb[k] = max(backward_tile_bytes(c, node.inputs[0] in host) for _, c in chains) if last.needs_grad else 0
         tiles[k] = seg.count
         if dev is not None:
             for s, c in chains:

@@ -36,7 +36,9 @@ def tiled(model: nn.Module, budget: Size = None, *, tiles: Union[None, int, tupl
         device: a device profile (or its name, e.g. "a100-40gb") to price plans on: with one, the planner
             also picks the fastest segments that fit; without, the fewest tiles that fit.
         swapped: plan as if saved tensors (the segment boundaries) go to host memory between their uses, as
-            ``swap.SwapManager`` around the step moves them.
+            ``swap.SwapManager`` around the step moves them; and keep a model input that only tiled segments read
+            (the image) on the host: pass it in host memory (pinned, ideally), each tile's slice is copied to the
+            model's device (Note [Host inputs] in swap/planning/tiling/cost.py).
         extra: bytes the step holds that the model does not show (optimizer state, the caller's tensors).
         progress: log the plan and the tiles to stderr (True), or call this with each line.
     Raises:

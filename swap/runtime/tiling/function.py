@@ -59,18 +59,28 @@ class Tiling:
     ``run(x_tile, tile) -> y_tile`` computes one tile (the same operators as the untiled computation, on the
     tile); ``output(x) -> tensor`` allocates the whole output (zeros where tiles add); ``params`` are the
     tensors ``run`` reads that need gradients; ``copy_input`` says to copy a tile's input slice before
-    ``run`` (its first operator writes in place)."""
+    ``run`` (its first operator writes in place); ``device`` is where tiles compute when the input is
+    elsewhere (Note [Host inputs] in swap/planning/tiling/cost.py: each tile's slice is copied there, and
+    its input gradient copied back)."""
 
     def __init__(self, run: Callable[[torch.Tensor, Tile], torch.Tensor], tiles: Sequence[Tile],
                  output: Callable[[torch.Tensor], torch.Tensor], params: Sequence[torch.Tensor] = (),
-                 copy_input: bool = False, progress: Optional[Callable[[str], None]] = None) -> None:  # fmt: skip
+                 copy_input: bool = False, progress: Optional[Callable[[str], None]] = None,
+                 device: Optional[torch.device] = None) -> None:  # fmt: skip
         self.run, self.tiles, self.output = run, list(tiles), output
         self.params = [p for p in params if p.requires_grad]
         self.copy_input = copy_input
         self.progress = progress
+        self.device = device
+
+    def moves(self, x: torch.Tensor) -> bool:
+        """Whether tiles of ``x`` are copied to another device to compute."""
+        return self.device is not None and x.device != self.device
 
     def tile_input(self, x: torch.Tensor, tile: Tile) -> torch.Tensor:
         t = x[tile.src]
+        if self.moves(x):
+            return t.to(self.device, non_blocking=True, copy=True)  # a copy: in-place first operators may write it
         return t.clone() if self.copy_input else t
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,9 +137,12 @@ class TiledFunction(torch.autograd.Function):
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_identity, _identity), \
                     _recompute_autocast(x.device.type, ctx.autocast):
                 xt = x[tile.src].detach()
+                moved = tiling.moves(x)
+                if moved:
+                    xt = xt.to(tiling.device, copy=True)
                 if need_x:
                     xt.requires_grad_(True)
-                xin = xt.clone() if tiling.copy_input else xt
+                xin = xt.clone() if tiling.copy_input else xt  # a leaf that needs grad: never written in place
                 y = tiling.run(xin, tile)
                 g = grad_out if tile.dst is None else grad_out[tile.dst]
                 wrt = ([xt] if need_x else []) + params
@@ -137,7 +150,7 @@ class TiledFunction(torch.autograd.Function):
             del y, xin
             if need_x:
                 if grads[0] is not None:
-                    grad_x[tile.src] += grads[0]
+                    grad_x[tile.src] += grads[0].to(grad_x.device)  # a no-op unless the tile moved
                 grads = grads[1:]
             for i, g_ in enumerate(grads):
                 if g_ is not None:

@@ -120,9 +120,14 @@ class TiledModel(nn.Module):
                                   _params(fnode, gm)))  # fmt: skip
                 prev = fnode
             sizes = [[nodes[0].in_shape[2 + d]] + [n.out_shape[2 + d] for n in nodes] for d in range(len(seg.tiles))]
+            device = None  # Note [Host inputs]: a model input only segments read may stay on the host
+            seg_params = [p for s in steps for p in s.params]
+            if self.swapped and producer.op == "placeholder" and seg_params:
+                device = seg_params[0].device
             segment = TiledSegment(steps, seg.tiles, nodes[0].in_shape, nodes[-1].out_shape, sizes,
                                    analysis.dtypes[seg.end], copy_input=nodes[0].alias,
-                                   progress=say if callable(self.progress) or seg.count >= 16 else None)  # fmt: skip
+                                   progress=say if callable(self.progress) or seg.count >= 16 else None,
+                                   device=device)  # fmt: skip
             name = f"tiled_segment_{k}"
             gm.add_submodule(name, segment)
             with graph.inserting_after(fxn[-1]):

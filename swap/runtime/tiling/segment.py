@@ -77,8 +77,10 @@ class TiledSegment(nn.Module):
 
     def __init__(self, steps: list[Step], tiles: tuple[int, ...], in_shape: tuple[int, ...],
                  out_shape: tuple[int, ...], sizes: list[list[int]], out_dtype: torch.dtype, copy_input: bool = False,
-                 progress: Optional[Callable[[str], None]] = None) -> None:  # fmt: skip
+                 progress: Optional[Callable[[str], None]] = None,
+                 device: Optional[torch.device] = None) -> None:  # fmt: skip
         super().__init__()
+        self.device = device  # tiles compute here when the input is elsewhere (Note [Host inputs])
         self.steps, self.tiles, self.copy_input, self.progress = steps, tuple(tiles), copy_input, progress
         self.in_shape, self.out_shape, self.out_dtype = tuple(in_shape), tuple(out_shape), out_dtype
         self.tile_list = self._plan(sizes)
@@ -110,10 +112,10 @@ class TiledSegment(nn.Module):
         if tuple(x.shape) != self.in_shape:
             raise ValueError(f"this tiled segment was planned for inputs of shape {self.in_shape}, "
                              f"not {tuple(x.shape)}")
-        shape, dtype = self.out_shape, self.out_dtype
+        shape, dtype, device = self.out_shape, self.out_dtype, self.device
 
         def output(inp: torch.Tensor) -> torch.Tensor:
-            return torch.empty(shape, dtype=dtype, device=inp.device)
+            return torch.empty(shape, dtype=dtype, device=device or inp.device)
 
         params = [p for s in self.steps for p in s.params]
-        return Tiling(self.run, self.tile_list, output, params, self.copy_input, self.progress).apply(x)
+        return Tiling(self.run, self.tile_list, output, params, self.copy_input, self.progress, device).apply(x)

@@ -86,3 +86,27 @@ def test_swap_manager_sees_segment_boundaries_as_swappable_variables() -> None:
     assert any(size == boundary and ok for size, ok in zip(seq.sizes, seq.swappable)), seq.sizes
     for p, r in zip(model.parameters(), ref):
         assert torch.equal(p.grad, r)  # the tiled run under the swap runtime is bitwise the tiled run
+
+
+def test_with_swapped_the_input_image_stays_on_the_host() -> None:
+    """Note [Host inputs]: with saved tensors swapped, a budget below what the image on the device needs still
+    plans when the image only feeds a tiled segment, and the run is exact. (On CPU host and device are one
+    memory: the copies, and the peak they allow, need a GPU.)"""
+    torch.manual_seed(0)
+    model = vgg(c=4)
+    x, y = torch.randn(1, 3, 96, 96), torch.tensor([3])
+    # the smallest budgets the planner accepts are about 234 KiB with the image on the device and 126 KiB
+    # with it on the host (the image is 108 KiB): in between, only the host plan fits
+    budget = 180 * 1024
+    with pytest.raises(swap.TilingInfeasible):
+        swap.tiled(model, budget=budget).plan_for(x)
+    tiled = swap.tiled(model, budget=budget, swapped=True)
+    assert tiled.plan_for(x)[0].peak <= budget
+    segment = next(m for m in tiled._built[next(iter(tiled._built))][0].modules() if hasattr(m, "tile_list"))
+    assert segment.device == torch.device("cpu")  # the first segment computes where the parameters are
+    F.cross_entropy(model(x), y).backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(tiled(x), y).backward()
+    for p, r in zip(model.parameters(), ref):
+        assert torch.allclose(p.grad, r, rtol=0, atol=2e-5 * r.abs().max().item())

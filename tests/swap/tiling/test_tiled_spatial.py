@@ -179,3 +179,12 @@ def test_residual_and_skip_networks_tile_between_their_joins(name: str) -> None:
         model, shape = zoo.unet(depth=2, width=8).eval(), (1, 3, 32, 32)
     tiled = compare(model, shape, torch.float64, tiles=2)
     assert len(tiled.last_plan.segments) >= 5
+
+
+def test_tiles_copied_from_another_device_compute_the_same(monkeypatch) -> None:
+    """Note [Host inputs]: the path where each tile's slice is copied to the compute device and its input
+    gradient copied back (forced here: on CPU the two devices are one)."""
+    from swap.runtime.tiling.function import Tiling
+
+    monkeypatch.setattr(Tiling, "moves", lambda self, x: True)
+    compare(chain1d(), (2, 2, 67), torch.float64, tiles=4, swapped=True)
