@@ -157,6 +157,7 @@ def estimate(graph: OpGraph, segments: list[Segment], dev=None, lowp: bool = Fal
     (optimizer state, the loss's tensors); ``swapped`` puts saved tensors on the host between uses."""
     by_start = {s.start: s for s in segments}
     host = host_inputs(graph, segments) if swapped else set()  # Note [Host inputs]
+    host_copy = 0  # bytes of tile slices copied from host inputs, per pass
     nodes: list[OpNode] = []
     remap: dict[int, int] = {}
     tf: dict[int, int] = {}
@@ -194,6 +195,8 @@ def estimate(graph: OpGraph, segments: list[Segment], dev=None, lowp: bool = Fal
         chains = [(s, tile_chain(graph, seg, s, input_grad)) for s in shapes]
         tb[k] = max(backward_tile_bytes(c, node.inputs[0] in host) for _, c in chains) if last.needs_grad else 0
         tiles[k] = seg.count
+        if node.inputs[0] in host:  # each tile's input slice crosses the link in forward and in the recompute
+            host_copy += sum(s.count * c[0].out_bytes for s, c in chains)
         if dev is not None:
             for s, c in chains:
                 for op in c[1:]:
@@ -210,8 +213,9 @@ def estimate(graph: OpGraph, segments: list[Segment], dev=None, lowp: bool = Fal
         copy = sum(n.save_in + n.save_out + n.save_extra for n in nodes)
     seconds = 0.0
     if dev is not None:
-        if swapped:
-            fwd_s, bwd_s = max(fwd_s, copy / dev.d2h_bandwidth), max(bwd_s, copy / dev.h2d_bandwidth)
+        if swapped:  # saved tensors go out in forward and come back in backward; host inputs' tiles come in both
+            fwd_s = max(fwd_s, copy / dev.d2h_bandwidth, host_copy / dev.h2d_bandwidth)
+            bwd_s = max(bwd_s, (copy + host_copy) / dev.h2d_bandwidth)
         seconds = fwd_s + bwd_s
     return Estimate(peak, seconds, fwd_s, bwd_s, list(segments), nodes, copy, tiles)
 
