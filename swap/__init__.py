@@ -9,7 +9,9 @@ Saved activations go to pinned host memory once the forward pass is done with th
 of their backward use, following seed 001's window schedule. Before buying memory, ``swap.plan(model_fn,
 batch_fn, budget="24GiB", device="h100-pcie")`` (or ``python -m swap.plan``) predicts the largest batch of
 your model that fits, per policy, and its speed, from a capture of its training step on the meta device.
-The scheduler (``make_schedule``) and the simulator (``simulate``) are pure functions, usable without a GPU.
+When one activation alone is larger than the device, ``swap.tiled(model, budget=...)`` runs its
+convolution chains (or a causal LM's head and loss) tile by tile (seed 000). The scheduler
+(``make_schedule``) and the simulator (``simulate``) are pure functions, usable without a GPU.
 """
 
 from __future__ import annotations
@@ -19,16 +21,22 @@ from .planning.scheduler import POLICIES, InfeasibleBudget, Schedule
 from .planning.scheduler import plan as make_schedule
 from .planning.sequence import Sequence
 from .planning.simulator import SimResult, choose_window, simulate
+from .planning.tiling.choose import TilePlan, TilingInfeasible
+from .planning.tiling.head import HeadInfeasible
 from .runtime.executor import WholeModelCompiled
 from .runtime.host_pool import PinningUnavailable
 from .runtime.manager import SwapManager
 from .runtime.meter import LiveBytesMeter
 from .runtime.report import SwapReport
 from .runtime.signals import BudgetWarning
+from .runtime.tiling.entry import tiled
+from .runtime.tiling.head import TiledCausalLM, tiled_cross_entropy
+from .runtime.tiling.model import TiledModel
 
 __all__ = [
     "POLICIES",
     "BudgetWarning",
+    "HeadInfeasible",
     "InfeasibleBudget",
     "LiveBytesMeter",
     "PinningUnavailable",
@@ -38,9 +46,15 @@ __all__ = [
     "SimResult",
     "SwapManager",
     "SwapReport",
+    "TilePlan",
+    "TiledCausalLM",
+    "TiledModel",
+    "TilingInfeasible",
     "WholeModelCompiled",
     "choose_window",
     "make_schedule",
     "plan",
     "simulate",
+    "tiled",
+    "tiled_cross_entropy",
 ]

@@ -235,6 +235,38 @@ def gpt2_medium(seq_len: int = 1024) -> GPT:
     return GPT(24, 16, 1024, 50257, seq_len)
 
 
+class VGG(nn.Module):
+    """VGG (Simonyan & Zisserman): 3x3 convolutions and ReLU in blocks closed by 2x2 max pooling, then an
+    adaptive 7x7 pooling and three linear layers. The network seed 000 trains on 20K x 20K images."""
+
+    def __init__(self, config: Sequence[Any], num_classes: int = 1000) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        cin = 3
+        for v in config:
+            if v == "M":
+                layers.append(nn.MaxPool2d(2))
+            else:
+                layers += [nn.Conv2d(cin, int(v), 3, padding=1), nn.ReLU(inplace=True)]
+                cin = int(v)
+        self.features = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(7)
+        self.classifier = nn.Sequential(nn.Linear(cin * 49, 4096), nn.ReLU(inplace=True), nn.Dropout(),
+                                        nn.Linear(4096, 4096), nn.ReLU(inplace=True), nn.Dropout())  # fmt: skip
+        self.fc = nn.Linear(4096, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.classifier(torch.flatten(self.pool(self.features(x)), 1)))
+
+
+VGG16 = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
+
+
+def vgg16(num_classes: int = 1000) -> VGG:
+    """VGG-16 (configuration D, 138 M parameters)."""
+    return VGG(VGG16, num_classes)
+
+
 # -- inputs -------------------------------------------------------------------------------------------------
 def example_batch(model: nn.Module, batch: int, size: int = 224, generator: torch.Generator | None = None,
                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -296,6 +328,7 @@ ZOO = {
     for w in (
         Workload("resnet50", resnet50, 224, "classify", 1000),
         Workload("densenet121", densenet121, 224, "classify", 1000),
+        Workload("vgg16", vgg16, 224, "classify", 1000),
         Workload("unet", lambda: unet(depth=4, width=64), 256, "segment", 2),
         Workload("gpt2", gpt2, 1024, "language", 50257),
         Workload("gpt2-bf16", gpt2, 1024, "language", 50257, torch.bfloat16),

@@ -2,6 +2,7 @@
 
     python -m swap.plan --model my_model.py:model_fn --batch my_model.py:batch_fn --budget 24GiB --device h100-pcie
     python -m swap.plan --model resnet50 --budget 16GiB --device v100-16gb
+    python -m swap.plan --model vgg16 --budget 11GiB --device rtx2080ti-11gb --largest-image
 
 ``--model`` is a built-in model (resnet50, densenet121, unet, gpt2, gpt2-bf16, gpt2-medium-bf16) or
 ``FILE.py:FUNCTION`` / ``package.module:FUNCTION`` returning an nn.Module; ``--batch`` (``FUNCTION(n)``
@@ -114,6 +115,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--plot-memory", default=None, help="write a PNG of one step's memory, unswapped and swapped")
     ap.add_argument("--json", default=None, help="write the plan as JSON")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    ap.add_argument("--largest-image", action="store_true",
+                    help="instead of the largest batch: the largest square image (batch 1, or --max-batch) the model "
+                         "trains on under the budget, untiled, checkpointed, tiled (swap.tiled) and tiled + swapped")
     args = ap.parse_args(argv)
     import torch
 
@@ -158,6 +162,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         loss_fn = load_callable(args.loss, "loss_fn") if args.loss else None
     except SpecError as e:
         ap.error(str(e))
+    if args.largest_image:
+        return _largest_image(model_fn, args, dtype)
     try:
         result = plan(
             model_fn, batch_fn, loss_fn, budget=args.budget, device=args.device,
@@ -175,5 +181,29 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"wrote {result.plot(args.plot_memory)}")
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _largest_image(model_fn: Callable[[], Any], args: argparse.Namespace, dtype: Any) -> int:
+    """``--largest-image``: Note [Strategies for one large image] in swap/planning/tiling/largest.py."""
+    import torch
+
+    from .tiling.choose import TilingInfeasible
+    from .tiling.largest import image_table, largest_images, stderr_progress
+
+    with torch.device("meta"):  # VGG-16's 138 M parameters and any image size: no memory
+        model = model_fn()
+    budget = _size(args.budget, "--budget")
+    try:
+        say = None if args.quiet else stderr_progress
+        found = largest_images(model, budget, device_profile(args.device), batch=args.max_batch or 1,
+                               dtype=dtype or torch.float32, progress=say)  # fmt: skip
+    except (TilingInfeasible, ValueError, TypeError) as e:
+        print(f"swap.plan: {e}", file=sys.stderr)
+        return 2
+    print(image_table(found, budget, args.device))
+    if args.json:
+        Path(args.json).write_text(json.dumps({k: v and vars(v) for k, v in found.items()}, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0

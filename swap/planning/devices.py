@@ -84,7 +84,7 @@ class _Profiles(dict):
         raise KeyError(key)
 
 
-PCIE4, PCIE5 = 25 * GB, 55 * GB
+PCIE3, PCIE4, PCIE5 = 12 * GB, 25 * GB, 55 * GB
 PROFILES = _Profiles({
     "v100-16gb": DeviceProfile(
         "V100-16GB, NVLink 2x50 GB/s (seed 001)", 15.7e12, 125e12, 900 * GB, 50 * GB, 50 * GB, 16 << 30,
@@ -117,6 +117,12 @@ PROFILES = _Profiles({
     "rtx4090": DeviceProfile(
         "GeForce RTX 4090-24GB, PCIe Gen4 x16", 82.6e12, 165.2e12, 1008 * GB, PCIE4, PCIE4, 24 << 30,
         tf32_flops=82.6e12, source="NVIDIA Ada Lovelace GPU architecture whitepaper, appendix A (RTX 4090)",
+    ),
+    "rtx2080ti-11gb": DeviceProfile(
+        "GeForce RTX 2080 Ti-11GB, PCIe Gen3 x16 (seed 000)", 13.45e12, 53.8e12, 616 * GB, PCIE3, PCIE3, 11 << 30,
+        source="NVIDIA Turing GPU architecture whitepaper, appendix A, table 9 (GeForce RTX 2080 Ti Founders "
+               "Edition: 4352 CUDA cores at 1545 MHz boost, FP16 tensor FLOPS with FP32 accumulate, 616 GB/s "
+               "GDDR6, 11 GB); PCI-SIG Gen3 x16; seed 000's device",
     ),
 })  # fmt: skip
 ALIASES = {"v100": "v100-16gb", "p100": "p100-16gb", "h100": "h100-sxm"}

@@ -21,7 +21,7 @@ def test_v100_profile_reproduces_the_papers_no_swap_baseline():
 
 def test_profiles_are_documented_data():
     for p in PROFILES.values():
-        assert p.fp32_flops > 1e12 and p.h2d_bandwidth > 1e9 and p.memory >= 16 << 30
+        assert p.fp32_flops > 1e12 and p.h2d_bandwidth > 1e9 and p.memory >= 8 << 30  # rtx2080ti-11gb: 11 GiB
         assert p.step_seconds(2e12, 0) == pytest.approx(2e12 / (p.fp32_flops * p.efficiency))
     with pytest.raises(ValueError, match="unknown device profile"):
         profile("tpu")

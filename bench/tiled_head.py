@@ -1,0 +1,114 @@
+"""The LM head and loss tiled along tokens: GPT-2 medium bf16's largest batch on an H100-SXM 80 GB with and
+without it, under a swap policy given as a parameter.
+
+    python -m bench.tiled_head                        # policies none and window (a few minutes)
+    python -m bench.tiled_head --policies none,window,fixed_distance,all
+    python -m bench.tiled_head --quick                # a smaller budget
+
+At a 50k vocabulary the logits (batch × 1024 tokens × 50257 in bf16), their fp32 copy for the loss and the
+loss's buffers are the largest tensors of the step (Note [Tiled head and loss] in
+swap/planning/tiling/head.py). Both runs are planned by ``swap.plan`` from a capture of the training step on
+the meta device: the baseline is the built-in ``gpt2-medium-bf16``; the tiled run is the same model whose
+forward stops at the final LayerNorm, and whose loss is ``swap.tiled_cross_entropy`` in ``--tiles`` tiles of
+tokens, so the capture records what the tiled head really allocates and frees. (A fixed number of tiles, not
+of tokens per tile, keeps the step's operators the same at every batch, so the planner scales its trace
+from small captures; the head's memory is then a fixed fraction of the untiled head's.) A new policy (for example
+swap-or-recompute, when it lands) is one more name in ``--policies``.
+
+Writes <out>/tiled_head.json and tiled_head.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+import swap
+from swap.zoo import GPT, ZOO
+
+OUT = Path(__file__).parent / "results"
+
+
+class Trunk(nn.Module):
+    """A ``GPT`` whose forward returns the final hidden states (the head runs in the loss)."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        g = self.gpt
+        x = g.tok(idx) + g.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in g.blocks:
+            x = block(x)
+        return g.ln(x)
+
+
+def run(budget: str, device: str, policies: tuple[str, ...], tiles: int) -> dict:
+    w = ZOO["gpt2-medium-bf16"]
+    common: dict[str, Any] = dict(budget=budget, device=device, policies=policies, optimizer=w.optimizer,
+                                  dtype=w.dtype, progress=True)  # fmt: skip
+
+    def tiled_loss(model: Trunk, batch: Any) -> torch.Tensor:
+        x, y = batch
+        total = swap.tiled_cross_entropy(model(x), model.gpt.head, y, tokens=-(-y.numel() // tiles))
+        return total / y.numel()
+
+    base = swap.plan(w.model_fn(), w.batch_fn(), name="gpt2-medium-bf16", **common)
+    tiled = swap.plan(lambda: Trunk(w.model_fn()()), w.batch_fn(), tiled_loss,
+                      name=f"gpt2-medium-bf16 + tiled head ({tiles} tiles)", **common)  # fmt: skip
+    out: dict = {"budget": budget, "device": device, "head_tiles": tiles, "policies": {}}
+    for p in policies:
+        b, t = base.policies[p], tiled.policies[p]
+        out["policies"][p] = {
+            "untiled_head": {"batch": b.max_batch, "samples_per_s": b.samples_per_s, "step_s": b.step_time},
+            "tiled_head": {"batch": t.max_batch, "samples_per_s": t.samples_per_s, "step_s": t.step_time},
+        }
+    out["tables"] = {"untiled_head": base.table(), "tiled_head": tiled.table()}
+    return out
+
+
+def markdown(res: dict, cmd: str) -> str:
+    lines = [f"# GPT-2 medium bf16 on {res['device']}: the head and loss tiled along tokens", "",
+             f"Command: `{cmd}`", "", f"Budget {res['budget']}, the head and loss in {res['head_tiles']} tiles of "
+             "tokens, sequence length 1024, SGD with momentum (the built-in workload's optimizer).", "",
+             "| policy | largest batch, untiled head | tiled head | samples/s untiled head | tiled head |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for p, r in res["policies"].items():
+        u, t = r["untiled_head"], r["tiled_head"]
+        lines.append(f"| {p} | {u['batch']} | {t['batch']} | {u['samples_per_s'] or 0:.1f} | "
+                     f"{t['samples_per_s'] or 0:.1f} |")  # fmt: skip
+    for k, table in res["tables"].items():
+        lines += ["", f"`swap.plan` ({k.replace('_', ' ')}):", "", "```", table, "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policies", default="none,window", help="swap policies to plan, comma-separated")
+    ap.add_argument("--device", default="h100-sxm")
+    ap.add_argument("--budget", default=None, help="default 80GiB (16GiB with --quick)")
+    ap.add_argument("--tiles", type=int, default=16, help="tiles of tokens of the head and loss per step")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args(argv)
+    budget = args.budget or ("16GiB" if args.quick else "80GiB")
+    policies = tuple(p for p in args.policies.split(",") if p)
+    res = run(budget, args.device, policies, args.tiles)
+    cmd = "python -m bench.tiled_head " + " ".join(argv if argv is not None else sys.argv[1:])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tiled_head.json").write_text(json.dumps({"command": cmd.strip(), **res}, indent=1) + "\n")
+    (out / "tiled_head.md").write_text(markdown(res, cmd.strip()))
+    print(markdown(res, cmd.strip()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,142 @@
+"""The largest image a model trains on under a budget, per strategy, and the step time at each size.
+
+Note [Strategies for one large image]
+Each strategy is priced on the same operator graph (``analyze`` on the meta device, no memory used):
+
+- ``untiled``: PyTorch as is (seed 000's PyTorch-Base): every activation saved until its backward.
+- ``checkpoint``: every chain of FT-compatible operators is a checkpointed segment (one tile): only the
+  boundaries are saved, each segment is recomputed whole in backward. The segments are the chains, or the
+  chains cut at every strided window (a VGG block each), whichever peaks lower: seed 000's
+  ``checkpoint_sequential`` baseline at its best segment count, within what the graph allows.
+- ``swap``: the swap runtime alone, at its floor: every saved tensor on the host between its save and its
+  use (``swapped=True``, copies overlapped with compute); each operator's own inputs and outputs stay whole.
+- ``tiled``: seed 000's fused tiling (``plan_tiles``: segments and tile counts from the budget).
+- ``tiled+swap``: the same with the saved tensors (the segment boundaries) on the host between their uses,
+  as ``swap.SwapManager`` moves them: beyond seed 000, whose boundaries stay on the device.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from .analyze import analyze, trace
+from .choose import TilePlan, TilingInfeasible, plan_tiles
+from .cost import Segment, estimate
+from .graph import OpGraph
+
+STRATEGIES = ("untiled", "checkpoint", "swap", "tiled", "tiled+swap")
+
+
+@dataclass
+class ImagePlan:
+    """One strategy at one image side: whether it fits, its predicted peak bytes and step seconds, the plan."""
+
+    strategy: str
+    side: int
+    fits: bool
+    peak: int
+    seconds: float
+    describe: str = ""
+
+
+def image_graph(model: nn.Module, side: int, batch: int = 1, channels: int = 3,
+                dtype: torch.dtype = torch.float32) -> OpGraph:  # fmt: skip
+    """The training step's operator graph for ``batch`` images of ``side`` x ``side`` (meta device)."""
+    x = torch.empty((batch, channels, side, side), dtype=dtype, device="meta")
+    return analyze(trace(model), (x,)).graph
+
+
+def _checkpoint_segments(graph: OpGraph) -> list[list[Segment]]:
+    whole = [Segment(a, b, (1,) * len(graph.nodes[b].windows)) for a, b in graph.runs()]
+    cut: list[Segment] = []
+    for a, b in graph.runs():
+        start = a
+        for i in range(a, b + 1):
+            node = graph.nodes[i]
+            if i == b or (node.kind == "window" and any(w.sigma > 1 for w in node.windows)):
+                cut.append(Segment(start, i, (1,) * len(node.windows)))
+                start = i + 1
+    return [whole, cut]
+
+
+def plan_image(graph: OpGraph, side: int, strategy: str, budget: int, dev, lowp: bool = False,  # noqa: ANN001
+               extra: int = 0) -> ImagePlan:  # fmt: skip
+    """``strategy`` (Note [Strategies for one large image]) on ``graph`` under ``budget`` bytes."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: choose among {', '.join(STRATEGIES)}")
+    if strategy in ("untiled", "swap"):
+        e = estimate(graph, [], dev, lowp, swapped=strategy == "swap", extra=extra)
+        return ImagePlan(strategy, side, e.bytes <= budget, e.bytes, e.seconds)
+    if strategy == "checkpoint":
+        e = min((estimate(graph, segs, dev, lowp, extra=extra) for segs in _checkpoint_segments(graph)),
+                key=lambda e: (e.bytes > budget, e.seconds if e.bytes <= budget else e.bytes))  # fmt: skip
+        return ImagePlan(strategy, side, e.bytes <= budget, e.bytes, e.seconds, f"{len(e.segments)} segments")
+    try:
+        p: TilePlan = plan_tiles(graph, budget, dev=dev, lowp=lowp, extra=extra)
+    except TilingInfeasible as err:
+        if strategy == "tiled":
+            return ImagePlan(strategy, side, False, err.working_set, float("nan"), str(err).split(":")[0])
+        try:  # swap only where tiling alone does not fit
+            p = plan_tiles(graph, budget, dev=dev, lowp=lowp, swapped=True, extra=extra)
+        except TilingInfeasible as err2:
+            return ImagePlan(strategy, side, False, err2.working_set, float("nan"), str(err2).split(":")[0])
+    return ImagePlan(strategy, side, True, p.peak, p.seconds, p.describe(graph))
+
+
+def largest_image(model: nn.Module, budget: int, dev, strategy: str, *, step: int = 32, batch: int = 1,  # noqa: ANN001
+                  channels: int = 3, dtype: torch.dtype = torch.float32, extra: int = 0, limit: int = 1 << 20,
+                  progress: Optional[Callable[[str], None]] = None) -> Optional[ImagePlan]:  # fmt: skip
+    """The largest square image side (a multiple of ``step``) that ``strategy`` trains on within ``budget``
+    (doubling, then bisection); None when not even ``step`` fits."""
+    lowp = dtype in (torch.bfloat16, torch.float16)
+
+    def at(side: int) -> ImagePlan:
+        p = plan_image(image_graph(model, side, batch, channels, dtype), side, strategy, budget, dev, lowp, extra)
+        if progress is not None:
+            progress(f"{strategy} at {side}x{side}: {'fits' if p.fits else 'does not fit'}")
+        return p
+
+    best = at(step)
+    if not best.fits:
+        return None
+    lo, hi = step, 2 * step
+    while hi <= limit:
+        p = at(hi)
+        if not p.fits:
+            break
+        best, lo, hi = p, hi, 2 * hi
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        p = at(mid)
+        best, lo, hi = (p, mid, hi) if p.fits else (best, lo, mid)
+    return best
+
+
+def stderr_progress(msg: str) -> None:
+    print(f"  [swap.plan tiling] {msg}", file=sys.stderr, flush=True)
+
+
+def largest_images(model: nn.Module, budget: int, dev, strategies: tuple[str, ...] = STRATEGIES,  # noqa: ANN001
+                   progress: Optional[Callable[[str], None]] = None, **kw) -> dict[str, Optional[ImagePlan]]:  # noqa: ANN003
+    """``largest_image`` per strategy."""
+    return {s: largest_image(model, budget, dev, s, progress=progress, **kw) for s in strategies}
+
+
+def image_table(found: dict[str, Optional[ImagePlan]], budget: int, device: str) -> str:
+    """The CLI's answer: per strategy, the largest image, its predicted peak and step time, and the plan."""
+    from ..budget import fmt_bytes
+
+    lines = [f"largest square image per strategy, budget {fmt_bytes(budget)} on {device}:",
+             f"{'strategy':<12} {'largest image':>14} {'peak':>11} {'step':>10}  plan"]  # fmt: skip
+    for name, p in found.items():
+        if p is None:
+            lines.append(f"{name:<12} {'none fits':>14}")
+            continue
+        size = f"{p.side}x{p.side}"
+        lines.append(f"{name:<12} {size:>14} {fmt_bytes(p.peak):>11} {p.seconds:>9.2f}s  {p.describe}")
+    return "\n".join(lines)

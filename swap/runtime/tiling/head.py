@@ -1,0 +1,105 @@
+"""A language model's head and cross-entropy run tile by tile along tokens (Note [Tiled head and loss] in
+swap/planning/tiling/head.py), with the engine of Note [Tiled autograd]; and ``TiledCausalLM``, which does it
+for a Hugging Face causal LM without changing the model."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...planning.tiling.head import HeadShape, tokens_per_tile
+from .function import Tile, Tiling
+
+IGNORE_INDEX = -100  # what PyTorch's and Hugging Face's losses skip
+
+
+def tiled_cross_entropy(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, tokens: int,
+                        ignore_index: int = IGNORE_INDEX, progress: bool = False) -> torch.Tensor:  # fmt: skip
+    """``F.cross_entropy(head(hidden).float(), labels, reduction="sum")`` over ``tokens`` rows at a time:
+    the logits of all rows never exist at once (Note [Tiled head and loss]).
+
+    Args:
+        hidden: (N, H) or (..., H) hidden states (flattened to rows).
+        head: the output projection (its weight may be tied to the input embedding).
+        labels: one class index per row, ``ignore_index`` where a row has no target.
+        tokens: rows per tile.
+    Returns: the summed loss (fp32 scalar); divide by the number of counted rows for the mean.
+    """
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    if y.shape[0] != h.shape[0]:
+        raise ValueError(f"{h.shape[0]} hidden rows but {y.shape[0]} labels: give one label per token")
+    if tokens < 1:
+        raise ValueError(f"tokens per tile must be at least 1 (got {tokens})")
+    weight, bias = head.weight, head.bias
+
+    def run(x: torch.Tensor, tile: Tile) -> torch.Tensor:
+        logits = F.linear(x, weight, bias).float()  # the fp32 upcast per tile, as HF's loss does for all tokens
+        return F.cross_entropy(logits, y[tile.arg], ignore_index=ignore_index, reduction="sum")
+
+    n = h.shape[0]
+    tiles = [Tile((slice(a, min(n, a + tokens)),), None, slice(a, min(n, a + tokens))) for a in range(0, n, tokens)]
+    say = (lambda msg: print(f"  [swap.tiled head] {msg}", file=sys.stderr, flush=True)) if progress else None
+    params = [p for p in (weight, bias) if p is not None]
+
+    def output(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+
+    return Tiling(run, tiles, output, params, progress=say).apply(h)
+
+
+class TiledCausalLM(nn.Module):
+    """A Hugging Face causal LM (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ...) whose head and loss run
+    tiled along tokens when it is called with ``labels``; without labels it is the model itself.
+
+    The decoder runs as the model's ``base_model``; the loss is Hugging Face's (labels shifted by one, the
+    mean over labels that are not -100, or the sum over ``num_items_in_batch`` when given) and ``logits`` is
+    None in the output: the point is never to hold them. ``budget`` (bytes for the head and loss) sets the
+    tokens per tile (``swap.planning.tiling.head.tokens_per_tile``), or ``tokens`` does."""
+
+    def __init__(self, model: nn.Module, budget: Optional[int] = None, tokens: Optional[int] = None,
+                 progress: bool = False) -> None:  # fmt: skip
+        super().__init__()
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if not isinstance(head, nn.Linear) or not hasattr(model, "base_model") or model.base_model is model:
+            raise TypeError(f"{type(model).__name__} is not a causal LM with a linear head on a base model "
+                            "(get_output_embeddings() and base_model): use swap.tiled_cross_entropy")  # fmt: skip
+        config = getattr(model, "config", None)
+        for knob in ("final_logit_softcapping", "logit_scale"):
+            if getattr(config, knob, None):
+                raise ValueError(f"{type(model).__name__} transforms its logits ({knob}={getattr(config, knob)}), "
+                                 "which the tiled head does not reproduce; use swap.tiled_cross_entropy")  # fmt: skip
+        if budget is None and tokens is None:
+            raise ValueError("give budget= (bytes for the head and loss) or tokens= (tokens per tile)")
+        self.model, self.head, self.budget, self.tokens, self.progress = model, head, budget, tokens, progress
+        self.last_tokens: Optional[int] = None
+
+    def tokens_for(self, rows: int, hidden: int, dtype: torch.dtype) -> int:
+        """Tokens per tile for ``rows`` tokens of ``hidden`` features in ``dtype``."""
+        if self.tokens is not None:
+            return self.tokens
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return tokens_per_tile(HeadShape(rows, hidden, self.head.out_features, itemsize), self.budget)
+
+    def forward(self, input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                num_items_in_batch: Optional[Any] = None, **kwargs: Any) -> Any:  # fmt: skip
+        if labels is None:
+            return self.model(input_ids=input_ids, **kwargs)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        kwargs.pop("return_dict", None)
+        out = self.model.base_model(input_ids=input_ids, return_dict=True, **kwargs)
+        h = out.last_hidden_state[:, :-1]
+        y = labels[:, 1:].to(h.device)
+        rows = h.shape[0] * h.shape[1]
+        self.last_tokens = self.tokens_for(rows, h.shape[-1], h.dtype)
+        total = tiled_cross_entropy(h, self.head, y, self.last_tokens, progress=self.progress)
+        count = num_items_in_batch if num_items_in_batch is not None else (y != IGNORE_INDEX).sum()
+        loss = total / count
+        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None),
+                                      hidden_states=getattr(out, "hidden_states", None),
+                                      attentions=getattr(out, "attentions", None))  # fmt: skip
