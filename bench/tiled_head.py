@@ -50,10 +50,18 @@ class Trunk(nn.Module):
         return g.ln(x)
 
 
-def run(budget: str, device: str, policies: tuple[str, ...], tiles: int) -> dict:
+def adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def run(budget: str, device: str, policies: tuple[str, ...], tiles: int, strategies: tuple[str, ...] = (),
+        optimizer: str = "adamw") -> dict:  # fmt: skip
+    """Plan the built-in GPT-2 medium with and without the tiled head; each swap policy's and each strategy's
+    largest batch, and the strategies' samples/s at 5x the untiled model's no-swap batch (issue 17's target)."""
     w = ZOO["gpt2-medium-bf16"]
-    common: dict[str, Any] = dict(budget=budget, device=device, policies=policies, optimizer=w.optimizer,
-                                  dtype=w.dtype, progress=True)  # fmt: skip
+    opt = adamw if optimizer == "adamw" else w.optimizer
+    common: dict[str, Any] = dict(budget=budget, device=device, policies=policies, optimizer=opt,
+                                  dtype=w.dtype, progress=True, strategies=strategies)  # fmt: skip
 
     def tiled_loss(model: Trunk, batch: Any) -> torch.Tensor:
         x, y = batch
@@ -61,9 +69,23 @@ def run(budget: str, device: str, policies: tuple[str, ...], tiles: int) -> dict
         return total / y.numel()
 
     base = swap.plan(w.model_fn(), w.batch_fn(), name="gpt2-medium-bf16", **common)
-    tiled = swap.plan(lambda: Trunk(w.model_fn()()), w.batch_fn(), tiled_loss,
-                      name=f"gpt2-medium-bf16 + tiled head ({tiles} tiles)", **common)  # fmt: skip
-    out: dict = {"budget": budget, "device": device, "head_tiles": tiles, "policies": {}}
+    one = base.max_batch.get("none") or 0
+    five = 5 * one if strategies and one else None
+    tiled = swap.plan(lambda: Trunk(w.model_fn()()), w.batch_fn(), tiled_loss, batch=five,
+                      name=f"gpt2-medium-bf16 + tiled head ({tiles} tiles)", **{**common})  # fmt: skip
+    out: dict = {"budget": budget, "device": device, "head_tiles": tiles, "optimizer": optimizer, "policies": {},
+                 "strategies": {}, "one_x": one, "five_x": five}  # fmt: skip
+    none_speed = base.policies["none"].samples_per_s if "none" in base.policies else None
+    for name in strategies:
+        b, t = base.strategies[name], tiled.strategies[name]
+        at5 = t.at(five) if five else None
+        out["strategies"][name] = {
+            "untiled_head": {"batch": b.max_batch, "samples_per_s": b.at_max.samples_per_s if b.at_max else None},
+            "tiled_head": {"batch": t.max_batch, "samples_per_s": t.at_max.samples_per_s if t.at_max else None,
+                           "at_5x": at5.samples_per_s if at5 and at5.fits else None,
+                           "kept_at_5x": (at5.samples_per_s / none_speed) if at5 and at5.fits and none_speed else None,
+                           "blocker": t.blocker},
+        }
     for p in policies:
         b, t = base.policies[p], tiled.policies[p]
         out["policies"][p] = {
@@ -77,13 +99,29 @@ def run(budget: str, device: str, policies: tuple[str, ...], tiles: int) -> dict
 def markdown(res: dict, cmd: str) -> str:
     lines = [f"# GPT-2 medium bf16 on {res['device']}: the head and loss tiled along tokens", "",
              f"Command: `{cmd}`", "", f"Budget {res['budget']}, the head and loss in {res['head_tiles']} tiles of "
-             "tokens, sequence length 1024, SGD with momentum (the built-in workload's optimizer).", "",
+             "tokens, sequence length 1024, " + ("AdamW." if res.get("optimizer") == "adamw" else
+             "SGD with momentum (the built-in workload's optimizer)."), "",
              "| policy | largest batch, untiled head | tiled head | samples/s untiled head | tiled head |",
              "|---|---|---|---|---|"]  # fmt: skip
     for p, r in res["policies"].items():
         u, t = r["untiled_head"], r["tiled_head"]
         lines.append(f"| {p} | {u['batch']} | {t['batch']} | {u['samples_per_s'] or 0:.1f} | "
                      f"{t['samples_per_s'] or 0:.1f} |")  # fmt: skip
+    if res.get("strategies"):
+        one, five = res["one_x"], res["five_x"]
+        lines += ["", f"Strategies (issue 17), 1x = the untiled model's no-swap batch ({one}); kept = samples/s over "
+                  "its no-swap samples/s:", "",
+                  f"| strategy | largest batch, untiled head | tiled head | samples/s at 5x ({five}), tiled head "
+                  "(kept) |", "|---|---|---|---|"]  # fmt: skip
+        for name, r in res["strategies"].items():
+            u, t = r["untiled_head"], r["tiled_head"]
+            at5 = f"{t['at_5x']:.1f} ({100 * t['kept_at_5x']:.0f} %)" if t["at_5x"] else "does not fit"
+            lines.append(f"| {name} | {u['batch']} ({u['batch'] / one:.2f}x) | {t['batch']} ({t['batch'] / one:.2f}x)"
+                         f" | {at5} |")  # fmt: skip
+        for name, r in res["strategies"].items():
+            if r["tiled_head"]["blocker"]:
+                lines += ["", f"What stops {name} with the tiled head one sample past its largest batch: "
+                          f"{r['tiled_head']['blocker']}"]  # fmt: skip
     for k, table in res["tables"].items():
         lines += ["", f"`swap.plan` ({k.replace('_', ' ')}):", "", "```", table, "```"]
     return "\n".join(lines) + "\n"
@@ -92,6 +130,10 @@ def markdown(res: dict, cmd: str) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policies", default="none,window", help="swap policies to plan, comma-separated")
+    ap.add_argument("--strategies", default="",
+                    help="keep / swap / recompute strategies of swap.plan to compare too, comma-separated (e.g. auto)")
+    ap.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"),
+                    help="sgd: the built-in workload's (SGD with momentum); adamw: issue 17's setting")
     ap.add_argument("--device", default="h100-sxm")
     ap.add_argument("--budget", default=None, help="default 80GiB (16GiB with --quick)")
     ap.add_argument("--tiles", type=int, default=16, help="tiles of tokens of the head and loss per step")
@@ -100,7 +142,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     budget = args.budget or ("16GiB" if args.quick else "80GiB")
     policies = tuple(p for p in args.policies.split(",") if p)
-    res = run(budget, args.device, policies, args.tiles)
+    strategies = tuple(p for p in args.strategies.split(",") if p)
+    res = run(budget, args.device, policies, args.tiles, strategies, args.optimizer)
     cmd = "python -m bench.tiled_head " + " ".join(argv if argv is not None else sys.argv[1:])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
