@@ -138,11 +138,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                 ap.error(f"unknown strategy {s!r} in --strategies: choose all, off, or among {', '.join(STRATEGIES)}")
     if args.at_batch is not None and args.at_batch < 1:
         ap.error(f"--at-batch must be at least 1, not {args.at_batch}")
+    if args.at_batch is not None and not strategies:
+        ap.error("--at-batch compares the strategies at a batch: drop --strategies off, or drop --at-batch")
     if args.plot or args.plot_memory:
         try:  # before the planning, not after it
             pyplot()
         except ImportError as e:
-            ap.error(f"--plot: {e}")
+            ap.error(f"{'--plot' if args.plot else '--plot-memory'}: {e}")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     optimizer = _optimizer(args.optimizer) if args.optimizer else None
     try:

@@ -235,7 +235,11 @@ def selective(ev: Evaluator) -> Outcome:
 
 def knapsack(ev: Evaluator) -> Outcome:
     """torch.compile's memory budget: from every block checkpointed with every candidate kept, recompute the
-    operators with the most bytes per recompute second first, until the no-swap peak fits the budget."""
+    operators with the most bytes per recompute second first, until the no-swap peak fits the budget. Where the
+    step fits without recomputing, nothing is recomputed (as compile's budget of 1.0)."""
+    plain = _no_regions(ev, "knapsack", "none")
+    if plain.feasible:
+        return plain
     outs = []
     for paths in _levels(ev).values():
         items = []  # (bytes per second, path, key)

@@ -2,8 +2,11 @@
 
 Note [Operator table from a trace]
 A format-6 trace (Note [Trace file format]) records every dispatched operator with its name, FLOPs, bytes,
-innermost module and phase; the allocations it returns follow its event, and the saves its autograd node
-makes follow those (autograd packs after the kernel returns). So per forward operator of one iteration:
+innermost module and phase; the allocations it returns follow its event. Its autograd node saves its inputs
+before the kernel runs (so before its event) and its outputs after the kernel returns (after its event and
+its allocations): the saves between two operators' events are the first one's saved outputs, then the next
+one's saved inputs. Which operators save an output is read from torch's derivatives table (Note [Operators
+that save their output] in swap.planning.autograd_saves). So per forward operator of one iteration:
 
 - ``outputs``: the allocations after its event, those of at least ``min_bytes``, each numbered as the
   Sequence of the same trace numbers its variables (``sequence_from_trace``: first-save order), or ``-1 -
@@ -28,12 +31,12 @@ the "recompute" phase is the user's own checkpoint, and is not checkpointed agai
 from __future__ import annotations
 
 import functools
-import re
 from typing import Callable, Optional
 
 import numpy as np
 
 from ..capture.trace import ALLOC, OP, PHASE, SAVE, USE, Trace
+from .autograd_saves import saves_first_output
 from .devices import DeviceProfile
 from .ops import Op, OpTable, RegionCall
 from .pricing import event_seconds
@@ -44,12 +47,6 @@ COLLECTIVES = ("c10d.", "_c10d_functional.", "c10d_functional.", "_dtensor.")
 ATOMIC_ON_CUDA = ("aten.index_add", "aten.scatter_add", "aten.scatter_reduce", "aten.index_put",
                   "aten._index_put_impl_", "aten.put", "aten.bincount", "aten.histc", "aten.embedding_bag",
                   "aten._embedding_bag")  # fmt: skip
-
-# Operators whose autograd node saves their (first) output, not only their inputs: what tells, among the saves
-# after an operator, its own from the next operator's (Note [Operator table from a trace]).
-SAVES_RESULT = re.compile(r"aten\.(relu_?|threshold_?|sigmoid_?|tanh_?|exp_?|_softmax|_log_softmax|elu_?"
-                          r"|hardtanh_?|_scaled_dot_product\w*|_flash_attention\w*|_efficient_attention\w*"
-                          r"|sqrt|rsqrt)\.")  # fmt: skip
 
 
 @functools.cache
@@ -125,7 +122,7 @@ def table_from_trace(trace: Trace, dev: Optional[DeviceProfile] = None, min_byte
         if prev is not None:
             allocs = prev["allocs"]
             mine = set(allocs[1:])  # a node saves its operator's second outputs (statistics, logsumexp, masks)
-            if SAVES_RESULT.search(prev["name"]):
+            if saves_first_output(prev["name"]):
                 mine |= set(allocs[:1]) if allocs else set(pending[:1])  # relu_ saves the storage it wrote
             while len(tail) < len(pending) and pending[len(tail)] in mine and pending[len(tail)] not in tail:
                 tail.append(pending[len(tail)])

@@ -318,21 +318,24 @@ def plan(
     dev = _calibrated(dev, profile, traces, min_bytes_, say, notes)
     cap = max_batch or (SEARCH_CAP if traces.linear is not None else SEARCH_CAP_CAPTURED)
 
-    ev, found = _search_all(traces, dev, budget, allocator, min_bytes_, policies, cap, say)
-    wrong = [why for why in (traces.verify(n) for n, _, _ in found.values()) if why]
-    if wrong:  # the extrapolation was wrong somewhere: search again on real captures
+    while True:
+        ev, found = _search_all(traces, dev, budget, allocator, min_bytes_, policies, cap, say)
+        wrong = [why for why in (traces.verify(n) for n, _, _ in found.values()) if why]
+        compared = {}
+        if strategies and not wrong:
+            book = StrategyBook(traces.at, ev.sequence, dev, budget, min_bytes_)
+            guess = found["none"][0] if "none" in found else _guess(ev, "none")
+            compared = compare(book, strategies, lambda fits, g, cap=cap: _search(fits, g, cap), guess, batch, say)
+            wrong = [why for why in (traces.verify(r.max_batch) for r in compared.values()) if why]
+        if not wrong:
+            break
+        # The extrapolation was wrong at a largest batch (a policy's or a strategy's): search again on captures.
         note = f"the linear extrapolation failed a check ({wrong[0]}): planned again from per-batch captures"
         say(note)
         notes.append(note)
         traces.linear, cap = None, min(cap, SEARCH_CAP_CAPTURED)
-        ev, found = _search_all(traces, dev, budget, allocator, min_bytes_, policies, cap, say)
     results = {p: ev.result(p, n, plan_budget, trials) for p, (n, plan_budget, trials) in found.items()}
     memory = _memory(ev, results.get("window"))
-    compared = {}
-    if strategies:
-        book = StrategyBook(traces.at, ev.sequence, dev, budget, min_bytes_)
-        guess = results["none"].max_batch if "none" in results else _guess(ev, "none")
-        compared = compare(book, strategies, lambda fits, g: _search(fits, g, cap), guess, batch, say)
     result = Plan(label, budget, dev, allocator, results, memory=memory, linear=traces.linear is not None,
                   captures=sorted(traces.captured), notes=notes, strategies=compared, batch=batch)  # fmt: skip
     result.seconds = time.perf_counter() - t0

@@ -142,6 +142,15 @@ def test_every_baseline_is_callable_by_name_and_auto_is_never_slower():
     assert result.best.strategy.name == "auto" and result.best.peak <= budget
 
 
+def test_knapsack_recomputes_nothing_where_the_step_fits_and_the_least_where_it_does_not():
+    seq, table = blocks(4, 3, [40_000, 80_000, 20_000], [0.001, 0.004, 0.002])
+    roomy = BASELINES["knapsack"](Evaluator(seq, table, seq.no_swap_peak(), 5e6, 5e6))
+    assert roomy.feasible and roomy.strategy.plan.regions == () and roomy.recompute_seconds == 0
+    tight = BASELINES["knapsack"](Evaluator(seq, table, int(seq.no_swap_peak() * 0.8), 5e6, 5e6))
+    assert tight.feasible and tight.strategy.plan.regions and tight.recompute_seconds > 0
+    assert tight.strategy.swap == "none" and tight.copied_bytes == 0
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n=st.integers(1, 3),

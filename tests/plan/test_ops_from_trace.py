@@ -36,10 +36,10 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def runtime_profile(iterations: int = 4):
-    """The runtime's sequence and operator table of ``small_gpt`` (policy "auto" under a budget that needs it)."""
+def runtime_profile(iterations: int = 4, model_fn=small_gpt, batches=batch_fn, loss=loss_fn, budget="3500KiB"):
+    """The runtime's sequence and operator table of ``model_fn()`` (policy "auto" under a budget that needs it)."""
     torch.manual_seed(0)
-    model = small_gpt()
+    model = model_fn()
     opt = sgd(model.parameters())
     seen = {}
 
@@ -47,12 +47,12 @@ def runtime_profile(iterations: int = 4):
         seen["ev"] = ev
         return search(ev)
 
-    sm = swap.SwapManager(budget="3500KiB", device="cpu", min_bytes=MIN_BYTES)
+    sm = swap.SwapManager(budget=budget, device="cpu", min_bytes=MIN_BYTES)
     sm._joint.choose = choose
     with sm:
         for _ in range(iterations):
             opt.zero_grad(set_to_none=True)
-            loss_fn(model, batch_fn(BATCH)).backward()
+            loss(model, batches(BATCH)).backward()
             opt.step()
     return seen["ev"]
 
@@ -108,6 +108,60 @@ def test_the_trace_table_prices_operators_on_the_roofline_and_plans_like_the_run
     assert ours.peak == pytest.approx(theirs.peak, rel=0.05)  # the capture's memory, not the allocator's
     block = [op for op in table.ops if op.module.startswith("blocks.")]
     assert 0 < ours.recompute_seconds <= sum(op.seconds for op in block)
+
+
+class Activations(torch.nn.Module):
+    """Blocks that end in activations whose autograd nodes save their input (ELU, ReLU6, LeakyReLU) or their
+    output (Tanh, in-place LeakyReLU): the saves after a block's last operator are its own or the next block's
+    input (Note [Operators that save their output])."""
+
+    ENDS = (torch.nn.ELU, torch.nn.ReLU6, torch.nn.LeakyReLU, torch.nn.Tanh, lambda: torch.nn.LeakyReLU(inplace=True))
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, d)  # a token input: the trace does not count the batch as saved
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d), end())
+            for end in self.ENDS
+        )
+        self.head = torch.nn.Linear(d, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def activations_batch(n: int):
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 256, (n, 64), generator=g), torch.randint(0, 8, (n, 64), generator=g)
+
+
+def activations_loss(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def test_blocks_ending_in_activations_that_save_their_input_have_the_runtimes_inputs():
+    ev = runtime_profile(model_fn=Activations, batches=activations_batch, loss=activations_loss, budget="5MiB")
+    trace = capture(Activations, activations_batch, BATCH, activations_loss, optimizer=sgd, target="cpu")
+    table = table_from_trace(trace, min_bytes=MIN_BYTES)
+    paths = [f"blocks.{i}" for i in range(len(Activations.ENDS))]
+    assert table.levels()["blocks.*"] == ev.table.levels()["blocks.*"] == paths
+    # The blocks: the same steps, inputs and blockers. (Single layers are left out: the trace does not see an
+    # input no operator saves, such as Tanh's, which saves its output only.)
+    runtime_calls = {c.path: (c.steps, c.inputs, c.blocker) for c in ev.table.calls if c.path in paths}
+    assert {c.path: (c.steps, c.inputs, c.blocker) for c in table.calls if c.path in paths} == runtime_calls
+    # Each block reads one input of 128 KiB, its predecessor's output, whatever its last activation saves.
+    assert all(len(runtime_calls[p][1]) == 1 and runtime_calls[p][1][0][1] == 128 * 1024 for p in paths)
+    runtime_ops = [op for op in ev.table.ops if not is_view(op.name)]
+
+    def row(op):  # an in-place operator allocates nothing: the trace gives it no outputs, the profiler what it wrote
+        saved = () if op.name.endswith("_.default") else tuple(v for v in op.outputs if v >= 0)
+        return op.name, op.module, saved, op.step
+
+    assert [row(op) for op in table.ops] == [row(op) for op in runtime_ops[: len(table.ops)]]
 
 
 def test_in_place_writes_block_their_module_and_unsaved_outputs_are_not_kept():
