@@ -5,9 +5,10 @@ At a 50k vocabulary the logits (tokens × vocab in the model's dtype), their fp3
 loss's fp32 buffers are the largest tensors of a GPT's training step. Tiled along tokens, the head
 (``hidden @ W.T + b``) and the cross-entropy run on ``t`` tokens at a time, and each tile's gradients are
 taken at once (Note [Gradients in the forward]), so no tile's logits outlive it. A tile holds, at its peak,
-its fp32 logits (softmaxed and turned into their gradient in place) and the logits in the model's dtype
-(before the upcast, or the gradient cast back for the matmuls): ``t · vocab · (4 + itemsize)`` bytes, or
-``t · vocab · 4`` when the model computes in fp32 and both are the same tensor (``tile_bytes``). Besides the
+its logits in the dtype the head computes in and their softmax in fp32 (float64 for a float64 head), then
+that softmax and the gradient cast back to the compute dtype (the same tensor in fp32), besides two
+tokens × hidden temporaries: ``t · (vocab · (itemsize + max(4, itemsize)) + 2 · hidden · itemsize)`` bytes
+(``tile_bytes``; Note [Fewest passes over the logits] in swap/runtime/tiling/linear_ce.py). Besides the
 tiles, the head holds the hidden states, their gradient, the weight's gradient accumulated in fp32 and, below
 fp32, one tile's product for it in the model's dtype (``fixed_bytes``; Note [Head gradient precision] in
 swap/runtime/tiling/linear_ce.py).
@@ -49,8 +50,7 @@ class HeadShape:
 
     def tile_bytes(self, t: int) -> int:
         """One tile of ``t`` tokens at its peak (Note [Tiled head and loss])."""
-        below_fp32 = self.itemsize if self.itemsize < 4 else 0  # the model's-dtype logits beside the fp32 ones
-        return t * self.vocab * (max(4, self.itemsize) + below_fp32)
+        return t * (self.vocab * (self.itemsize + max(4, self.itemsize)) + 2 * self.hidden * self.itemsize)
 
     def fixed_bytes(self) -> int:
         """The hidden states, their gradient, the weight gradient's fp32 accumulator and (below fp32) one
