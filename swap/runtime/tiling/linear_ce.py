@@ -15,14 +15,17 @@ GPT-2's 50257 × 1024), held from the head's forward to its backward, which come
 backward. The bias's gradient is summed in fp32 likewise.
 
 Note [Fewest passes over the logits]
-A tile's logits (tokens × vocab) dwarf everything else it touches, so the work per tile is counted in passes
-over them: the head's product writes them, one softmax reads them and writes fp32 probabilities, one argmax
-reads them (the log-sum-exp is then z_top - log p_top, exact in fp32), the cast back to the compute dtype
-reads the probabilities and writes the gradient, and one scatter writes the target column's p - 1 (taken
-in fp32, so a confident target's small gradient does not cancel in bf16). Rows without a target are not
-zeroed there (a whole pass) but on the small side: their hidden-gradient rows and their hidden rows in the
-weight's product are multiplied by 0 (tokens × hidden). Six passes, against eleven for an upcast copy and an
-in-place softmax, and about as many as the untiled loss (log-softmax, its backward, the casts).
+A tile's logits (tokens × vocab) dwarf everything else it touches, so its cost is the passes over them, in
+bytes per logit for a bf16 head: the head's product writes them (2), one argmax reads them (2), one upcast
+reads them and writes fp32 (6), one out-of-place softmax reads and writes fp32 (8), the cast back reads the
+probabilities and writes the gradient (6): 24 bytes, against 60 for an in-place softmax (max, subtract,
+exp, sum, divide: 32) that also subtracts the onehot and zeroes ignored rows as whole passes (16). The
+rest touches one column: the log-sum-exp is z_top - log p_top (p_top >= 1 / vocab never underflows, p_target
+may), the target's p - 1 is taken in fp32 from it and scattered into the cast gradient (in bf16 a confident
+target's small p - 1 would cancel), and rows without a target are masked on the tokens × hidden side: their
+hidden-gradient rows and their rows of the weight's product are multiplied by 0. The upcast is explicit so
+that the bf16 logits are freed before the softmax allocates (``softmax(dtype=float32)`` would upcast inside
+and hold both), which makes a tile's peak the fp32 logits and their softmax.
 """
 
 from __future__ import annotations

@@ -209,3 +209,42 @@ def test_tokens_per_tile_from_the_budget_and_the_error_below_one_token() -> None
 def test_a_model_that_is_not_a_causal_lm_is_tiled_spatially_or_refused() -> None:
     with pytest.raises(TypeError, match="causal LM"):
         swap.TiledCausalLM(torch.nn.Linear(3, 3), tokens=4)
+
+
+class TinyLM(torch.nn.Module):
+    """An embedding, one mixing layer and a head tied to the embedding."""
+
+    def __init__(self, vocab: int = 211, hidden: int = 32) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, hidden)
+        self.mix = torch.nn.Linear(hidden, hidden)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.mix(self.emb(ids)).tanh()
+
+
+def test_the_capture_sees_the_gradients_held_to_backward_and_no_product_there() -> None:
+    from swap.capture import OP, PHASE, SAVE, capture
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randint(0, 211, (n, 24)), torch.randint(0, 211, (n, 24))
+
+    def untiled(model: TinyLM, b: tuple) -> torch.Tensor:
+        return F.cross_entropy(model.head(model(b[0])).flatten(0, 1).float(), b[1].flatten())
+
+    def tiled(model: TinyLM, b: tuple) -> torch.Tensor:
+        return swap.tiled_cross_entropy(model(b[0]), model.head, b[1], tokens=16) / b[1].numel()
+
+    seen = {}
+    for name, loss in (("untiled", untiled), ("tiled", tiled)):
+        t = capture(TinyLM, batch, 4, loss, target="cpu")
+        b, e = t.iterations()[-1]
+        ops = [t.op_name(k) for k in range(b, e + 1) if t.op[k] == OP and t.phase[k] == PHASE["backward"]]
+        saved = [int(t.size[k]) for k in range(b, e + 1) if t.op[k] == SAVE]
+        seen[name] = (sum(o in ("aten.mm.default", "aten.addmm.default") for o in ops), saved)
+    (untiled_mm, untiled_saved), (tiled_mm, tiled_saved) = seen["untiled"], seen["tiled"]
+    assert tiled_mm == untiled_mm - 2  # the head's two backward products are gone, and nothing is recomputed
+    assert 96 * 32 * 4 in tiled_saved and 211 * 32 * 4 in tiled_saved  # grad_hidden and grad_W, saved to backward
+    assert 96 * 211 * 4 not in tiled_saved and 96 * 211 * 4 in untiled_saved  # no tokens x vocab tensor held
