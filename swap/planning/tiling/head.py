@@ -5,13 +5,13 @@ At a 50k vocabulary the logits (tokens × vocab in the model's dtype), their fp3
 loss's fp32 buffers are the largest tensors of a GPT's training step. Tiled along tokens, the head
 (``hidden @ W.T + b``) and the cross-entropy run on ``t`` tokens at a time, and each tile's gradients are
 taken at once (Note [Gradients in the forward]), so no tile's logits outlive it. A tile holds, at its peak,
-its logits in the dtype the head computes in and their softmax in fp32 (float64 for a float64 head), then
-that softmax and the gradient cast back to the compute dtype (the same tensor in fp32), besides two
-tokens × hidden temporaries: ``t · (vocab · (itemsize + max(4, itemsize)) + 2 · hidden · itemsize)`` bytes
-(``tile_bytes``; Note [Fewest passes over the logits] in swap/runtime/tiling/linear_ce.py). Besides the
-tiles, the head holds the hidden states, their gradient, the weight's gradient accumulated in fp32 and, below
-fp32, one tile's product for it in the model's dtype (``fixed_bytes``; Note [Head gradient precision] in
-swap/runtime/tiling/linear_ce.py).
+its logits upcast to fp32 and their softmax (fp32; float64 for a float64 head), besides two tokens × hidden
+temporaries: ``t · (2 · vocab · max(4, itemsize) + 2 · hidden · itemsize)`` bytes (``tile_bytes``; Note
+[Fewest passes over the logits] in swap/runtime/tiling/linear_ce.py). Besides the tiles, the head holds
+(``fixed_bytes``) the hidden states and their gradient (in backward: the saved gradient and the scaled one
+it returns, the hidden states freed unless the caller keeps them), the weight's gradient accumulated in
+fp32 (Note [Head gradient precision] in swap/runtime/tiling/linear_ce.py) and, in the weight's dtype, one
+tile's product for it in forward, or the gradient returned in backward.
 
 Note [Gradients in the forward]
 The loss is a scalar, so the gradients of its sum with respect to the hidden states and the head's weight
@@ -50,14 +50,13 @@ class HeadShape:
 
     def tile_bytes(self, t: int) -> int:
         """One tile of ``t`` tokens at its peak (Note [Tiled head and loss])."""
-        return t * (self.vocab * (self.itemsize + max(4, self.itemsize)) + 2 * self.hidden * self.itemsize)
+        return t * (2 * self.vocab * max(4, self.itemsize) + 2 * self.hidden * self.itemsize)
 
     def fixed_bytes(self) -> int:
-        """The hidden states, their gradient, the weight gradient's fp32 accumulator and (below fp32) one
-        tile's product for it."""
-        weight = self.vocab * self.hidden
-        product = weight * self.itemsize if self.itemsize < 4 else 0
-        return 2 * self.tokens * self.hidden * self.itemsize + weight * max(4, self.itemsize) + product
+        """The hidden states and their gradient, the weight gradient's fp32 accumulator and one weight-sized
+        tensor in the weight's dtype (Note [Tiled head and loss])."""
+        states = 2 * self.tokens * self.hidden * self.itemsize
+        return states + self.vocab * self.hidden * (max(4, self.itemsize) + self.itemsize)
 
     def untiled_bytes(self) -> int:
         """The head in one tile: every token's logits at once."""
@@ -72,11 +71,11 @@ def tokens_per_tile(shape: HeadShape, budget: int) -> int:
     if room < per_token:
         need = shape.fixed_bytes() + per_token
         states = 2 * shape.tokens * shape.hidden * shape.itemsize
-        weight = shape.fixed_bytes() - states
+        weight = shape.fixed_bytes() - states  # the fp32 accumulator and one tensor in the weight's dtype
         raise HeadInfeasible(
             f"cannot tile lm_head + cross_entropy under {fmt_bytes(budget)}: at one token a tile it needs "
-            f"{fmt_bytes(need)} (hidden states and their gradient {fmt_bytes(states)}, the head's weight gradient in "
-            f"fp32 and one tile's product for it {fmt_bytes(weight)}, one token's logits and loss buffers "
+            f"{fmt_bytes(need)} (hidden states and their gradient {fmt_bytes(states)}, the head's weight gradient "
+            f"(fp32, and in the weight's dtype) {fmt_bytes(weight)}, one token's logits and loss buffers "
             f"{fmt_bytes(per_token)}). Raise the budget or lower the batch or sequence length.",
             need, budget,
         )  # fmt: skip

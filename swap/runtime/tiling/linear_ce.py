@@ -107,6 +107,12 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w, grad_b = (next(saved) if has else None for has in ctx.has)
         w_dtype, b_dtype = ctx.dtypes
         out_h = grad_h * grad_loss if grad_h is not None else None
-        out_w = (grad_w * grad_loss).to(w_dtype) if grad_w is not None else None
-        out_b = (grad_b * grad_loss).to(b_dtype) if grad_b is not None else None
+        out_w = _scaled(grad_w, grad_loss, w_dtype) if grad_w is not None else None
+        out_b = _scaled(grad_b, grad_loss, b_dtype) if grad_b is not None else None
         return out_h, out_w, out_b, None, None, None, None, None
+
+
+def _scaled(acc: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``acc * scale`` computed in ``acc``'s dtype and written in ``dtype``: one pass and one rounding, no
+    temporary of ``acc``'s size (the saved accumulator stays as it is, for a backward with retain_graph)."""
+    return torch.mul(acc, scale, out=torch.empty(acc.shape, dtype=dtype, device=acc.device))

@@ -248,3 +248,23 @@ def test_the_capture_sees_the_gradients_held_to_backward_and_no_product_there() 
     assert tiled_mm == untiled_mm - 2  # the head's two backward products are gone, and nothing is recomputed
     assert 96 * 32 * 4 in tiled_saved and 211 * 32 * 4 in tiled_saved  # grad_hidden and grad_W, saved to backward
     assert 96 * 211 * 4 not in tiled_saved and 96 * 211 * 4 in untiled_saved  # no tokens x vocab tensor held
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_measured_peak_is_within_the_memory_model(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    vocab, hidden_size, rows, tokens = 500, 16, 300, 64
+    head = torch.nn.Linear(hidden_size, vocab, bias=False).to(dtype)
+    leaf = torch.randn(rows, hidden_size, dtype=dtype, requires_grad=True)
+    y = torch.randint(0, vocab, (rows,))
+    shape = HeadShape(rows, hidden_size, vocab, itemsize=dtype.itemsize)
+    with swap.LiveBytesMeter() as meter:
+        hidden = leaf * 2  # the hidden states, freed after the forward as a model's final norm output is
+        loss = swap.tiled_cross_entropy(hidden, head, y, tokens=tokens)
+        del hidden
+        loss.backward()
+        assert leaf.grad is not None and head.weight.grad is not None
+    predicted = shape.fixed_bytes() + shape.tile_bytes(tokens)
+    # Note [Tiled head and loss]: an upper bound, and a tight one (what it leaves out is small: the loss's
+    # per-row vectors; leaf.grad and the weight's .grad are counted, as the model counts them)
+    assert 0.9 * predicted <= meter.peak <= predicted, (meter.peak, predicted)
