@@ -13,7 +13,8 @@ forward stops at the final LayerNorm, and whose loss is ``swap.tiled_cross_entro
 tokens, so the capture records what the tiled head really allocates and frees. (A fixed number of tiles, not
 of tokens per tile, keeps the step's operators the same at every batch, so the planner scales its trace
 from small captures; the head's memory is then a fixed fraction of the untiled head's.) A new policy (for example
-swap-or-recompute, when it lands) is one more name in ``--policies``.
+swap-or-recompute, when it lands) is one more name in ``--policies``. Besides, both steps are captured at
+batch 2 to show where the head's products run and what it holds from forward to backward (``head_accounting``).
 
 Writes <out>/tiled_head.json and tiled_head.md.
 """
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 import swap
+from swap.capture import OP, PHASE, SAVE, Trace, capture
 from swap.zoo import GPT, ZOO
 
 OUT = Path(__file__).parent / "results"
@@ -52,6 +54,37 @@ class Trunk(nn.Module):
 
 def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4)
+
+
+def _step_accounting(t: Trace) -> dict:
+    """FLOPs per phase and bytes saved for backward in the last captured iteration."""
+    b, e = t.iterations()[-1]
+    op, phase, flops = t.op[b : e + 1], t.phase[b : e + 1], t.flops[b : e + 1]
+    per_phase = {ph: float(flops[(op == OP) & (phase == PHASE[ph])].sum()) for ph in ("forward", "backward")}
+    return {**{f"{ph}_gflop": v / 1e9 for ph, v in per_phase.items()},
+            "saved_mib": float(t.size[b : e + 1][op == SAVE].sum()) / 2**20}  # fmt: skip
+
+
+def head_accounting(tiles: int, batch: int = 2, optimizer: str = "adamw") -> dict:
+    """What the capture records for one step at ``batch``, untiled and tiled head: the tiled head's products
+    move from backward to forward (backward loses the head's two, 4 · tokens · hidden · vocab FLOPs, and
+    recomputes nothing), and what it saves for backward (the hidden states' and the weight's gradients)
+    replaces the untiled loss's tokens × vocab tensors."""
+    w = ZOO["gpt2-medium-bf16"]
+    opt = adamw if optimizer == "adamw" else w.optimizer
+
+    def tiled_loss(model: Trunk, b: Any) -> torch.Tensor:
+        x, y = b
+        return swap.tiled_cross_entropy(model(x), model.gpt.head, y, tokens=-(-y.numel() // tiles)) / y.numel()
+
+    base = capture(w.model_fn(), w.batch_fn(), batch, optimizer=opt, dtype=w.dtype)
+    tiled = capture(lambda: Trunk(w.model_fn()()), w.batch_fn(), batch, tiled_loss, optimizer=opt, dtype=w.dtype)
+    with torch.device("meta"):
+        head = w.model_fn()().head.weight
+    tokens = batch * w.size
+    return {"batch": batch, "tokens": tokens, "head_products_gflop": 2 * 2 * tokens * head.numel() / 1e9,
+            "grad_hidden_mib": tokens * head.shape[1] * 2 / 2**20, "grad_weight_fp32_mib": head.numel() * 4 / 2**20,
+            "untiled_head": _step_accounting(base), "tiled_head": _step_accounting(tiled)}  # fmt: skip
 
 
 def run(budget: str, device: str, policies: tuple[str, ...], tiles: int, strategies: tuple[str, ...] = (),
@@ -93,6 +126,7 @@ def run(budget: str, device: str, policies: tuple[str, ...], tiles: int, strateg
             "tiled_head": {"batch": t.max_batch, "samples_per_s": t.samples_per_s, "step_s": t.step_time},
         }
     out["tables"] = {"untiled_head": base.table(), "tiled_head": tiled.table()}
+    out["capture"] = head_accounting(tiles, optimizer=optimizer)
     return out
 
 
@@ -122,6 +156,18 @@ def markdown(res: dict, cmd: str) -> str:
             if r["tiled_head"]["blocker"]:
                 lines += ["", f"What stops {name} with the tiled head one sample past its largest batch: "
                           f"{r['tiled_head']['blocker']}"]  # fmt: skip
+    c = res.get("capture")
+    if c:
+        u, t = c["untiled_head"], c["tiled_head"]
+        lines += ["", f"What the capture records at batch {c['batch']} ({c['tokens']} tokens; the head's two gradient "
+                  f"products are {c['head_products_gflop']:.1f} GFLOP): the tiled head takes its gradients in the "
+                  "forward (Note [Gradients in the forward] in swap/planning/tiling/head.py) and recomputes nothing.",
+                  "", "| head | forward GFLOP | backward GFLOP | saved for backward |", "|---|---|---|---|",
+                  f"| untiled | {u['forward_gflop']:.1f} | {u['backward_gflop']:.1f} | {u['saved_mib']:.1f} MiB |",
+                  f"| tiled | {t['forward_gflop']:.1f} | {t['backward_gflop']:.1f} | {t['saved_mib']:.1f} MiB |", "",
+                  f"The tiled head's saves include the hidden states' gradient ({c['grad_hidden_mib']:.1f} MiB, bf16) "
+                  f"and the weight's ({c['grad_weight_fp32_mib']:.1f} MiB, fp32), held from forward to backward; "
+                  "the untiled loss saves tokens × vocab tensors instead."]  # fmt: skip
     for k, table in res["tables"].items():
         lines += ["", f"`swap.plan` ({k.replace('_', ' ')}):", "", "```", table, "```"]
     return "\n".join(lines) + "\n"

@@ -65,6 +65,7 @@ from .trace import (
     Trace,
     TraceBuilder,
 )
+from .traffic import indexed_bytes
 from .where import Where
 
 ModelFn = Callable[[], nn.Module]
@@ -201,6 +202,8 @@ class _Recorder(TorchDispatchMode):
             if first_float is None and t.is_floating_point():
                 first_float = t.dtype
         precision = LOW_PRECISION if first_float in (torch.bfloat16, torch.float16) else FP32
+        indexed = indexed_bytes(func, args, kwargs, out)  # Note [Indexed operators move what they index]
+        moved = indexed if indexed is not None else moved
         module, phase = self.where.operator()
         self.b.add_op(str(func), flops, float(moved), module, phase, precision)
 

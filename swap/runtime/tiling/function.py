@@ -2,7 +2,7 @@
 
 Note [Tiled autograd]
 Forward runs each tile without gradients and writes its output into a slice of one preallocated output
-(spatial tiles), or adds it into the output (a loss summed over token tiles); only the input is saved, as
+(spatial tiles); only the input is saved, as
 the boundary of the segment (``ctx.save_for_backward``, so the swap runtime's saved-tensor hooks see it and
 may send it to the host). Backward goes tile by tile: the tile is recomputed from its slice of the input
 (a view, its halo included) with gradients, ``torch.autograd.grad`` takes it back to the tile's input and
@@ -45,11 +45,12 @@ Index = tuple[slice, ...]
 
 @dataclass
 class Tile:
-    """One tile: ``src`` indexes the input (a view, halo included), ``dst`` the output (None: the tile's
-    output is added into the whole output), ``arg`` is what the per-tile computation needs besides."""
+    """One tile: ``src`` indexes the input (a view, halo included), ``dst`` the output, ``arg`` is what the
+    per-tile computation needs besides. (The LM head's token tiles do not use this engine: Note [Gradients
+    in the forward] in swap/planning/tiling/head.py.)"""
 
     src: Index
-    dst: Optional[Index]
+    dst: Index
     arg: Any = None
 
 
@@ -57,7 +58,7 @@ class Tiling:
     """A per-tile computation and its tiles.
 
     ``run(x_tile, tile) -> y_tile`` computes one tile (the same operators as the untiled computation, on the
-    tile); ``output(x) -> tensor`` allocates the whole output (zeros where tiles add); ``params`` are the
+    tile); ``output(x) -> tensor`` allocates the whole output; ``params`` are the
     tensors ``run`` reads that need gradients; ``copy_input`` says to copy a tile's input slice before
     ``run`` (its first operator writes in place); ``device`` is where tiles compute when the input is
     elsewhere (Note [Host inputs] in swap/planning/tiling/cost.py: each tile's slice is copied there, and
@@ -115,10 +116,7 @@ class TiledFunction(torch.autograd.Function):
         out = tiling.output(x)
         for k, tile in enumerate(tiling.tiles):
             y = tiling.run(tiling.tile_input(x, tile), tile)
-            if tile.dst is None:
-                out += y
-            else:
-                out[tile.dst].copy_(y)
+            out[tile.dst].copy_(y)
             del y
             if tiling.progress is not None:
                 tiling.progress(f"forward tile {k + 1}/{len(tiling.tiles)}")
@@ -144,7 +142,7 @@ class TiledFunction(torch.autograd.Function):
                     xt.requires_grad_(True)
                 xin = xt.clone() if tiling.copy_input else xt  # a leaf that needs grad: never written in place
                 y = tiling.run(xin, tile)
-                g = grad_out if tile.dst is None else grad_out[tile.dst]
+                g = grad_out[tile.dst]
                 wrt = ([xt] if need_x else []) + params
                 grads = torch.autograd.grad(y, wrt, g, allow_unused=True) if y.requires_grad else (None,) * len(wrt)
             del y, xin

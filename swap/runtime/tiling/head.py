@@ -1,5 +1,5 @@
 """A language model's head and cross-entropy run tile by tile along tokens (Note [Tiled head and loss] in
-swap/planning/tiling/head.py), with the engine of Note [Tiled autograd]; and ``TiledCausalLM``, which does it
+swap/planning/tiling/head.py), their gradients taken in the forward; and ``TiledCausalLM``, which does it
 for a Hugging Face causal LM without changing the model."""
 
 from __future__ import annotations
@@ -8,11 +8,10 @@ import sys
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...planning.tiling.head import HeadShape, tokens_per_tile
-from .function import Tile, Tiling
+from .linear_ce import LinearCrossEntropy
 
 IGNORE_INDEX = -100  # what PyTorch's and Hugging Face's losses skip
 
@@ -20,36 +19,45 @@ IGNORE_INDEX = -100  # what PyTorch's and Hugging Face's losses skip
 def tiled_cross_entropy(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, tokens: int,
                         ignore_index: int = IGNORE_INDEX, progress: bool = False) -> torch.Tensor:  # fmt: skip
     """``F.cross_entropy(head(hidden).float(), labels, reduction="sum")`` over ``tokens`` rows at a time:
-    the logits of all rows never exist at once (Note [Tiled head and loss]).
+    the logits of all rows never exist at once, and each tile's gradients are taken in the forward, so the
+    backward recomputes nothing (Note [Tiled head and loss], Note [Gradients in the forward]).
 
     Args:
         hidden: (N, H) or (..., H) hidden states (flattened to rows).
         head: the output projection (its weight may be tied to the input embedding).
         labels: one class index per row, ``ignore_index`` where a row has no target.
         tokens: rows per tile.
-    Returns: the summed loss (fp32 scalar); divide by the number of counted rows for the mean.
+    Returns: the summed loss (fp32 scalar); divide by the number of counted rows for the mean. Not twice
+    differentiable.
     """
     h = hidden.reshape(-1, hidden.shape[-1])
-    y = labels.reshape(-1)
+    y = labels.reshape(-1).to(h.device)
     if y.shape[0] != h.shape[0]:
         raise ValueError(f"{h.shape[0]} hidden rows but {y.shape[0]} labels: give one label per token")
     if tokens < 1:
         raise ValueError(f"tokens per tile must be at least 1 (got {tokens})")
     weight, bias = head.weight, head.bias
-
-    def run(x: torch.Tensor, tile: Tile) -> torch.Tensor:
-        logits = F.linear(x, weight, bias).float()  # the fp32 upcast per tile, as HF's loss does for all tokens
-        return F.cross_entropy(logits, y[tile.arg], ignore_index=ignore_index, reduction="sum")
-
-    n = h.shape[0]
-    tiles = [Tile((slice(a, min(n, a + tokens)),), None, slice(a, min(n, a + tokens))) for a in range(0, n, tokens)]
+    if h.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden states have {h.shape[-1]} features but the head takes {weight.shape[1]}")
+    _check_labels(y, weight.shape[0], ignore_index)
+    grad = torch.is_grad_enabled()
+    need = (grad and h.requires_grad, grad and weight.requires_grad, grad and bias is not None and bias.requires_grad)
     say = (lambda msg: print(f"  [swap.tiled head] {msg}", file=sys.stderr, flush=True)) if progress else None
-    params = [p for p in (weight, bias) if p is not None]
+    return LinearCrossEntropy.apply(h, weight, bias, y, tokens, ignore_index, need, say)
 
-    def output(x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
 
-    return Tiling(run, tiles, output, params, progress=say).apply(h)
+def _check_labels(y: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """A label outside the vocabulary would index past a tile's logits: say which, before any tile runs
+    (one device synchronisation; the meta device has no values to check)."""
+    if y.device.type == "meta" or y.numel() == 0:
+        return
+    if y.is_floating_point():
+        raise TypeError(f"labels must be class indices (an integer tensor), got {y.dtype}")
+    bad = (y != ignore_index) & ((y < 0) | (y >= vocab))
+    if bool(bad.any()):
+        first = int(bad.nonzero()[0, 0])
+        raise ValueError(f"label {int(y[first])} at row {first} is outside the vocabulary [0, {vocab}): use class "
+                         f"indices below {vocab}, or {ignore_index} (ignore_index) for rows without a target")
 
 
 class TiledCausalLM(nn.Module):
@@ -79,10 +87,12 @@ class TiledCausalLM(nn.Module):
         self.last_tokens: Optional[int] = None
 
     def tokens_for(self, rows: int, hidden: int, dtype: torch.dtype) -> int:
-        """Tokens per tile for ``rows`` tokens of ``hidden`` features in ``dtype``."""
+        """Tokens per tile for ``rows`` tokens of ``hidden`` features in ``dtype`` (or autocast's)."""
         if self.tokens is not None:
             return self.tokens
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        if dtype == torch.float32 and torch.is_autocast_enabled(self.head.weight.device.type):
+            dtype = torch.get_autocast_dtype(self.head.weight.device.type)  # the head's logits come out in it
+        itemsize = dtype.itemsize
         return tokens_per_tile(HeadShape(rows, hidden, self.head.out_features, itemsize), self.budget)
 
     def forward(self, input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
