@@ -28,6 +28,18 @@ that trains, with PyTorch's own kernels and thread count:
   swapped-bytes counters do). A swapped step is predicted as its compute plus every copied byte at this
   bandwidth, serially (bench/plan_vs_reality_time.py), not as copies hidden behind compute.
 
+- ``class_rates``: the achieved rate of each operator class of Note [Operator classes] (swap/planning/pricing.py),
+  where the roofline's two numbers are not enough on a CPU: bytes/s (as the capture counts them: tensors read
+  and written) of each pointwise class's forward and backward kernels on 1, 4 and 16 MiB inputs, FLOP/s (the
+  capture's FLOP formulas) of convolutions forward and backward (``CONVS``: 1x1 and 3x3 at 16 to 256
+  channels, a 7x7 stride-2 stem on 3 channels, 3x3 stride-2 downsampling). Total work
+  over total time of the class's calls, so its slow kernels weigh as they cost.
+- ``attention_flops``: FLOP/s of CPU flash attention (SDPA's kernel on CPU) forward + backward by head dim,
+  8 to 128, at 256 and 1024 tokens.
+
+The microbenchmarks are generic shapes chosen here, not the models that bench/plan_vs_reality_time.py checks
+the profile on: nothing is fitted to those.
+
 Everything runs on one intra-op thread (``THREADS``), the calibration and the runs it predicts alike: this
 machine is shared (a load of 6 on 2 cores is common), and with two OpenMP threads every parallel region
 waits at its barrier for whichever thread the kernel descheduled, so the same step took 0.2 s or 4 s (GPT-2
@@ -46,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -59,11 +72,13 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_flatten
 
 import swap
 from swap.capture import capture
+from swap.capture.flops import operator_flops
 from swap.planning.devices import DeviceProfile
-from swap.planning.pricing import iteration_seconds
+from swap.planning.pricing import BYTES, FLOPS, OP_CLASSES, iteration_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 PATH = ROOT / "bench" / "results" / "cpu_profile.json"
@@ -72,6 +87,9 @@ MATMUL_N = 1024
 TENSOR_BYTES = 8 * MiB
 TINY_WIDTH, TINY_LAYERS, TINY_BATCH = 8, 16, 2
 THREADS = 1  # Note [The CPU as a device]: one intra-op thread, for steady timings on a shared machine
+POINTWISE_MIB = (1, 4, 16)  # input sizes of the pointwise classes' microbenchmarks
+HEAD_DIMS, ATTENTION_TOKENS = (8, 16, 32, 64, 128), (256, 1024)
+aten = torch.ops.aten
 
 
 def log(msg: str) -> None:
@@ -94,6 +112,10 @@ class CpuMeasurements:
     tiny_managed_step_seconds: float  # one step under SwapManager (declined: meter and hooks on)
     threads: int
     memory: int  # bytes of the machine's memory
+    # per operator class (Note [Operator classes]): (work, seconds) summed over its microbenchmark calls, work
+    # in the class's unit (bytes or FLOPs); CPU flash attention by head dim: (FLOPs, seconds)
+    classes: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    attention: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -111,7 +133,9 @@ class CpuProfile:
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> CpuProfile:
-        return CpuProfile(DeviceProfile(**d["device"]), float(d["link_bandwidth"]), float(d["runtime_op_overhead"]))
+        device = dict(d["device"])
+        device["attention_flops"] = tuple((int(h), float(r)) for h, r in device.get("attention_flops", ()))
+        return CpuProfile(DeviceProfile(**device), float(d["link_bandwidth"]), float(d["runtime_op_overhead"]))
 
 
 def rates(m: CpuMeasurements) -> tuple[float, float]:
@@ -119,6 +143,18 @@ def rates(m: CpuMeasurements) -> tuple[float, float]:
     if min(m.matmul_seconds, m.mul_seconds, m.copy_seconds) <= 0:
         raise ValueError(f"measured times must be positive: {m}")
     return 2 * m.matmul_n**3 / m.matmul_seconds, 3 * m.mul_bytes / m.mul_seconds
+
+
+def class_rates(m: CpuMeasurements) -> tuple[dict[str, float], tuple[tuple[int, float], ...]]:
+    """(rate per operator class, (head dim, FLOP/s) of CPU flash attention) of the measurements."""
+    for what, seconds in [*m.classes.items(), *m.attention.items()]:
+        if min(seconds) <= 0:
+            raise ValueError(f"{what}: measured work and time must be positive, got {seconds}")
+    unknown = set(m.classes) - set(OP_CLASSES)
+    if unknown:
+        raise ValueError(f"no operator class {sorted(unknown)} in swap.planning.pricing.OP_CLASSES")
+    rates = {cls: work / seconds for cls, (work, seconds) in m.classes.items()}
+    return rates, tuple((h, flops / seconds) for h, (flops, seconds) in sorted(m.attention.items()))
 
 
 def profile_from(m: CpuMeasurements, name: str = "cpu") -> CpuProfile:
@@ -130,11 +166,13 @@ def profile_from(m: CpuMeasurements, name: str = "cpu") -> CpuProfile:
     op_overhead = max(0.0, (m.tiny_step_seconds - m.tiny_roofline_seconds) / m.tiny_ops)
     runtime = max(0.0, (m.tiny_managed_step_seconds - m.tiny_step_seconds) / m.tiny_ops)
     link = m.copy_bytes / m.copy_seconds
+    rates_of_classes, attention = class_rates(m)
     device = DeviceProfile(
         f"{name}, {m.threads} threads (measured)", flops, flops, bandwidth, link, link, m.memory, efficiency=1.0,
         source=f"measured by python -m bench.cpu_profile: fp32 mm {m.matmul_n}^3, mul and copy_ of "
-               f"{m.mul_bytes // MiB} MiB tensors, a {TINY_LAYERS}-layer {TINY_WIDTH}-wide training step",
-        op_overhead=op_overhead,
+               f"{m.mul_bytes // MiB} MiB tensors, a {TINY_LAYERS}-layer {TINY_WIDTH}-wide training step; "
+               f"operator classes and attention on microbenchmarks",
+        op_overhead=op_overhead, class_rates=rates_of_classes or None, attention_flops=attention,
     )  # fmt: skip
     return CpuProfile(device, link, runtime)
 
@@ -156,6 +194,109 @@ def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> floa
         fn()
         times.append(time.process_time() - t0)
     return statistics.median(times)
+
+
+def moved_bytes(args: tuple, out: Any) -> int:
+    """Bytes an operator call moves as the capture counts them: its tensor arguments and outputs."""
+    tensors = [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def time_calls(calls: list[tuple[Any, tuple]], unit: str, repeats: int) -> tuple[float, float]:
+    """(work, seconds) summed over ``calls`` of (aten overload, args): work in ``unit`` (bytes as the capture
+    counts them, or the capture's FLOPs), seconds the median of repeats of each call."""
+    work = seconds = 0.0
+    for func, args in calls:
+        out = func(*args)
+        work += moved_bytes(args, out) if unit == BYTES else operator_flops(func, args, {}, out)
+        seconds += median_seconds(functools.partial(func, *args), repeats)
+    return work, seconds
+
+
+def pointwise_calls(cls: str, mib: int) -> list[tuple[Any, tuple]]:
+    """The forward and backward kernels of pointwise class ``cls`` on ``mib`` MiB fp32 inputs."""
+    n = mib * MiB // 4
+    x, g = torch.randn(n), torch.randn(n)
+    rows = x.view(-1, 1024)
+    if cls == "dropout":  # CPU dropout draws its mask with bernoulli_ (then div_ and mul: memory-bound)
+        return [(aten.bernoulli_.float, (torch.empty(n), 0.9))]
+    if cls == "tanh":
+        return [(aten.tanh.default, (x,)), (aten.tanh_backward.default, (g, torch.tanh(x)))]
+    if cls == "pow":
+        return [(aten.pow.Tensor_Scalar, (x, 3.0))]
+    if cls in ("gelu", "silu"):
+        fwd, bwd = getattr(aten, cls).default, getattr(aten, f"{cls}_backward").default
+        return [(fwd, (x,)), (bwd, (g, x))]
+    if cls == "softmax":
+        y, logy = torch.softmax(rows, -1), torch.log_softmax(rows, -1)
+        return [(aten._softmax.default, (rows, -1, False)), (aten._log_softmax.default, (rows, -1, False)),
+                (aten._softmax_backward_data.default, (g.view_as(rows), y, -1, torch.float32)),
+                (aten._log_softmax_backward_data.default, (g.view_as(rows), logy, -1, torch.float32))]  # fmt: skip
+    if cls == "layer_norm":
+        w, b = torch.ones(1024), torch.zeros(1024)
+        _, mean, rstd = aten.native_layer_norm.default(rows, [1024], w, b, 1e-5)
+        return [(aten.native_layer_norm.default, (rows, [1024], w, b, 1e-5)),
+                (aten.native_layer_norm_backward.default, (g.view_as(rows), rows, [1024], mean, rstd, w, b,
+                                                           [True, True, True]))]  # fmt: skip
+    images, c = x.view(8, 64, -1), 64  # batch 8, 64 channels
+    w, b = torch.ones(c), torch.zeros(c)
+    if cls == "group_norm":
+        hw = images.shape[-1]
+        _, mean, rstd = aten.native_group_norm.default(images, w, b, 8, c, hw, 32, 1e-5)
+        return [(aten.native_group_norm.default, (images, w, b, 8, c, hw, 32, 1e-5)),
+                (aten.native_group_norm_backward.default, (g.view_as(images), images, mean, rstd, w, 8, c, hw, 32,
+                                                           [True, True, True]))]  # fmt: skip
+    if cls == "batch_norm":
+        rm, rv = torch.zeros(c), torch.ones(c)
+        _, mean, invstd = aten.native_batch_norm.default(images, w, b, rm, rv, True, 0.1, 1e-5)
+        return [(aten.native_batch_norm.default, (images, w, b, rm, rv, True, 0.1, 1e-5)),
+                (aten.native_batch_norm_backward.default, (g.view_as(images), images, w, rm, rv, mean, invstd, True,
+                                                           1e-5, [True, True, True]))]  # fmt: skip
+    raise ValueError(f"no microbenchmark for operator class {cls!r}")
+
+
+CONVS = [(c, c, k, 1, 64 if c <= 64 else 32) for k in (1, 3) for c in (16, 32, 64, 128, 256)] + [
+    (3, 64, 7, 2, 128), (64, 64, 3, 2, 64), (128, 128, 3, 2, 32)]  # (in, out channels, kernel, stride, size)
+
+
+def conv_calls() -> list[tuple[Any, tuple]]:
+    """Convolutions forward and backward, batch 4: 1x1 and 3x3 at 16 to 256 channels (64x64 images up to 64
+    channels, then 32x32), an image model's 7x7 stride-2 stem on 3 channels, 3x3 stride-2 downsampling."""
+    calls = []
+    for c_in, c_out, k, stride, size in CONVS:
+        x, w = torch.randn(4, c_in, size, size), torch.randn(c_out, c_in, k, k)
+        conv = (x, w, None, [stride] * 2, [k // 2] * 2, [1, 1], False, [0, 0], 1)
+        grad = aten.convolution.default(*conv)
+        backward = (grad, *conv[:2], [c_out], *conv[3:], [True, True, True])
+        calls += [(aten.convolution.default, conv), (aten.convolution_backward.default, backward)]
+    return calls
+
+
+def measure_classes(repeats: int) -> dict[str, tuple[float, float]]:
+    """(work, seconds) of every operator class of Note [Operator classes] on its microbenchmarks."""
+    out = {}
+    for cls, (unit, _) in OP_CLASSES.items():
+        calls = conv_calls() if cls == "conv" else [c for mib in POINTWISE_MIB for c in pointwise_calls(cls, mib)]
+        out[cls] = time_calls(calls, unit, repeats)
+        work, seconds = out[cls]
+        log(f"  {cls}: {work / seconds / 1e9:.1f} G{'B' if unit == BYTES else 'FLOP'}/s")
+    return out
+
+
+def measure_attention(repeats: int) -> dict[int, tuple[float, float]]:
+    """(FLOPs, seconds) of CPU flash attention forward and backward by head dim (4M scores per call)."""
+    out = {}
+    for d in HEAD_DIMS:
+        calls = []
+        for tokens in ATTENTION_TOKENS:
+            q, k, v = (torch.randn(1, (1 << 22) // tokens**2, tokens, d) for _ in range(3))
+            o, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v)
+            calls += [(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, k, v)),
+                      (aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                       (torch.randn_like(o), q, k, v, o, lse, 0.0, False))]  # fmt: skip
+        out[d] = time_calls(calls, FLOPS, repeats)
+        log(f"  attention, head dim {d}: {out[d][0] / out[d][1] / 1e9:.1f} GFLOP/s")
+    return out
 
 
 def tiny_model() -> nn.Module:
@@ -206,14 +347,18 @@ def measure(repeats: int = 30) -> CpuMeasurements:
     copy = median_seconds(lambda: z.copy_(x), repeats * 3)
     log(f"mul of {TENSOR_BYTES // MiB} MiB tensors: {3 * TENSOR_BYTES / mul / 1e9:.1f} GB/s; "
         f"copy_: {TENSOR_BYTES / copy / 1e9:.1f} GB/s")  # fmt: skip
+    log("operator classes (Note [Operator classes]):")
+    classes, attention = measure_classes(max(5, repeats // 3)), measure_attention(max(3, repeats // 6))
     trace = capture(tiny_model, tiny_batch, TINY_BATCH, tiny_loss, optimizer=optimizer, target="cpu")
     begin, end = trace.iterations()[-1]
     ops = int((trace.op[begin : end + 1] == swap.capture.trace.OP).sum())
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     partial = CpuMeasurements(MATMUL_N, mm, TENSOR_BYTES, mul, TENSOR_BYTES, copy, ops, 0.0, 0.0, 0.0,
-                              torch.get_num_threads(), memory)  # fmt: skip
+                              torch.get_num_threads(), memory, classes, attention)  # fmt: skip
     flops, bandwidth = rates(partial)
-    unit = DeviceProfile("rates", flops, flops, bandwidth, 1.0, 1.0, partial.memory, efficiency=1.0)
+    by_class, by_head_dim = class_rates(partial)
+    unit = DeviceProfile("rates", flops, flops, bandwidth, 1.0, 1.0, partial.memory, efficiency=1.0,
+                         class_rates=by_class, attention_flops=by_head_dim)  # fmt: skip
     roofline = iteration_seconds(trace, unit)
     plain, managed = [], []
     for _ in range(3):  # interleaved: the machine is shared, so its speed drifts

@@ -13,6 +13,23 @@ operators alternate, as in a checkpointed block's recompute (issue 21: ResNet-50
 bottleneck priced 1.33x faster per segment than per operator on H100 figures, GPT-2 medium 1.22x).
 Traces without operator events (format 5, imported snapshots) are still priced per segment, the best they
 allow. Segments remain the unit of scheduling (swap.planning.from_trace).
+
+Note [Operator classes]
+Two numbers per device are not enough on a CPU. On one core, PyTorch's pointwise kernels that compute per
+element run far below the memory bandwidth of a multiply, each at its own rate (this machine, forward and
+backward kernels together, bytes as the capture counts them: dropout's bernoulli_ 1.4 GB/s, tanh 6.9, batch
+norm 7.9, GELU 13, softmax 20, layer norm 21, against 45 for a multiply); CPU flash attention reaches 17
+GFLOP/s with 8-wide heads and 79 with 64-wide ones, against 93 for a matmul. A profile may therefore carry
+measured rates per operator class (``DeviceProfile.class_rates``, ``attention_flops``): an operator of a
+class in ``OP_CLASSES`` then takes its bytes (or FLOPs) at the class's rate, plus the per-operator overhead,
+instead of its roofline; CPU flash attention takes its FLOPs at the rate of its head dim, interpolated in
+log2 of the head dim between the measured ones (clamped at the ends). The head dim is not recorded, but the
+kernel's outputs give it (``attention_head_dim``); where they do not, the roofline prices it. Convolutions
+are a class too, although on the calibration's shapes they reach about the matmul's rate (98 GFLOP/s).
+The rates are measured on microbenchmarks of the classes' kernels (bench/cpu_profile.py), never fitted to the
+models they are checked on. Only the CPU profile sets them: the datasheet GPU profiles leave them unset and
+price every operator on the roofline exactly as before. A class is a function's forward and backward kernels,
+priced by one rate: the classes are what the measured rates differ by, not a taxonomy.
 """
 
 from __future__ import annotations
@@ -29,6 +46,28 @@ def low_precision_model(trace: Trace) -> bool:
     """Whether the trace's model trains in bf16/fp16 (what prices a trace that records no precision per
     operator)."""
     return trace.meta.get("dtype") in ("bfloat16", "float16")
+
+
+BYTES, FLOPS = "bytes", "flops"
+# Note [Operator classes]: class -> (what its rate counts, the operators, as aten packet names).
+OP_CLASSES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "conv": (FLOPS, ("aten.convolution", "aten.convolution_backward")),
+    "dropout": (BYTES, ("aten.bernoulli_", "aten.bernoulli", "aten.native_dropout")),
+    "tanh": (BYTES, ("aten.tanh", "aten.tanh_backward")),
+    "pow": (BYTES, ("aten.pow",)),
+    "gelu": (BYTES, ("aten.gelu", "aten.gelu_backward")),
+    "silu": (BYTES, ("aten.silu", "aten.silu_backward")),
+    "softmax": (BYTES, ("aten._softmax", "aten._safe_softmax", "aten._softmax_backward_data", "aten._log_softmax",
+                        "aten._log_softmax_backward_data")),
+    "layer_norm": (BYTES, ("aten.native_layer_norm", "aten.native_layer_norm_backward")),
+    "group_norm": (BYTES, ("aten.native_group_norm", "aten.native_group_norm_backward")),
+    "batch_norm": (BYTES, ("aten.native_batch_norm", "aten.native_batch_norm_backward",
+                           "aten._native_batch_norm_legit", "aten._native_batch_norm_legit_functional",
+                           "aten._native_batch_norm_legit_no_training")),
+}  # fmt: skip
+CLASS_OF = {name: cls for cls, (_, names) in OP_CLASSES.items() for name in names}
+ATTENTION, ATTENTION_BACKWARD = ("aten._scaled_dot_product_flash_attention_for_cpu",
+                                 "aten._scaled_dot_product_flash_attention_for_cpu_backward")  # fmt: skip
 
 
 def event_seconds(trace: Trace, dev: DeviceProfile, low_precision: Optional[bool] = None) -> np.ndarray:
