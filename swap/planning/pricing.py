@@ -34,11 +34,12 @@ priced by one rate: the classes are what the measured rates differ by, not a tax
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Optional
 
 import numpy as np
 
-from ..capture.trace import OP, Trace
+from ..capture.trace import ALLOC, OP, Trace
 from .devices import DeviceProfile
 
 
@@ -70,15 +71,75 @@ ATTENTION, ATTENTION_BACKWARD = ("aten._scaled_dot_product_flash_attention_for_c
                                  "aten._scaled_dot_product_flash_attention_for_cpu_backward")  # fmt: skip
 
 
+def packet(op_name: str) -> str:
+    """The operator's packet name without its overload ("aten.tanh.default" -> "aten.tanh")."""
+    return op_name.rsplit(".", 1)[0]
+
+
+def attention_head_dim(trace: Trace, k: int) -> Optional[int]:
+    """The head dim of CPU flash attention event ``k``, from the allocations it returns (they follow it: Note
+    [Trace file format]): the forward returns the output (B, H, L, d) and the fp32 logsumexp (B, H, L); the
+    backward returns the gradients of q, k and v, and read grad_out, q, k, v, the output (q's size each) and
+    the logsumexp, so the logsumexp's bytes are what its moved bytes leave. None when the events do not say."""
+    sizes = []
+    j = k + 1
+    while j < len(trace) and trace.op[j] == ALLOC:
+        sizes.append(int(trace.size[j]))
+        j += 1
+    element = 2 if trace.precision[k] == 1 else 4
+    name = packet(trace.op_name(k))
+    if name == ATTENTION and len(sizes) == 2:
+        out, lse = sizes
+    elif name == ATTENTION_BACKWARD and len(sizes) == 3:
+        out, lse = sizes[0], int(trace.bytes[k]) - 4 * sizes[0] - 2 * sizes[1] - 2 * sizes[2]
+    else:
+        return None
+    if lse <= 0 or out <= 0 or (out // element) % (lse // 4):
+        return None
+    return (out // element) // (lse // 4)
+
+
+def attention_rate(head_dim: int, measured: Sequence[tuple[int, float]]) -> float:
+    """FLOP/s of CPU flash attention at ``head_dim``: the measured (head dim, FLOP/s) pairs interpolated in
+    log2 of the head dim, clamped at the ends (Note [Operator classes])."""
+    dims, rates = zip(*sorted(measured))
+    return float(np.interp(np.log2(head_dim), np.log2(dims), rates))
+
+
 def event_seconds(trace: Trace, dev: DeviceProfile, low_precision: Optional[bool] = None) -> np.ndarray:
     """Seconds of each event of ``trace`` on ``dev`` (Note [Per-operator roofline]): operator events on the
-    roofline of their own precision; the segment sums of older traces on the model's precision
-    (``low_precision``, default from the trace's dtype); 0 for events that cost nothing."""
+    roofline of their own precision, or at their class's measured rate where ``dev`` has one (Note [Operator
+    classes]); the segment sums of older traces on the model's precision (``low_precision``, default from
+    the trace's dtype); 0 for events that cost nothing."""
     low = low_precision_model(trace) if low_precision is None else low_precision
     precision = np.where(trace.precision >= 0, trace.precision == 1, low)
     costly = (trace.op == OP) | (trace.flops > 0) | (trace.bytes > 0)
     seconds = dev.step_seconds(trace.flops, trace.bytes, precision)
+    if (dev.class_rates or dev.attention_flops) and trace.has_ops():
+        seconds = _at_class_rates(trace, dev, seconds)
     return np.where(costly, seconds, 0.0)
+
+
+def _at_class_rates(trace: Trace, dev: DeviceProfile, roofline: np.ndarray) -> np.ndarray:
+    """``roofline`` with the operators of the profile's measured classes priced at their rates."""
+    names = [packet(n) for n in trace.meta["ops"]]
+    rates, units = dev.class_rates or {}, {cls: unit for cls, (unit, _) in OP_CLASSES.items()}
+    seconds = roofline.copy()
+    is_op = trace.op == OP
+    for i, name in enumerate(names):
+        cls = CLASS_OF.get(name)
+        if cls is None or cls not in rates:
+            continue
+        at = is_op & (trace.id == i)
+        work = trace.flops[at] if units[cls] == FLOPS else trace.bytes[at]
+        seconds[at] = work / rates[cls] + dev.op_overhead
+    if dev.attention_flops:
+        ids = [i for i, name in enumerate(names) if name in (ATTENTION, ATTENTION_BACKWARD)]
+        for k in np.flatnonzero(is_op & np.isin(trace.id, ids)).tolist():
+            d = attention_head_dim(trace, k)
+            if d is not None:  # else its roofline, as before
+                seconds[k] = trace.flops[k] / attention_rate(d, dev.attention_flops) + dev.op_overhead
+    return seconds
 
 
 def iteration_seconds(trace: Trace, dev: DeviceProfile, iteration: int = -1) -> float:

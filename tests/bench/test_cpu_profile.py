@@ -50,6 +50,25 @@ def test_the_profile_round_trips_and_a_missing_file_says_how_to_make_one(tmp_pat
         load(tmp_path / "none.json")
 
 
+def test_operator_classes_get_their_measured_rates_and_round_trip(tmp_path):
+    # 2 GB in 1 s of tanh kernels, 3 GFLOP in 0.1 s of convolutions; attention 1 GFLOP in 0.1 s at head dim
+    # 8, 0.02 s at 64.
+    m = dataclasses.replace(M, classes={"tanh": (2e9, 1.0), "conv": (3e9, 0.1)},
+                            attention={64: (1e9, 0.02), 8: (1e9, 0.1)})  # fmt: skip
+    d = profile_from(m).device
+    assert d.class_rates == pytest.approx({"tanh": 2e9, "conv": 30e9})
+    assert [h for h, _ in d.attention_flops] == [8, 64]  # sorted by head dim
+    assert [r for _, r in d.attention_flops] == pytest.approx([10e9, 50e9])
+    assert profile_from(M).device.class_rates is None  # nothing measured: the roofline alone
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({"profile": profile_from(m).to_json()}))
+    assert load(path) == profile_from(m)
+    with pytest.raises(ValueError, match="no operator class"):
+        profile_from(dataclasses.replace(m, classes={"tanh": (2e9, 1.0), "sparkle": (1.0, 1.0)}))
+    with pytest.raises(ValueError, match="positive"):
+        profile_from(dataclasses.replace(m, attention={8: (1e9, 0.0)}))
+
+
 def test_swapped_steps_pay_every_copy_and_ratios_compare_strategies():
     assert swapped_seconds(1.0, 3 * 10**9, 10**9, 4e9) == pytest.approx(2.0)
     predicted = {"plain": 1.0, "checkpointed": 1.2, "swapped": 1.5}
