@@ -17,25 +17,37 @@ allow. Segments remain the unit of scheduling (swap.planning.from_trace).
 Note [Operator classes]
 Two numbers per device are not enough on a CPU. On one core, PyTorch's pointwise kernels that compute per
 element run far below the memory bandwidth of a multiply, each at its own rate (this machine, forward and
-backward kernels together, bytes as the capture counts them: dropout's bernoulli_ 1.4 GB/s, tanh 6.9, batch
-norm 7.9, GELU 13, softmax 20, layer norm 21, against 45 for a multiply); CPU flash attention reaches 17
-GFLOP/s with 8-wide heads and 79 with 64-wide ones, against 93 for a matmul. A profile may therefore carry
-measured rates per operator class (``DeviceProfile.class_rates``, ``attention_flops``): an operator of a
-class in ``OP_CLASSES`` then takes its bytes (or FLOPs) at the class's rate, plus the per-operator overhead,
-instead of its roofline; CPU flash attention takes its FLOPs at the rate of its head dim, interpolated in
-log2 of the head dim between the measured ones (clamped at the ends). The head dim is not recorded, but the
-kernel's outputs give it (``attention_head_dim``); where they do not, the roofline prices it. Convolutions
-are a class too, although on the calibration's shapes they reach about the matmul's rate (98 GFLOP/s).
-The rates are measured on microbenchmarks of the classes' kernels (bench/cpu_profile.py), never fitted to the
-models they are checked on. Only the CPU profile sets them: the datasheet GPU profiles leave them unset and
-price every operator on the roofline exactly as before. A class is a function's forward and backward kernels,
-priced by one rate: the classes are what the measured rates differ by, not a taxonomy.
+backward kernels together, bytes as the capture counts them: dropout's bernoulli_ 1.4 GB/s, tanh 7.0, batch
+norm 8.1, GELU 14, softmax 20, layer norm 19, against 58 for a multiply); CPU flash attention reaches 17
+GFLOP/s with 8-wide heads and 79 with 64-wide ones, against 98 for a matmul; and a small convolution is slow
+for its FLOPs. A profile may therefore carry measured rates per operator class (``DeviceProfile.class_rates``,
+``attention_flops``): an operator of a class in ``OP_CLASSES`` then takes its FLOPs at the class's FLOP/s
+plus its bytes at the class's bytes/s, plus the per-operator overhead, instead of its roofline. Pointwise
+classes have no FLOPs. Convolutions pay both terms: on the calibration's 78 convolution calls (1x1 and 3x3,
+16 to 256 channels, 8 to 64 pixels wide, forward and backward), one FLOP/s misses single calls by -82% to
++31% (median 18%), the two terms fitted (105 GFLOP/s + 17 GB/s here) by -67% to +48% (median 12%, 83%
+within 25%). CPU flash attention takes its FLOPs at the
+rate of its head dim, interpolated in log2 of the head dim between the measured ones (clamped at the ends);
+the head dim is not recorded, but the kernel's outputs give it (``attention_head_dim``), and where they do
+not, the roofline prices it. The rates are measured on microbenchmarks of the classes' kernels
+(bench/cpu_profile.py), never fitted to the models they are checked on. Only the CPU profile sets them: the
+datasheet GPU profiles leave them unset and price every operator on the roofline exactly as before. A class
+is a function's forward and backward kernels: the classes are what the measured rates differ by, not a
+taxonomy; an operator of no class keeps its roofline.
+
+Fresh pages are the other cost a CPU step pays that no operator's bytes say: glibc serves an allocation of
+``FRESH_PAGES_MIN`` (32 MiB, its largest mmap threshold on 64-bit) or more with fresh pages from the kernel
+and returns them at free, so every such output is page-faulted and zeroed on first touch, in every step
+(this machine: a multiply with a 64 MiB output runs at 6 GB/s out of place, 32 into a warm buffer, so fresh
+pages come at 2.2 GB/s of output; 24 MiB outputs pay nothing). With ``DeviceProfile.fresh_page_bandwidth``
+set, the operator that returns such an allocation (its alloc events follow it: Note [Trace file format])
+pays its size at that bandwidth on top.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -49,24 +61,23 @@ def low_precision_model(trace: Trace) -> bool:
     return trace.meta.get("dtype") in ("bfloat16", "float16")
 
 
-BYTES, FLOPS = "bytes", "flops"
-# Note [Operator classes]: class -> (what its rate counts, the operators, as aten packet names).
-OP_CLASSES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "conv": (FLOPS, ("aten.convolution", "aten.convolution_backward")),
-    "dropout": (BYTES, ("aten.bernoulli_", "aten.bernoulli", "aten.native_dropout")),
-    "tanh": (BYTES, ("aten.tanh", "aten.tanh_backward")),
-    "pow": (BYTES, ("aten.pow",)),
-    "gelu": (BYTES, ("aten.gelu", "aten.gelu_backward")),
-    "silu": (BYTES, ("aten.silu", "aten.silu_backward")),
-    "softmax": (BYTES, ("aten._softmax", "aten._safe_softmax", "aten._softmax_backward_data", "aten._log_softmax",
-                        "aten._log_softmax_backward_data")),
-    "layer_norm": (BYTES, ("aten.native_layer_norm", "aten.native_layer_norm_backward")),
-    "group_norm": (BYTES, ("aten.native_group_norm", "aten.native_group_norm_backward")),
-    "batch_norm": (BYTES, ("aten.native_batch_norm", "aten.native_batch_norm_backward",
-                           "aten._native_batch_norm_legit", "aten._native_batch_norm_legit_functional",
-                           "aten._native_batch_norm_legit_no_training")),
+# Note [Operator classes]: class -> its operators, as aten packet names.
+OP_CLASSES: dict[str, tuple[str, ...]] = {
+    "conv": ("aten.convolution", "aten.convolution_backward"),
+    "dropout": ("aten.bernoulli_", "aten.bernoulli", "aten.native_dropout"),
+    "tanh": ("aten.tanh", "aten.tanh_backward"),
+    "pow": ("aten.pow",),
+    "gelu": ("aten.gelu", "aten.gelu_backward"),
+    "silu": ("aten.silu", "aten.silu_backward"),
+    "softmax": ("aten._softmax", "aten._safe_softmax", "aten._softmax_backward_data", "aten._log_softmax",
+                "aten._log_softmax_backward_data"),
+    "layer_norm": ("aten.native_layer_norm", "aten.native_layer_norm_backward"),
+    "group_norm": ("aten.native_group_norm", "aten.native_group_norm_backward"),
+    "batch_norm": ("aten.native_batch_norm", "aten.native_batch_norm_backward", "aten._native_batch_norm_legit",
+                   "aten._native_batch_norm_legit_functional", "aten._native_batch_norm_legit_no_training"),
 }  # fmt: skip
-CLASS_OF = {name: cls for cls, (_, names) in OP_CLASSES.items() for name in names}
+CLASS_OF = {name: cls for cls, names in OP_CLASSES.items() for name in names}
+FRESH_PAGES_MIN = 32 << 20  # Note [Operator classes]: allocations glibc always maps fresh
 ATTENTION, ATTENTION_BACKWARD = ("aten._scaled_dot_product_flash_attention_for_cpu",
                                  "aten._scaled_dot_product_flash_attention_for_cpu_backward")  # fmt: skip
 
@@ -115,30 +126,41 @@ def event_seconds(trace: Trace, dev: DeviceProfile, low_precision: Optional[bool
     precision = np.where(trace.precision >= 0, trace.precision == 1, low)
     costly = (trace.op == OP) | (trace.flops > 0) | (trace.bytes > 0)
     seconds = dev.step_seconds(trace.flops, trace.bytes, precision)
-    if (dev.class_rates or dev.attention_flops) and trace.has_ops():
+    if (dev.class_rates or dev.attention_flops or dev.fresh_page_bandwidth) and trace.has_ops():
         seconds = _at_class_rates(trace, dev, seconds)
     return np.where(costly, seconds, 0.0)
 
 
+def class_seconds(flops: Any, nbytes: Any, rates: tuple[float, float]) -> Any:
+    """Seconds of operators of a class with measured ``rates`` (FLOP/s, bytes/s; 0: no such term), without
+    the per-operator overhead (Note [Operator classes])."""
+    flop_rate, byte_rate = rates
+    return (np.divide(flops, flop_rate) if flop_rate else 0.0) + (np.divide(nbytes, byte_rate) if byte_rate else 0.0)
+
+
 def _at_class_rates(trace: Trace, dev: DeviceProfile, roofline: np.ndarray) -> np.ndarray:
-    """``roofline`` with the operators of the profile's measured classes priced at their rates."""
+    """``roofline`` with the operators of the profile's measured classes priced at their rates, and the fresh
+    pages of large outputs added to the operators that return them."""
     names = [packet(n) for n in trace.meta["ops"]]
-    rates, units = dev.class_rates or {}, {cls: unit for cls, (unit, _) in OP_CLASSES.items()}
+    rates = dev.class_rates or {}
     seconds = roofline.copy()
     is_op = trace.op == OP
     for i, name in enumerate(names):
         cls = CLASS_OF.get(name)
-        if cls is None or cls not in rates:
-            continue
-        at = is_op & (trace.id == i)
-        work = trace.flops[at] if units[cls] == FLOPS else trace.bytes[at]
-        seconds[at] = work / rates[cls] + dev.op_overhead
+        if cls in rates:
+            at = is_op & (trace.id == i)
+            seconds[at] = class_seconds(trace.flops[at], trace.bytes[at], rates[cls]) + dev.op_overhead
     if dev.attention_flops:
         ids = [i for i, name in enumerate(names) if name in (ATTENTION, ATTENTION_BACKWARD)]
         for k in np.flatnonzero(is_op & np.isin(trace.id, ids)).tolist():
             d = attention_head_dim(trace, k)
             if d is not None:  # else its roofline, as before
                 seconds[k] = trace.flops[k] / attention_rate(d, dev.attention_flops) + dev.op_overhead
+    if dev.fresh_page_bandwidth:
+        fresh = np.flatnonzero((trace.op == ALLOC) & (trace.size >= FRESH_PAGES_MIN))
+        returned_by = np.maximum.accumulate(np.where(is_op, np.arange(len(trace)), -1))[fresh]
+        by_op = returned_by >= 0  # else made outside the captured operators (parameters)
+        np.add.at(seconds, returned_by[by_op], trace.size[fresh[by_op]] / dev.fresh_page_bandwidth)
     return seconds
 
 

@@ -10,21 +10,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swap.capture import OP, TraceBuilder, capture
+from swap.capture import ALLOC, OP, TraceBuilder, capture
 from swap.planning.devices import PROFILES, DeviceProfile
 from swap.planning.pricing import (
     ATTENTION,
-    BYTES,
+    FRESH_PAGES_MIN,
     OP_CLASSES,
     attention_head_dim,
     attention_rate,
+    class_seconds,
     event_seconds,
     packet,
 )
 
 ROOFLINE = DeviceProfile("test", 1e12, 4e12, 100e9, 10e9, 10e9, 1 << 30, efficiency=1.0, op_overhead=1e-6)
-# A distinct rate per class (bytes/s or FLOP/s), none of them the roofline's.
-RATES = {cls: 1e9 * (k + 2) for k, cls in enumerate(OP_CLASSES)}
+# Distinct rates per class (FLOP/s, bytes/s), none of them the roofline's; convolutions pay both terms.
+RATES = {cls: (1e12 if cls == "conv" else 0.0, 1e9 * (k + 2)) for k, cls in enumerate(OP_CLASSES)}
 ATTENTION_FLOPS = ((8, 10e9), (32, 40e9), (128, 100e9))
 MEASURED = dataclasses.replace(ROOFLINE, class_rates=RATES, attention_flops=ATTENTION_FLOPS)
 
@@ -33,9 +34,10 @@ def one_op_each():
     """A trace with every class's operators (as captured names, with an overload) and a multiply, each with
     its own FLOPs and bytes; (trace, the operator events)."""
     b = TraceBuilder()
-    names = [f"{name}.default" for _, ops in OP_CLASSES.values() for name in ops] + ["aten.mul.Tensor"]
+    names = [f"{name}.default" for ops in OP_CLASSES.values() for name in ops] + ["aten.mul.Tensor"]
     for k, name in enumerate(names):
         b.add_op(name, flops=1e6 * (k + 1), nbytes=3e6 * (k + 1), module=-1, phase=1, precision=0)
+        b.add(ALLOC, k, size=FRESH_PAGES_MIN * (k % 2))  # every other operator returns fresh pages
     t = b.build({"format_version": 6})
     return t, np.flatnonzero(t.op == OP)
 
@@ -44,12 +46,15 @@ def test_each_class_is_priced_at_its_rate_and_the_rest_on_the_roofline():
     t, ops = one_op_each()
     seconds = event_seconds(t, MEASURED)
     roofline = event_seconds(t, ROOFLINE)
-    for cls, (unit, names) in OP_CLASSES.items():
+    for cls, names in OP_CLASSES.items():
+        flop_rate, byte_rate = RATES[cls]
         for k in ops:
             if packet(t.op_name(k)) in names:
-                work = t.bytes[k] if unit == BYTES else t.flops[k]
-                assert seconds[k] == pytest.approx(work / RATES[cls] + 1e-6), t.op_name(k)
+                expected = t.bytes[k] / byte_rate + (t.flops[k] / flop_rate if flop_rate else 0.0) + 1e-6
+                assert seconds[k] == pytest.approx(expected), t.op_name(k)
                 assert seconds[k] != pytest.approx(roofline[k])
+    assert class_seconds(2e12, 3e9, (1e12, 1e9)) == pytest.approx(5.0)  # both terms, added
+    assert class_seconds(2e12, 3e9, (0.0, 1e9)) == pytest.approx(3.0)  # 0: no such term
     mul = ops[-1]
     assert seconds[mul] == roofline[mul] == pytest.approx(3e6 * len(ops) / 100e9 + 1e-6)
     # A class the profile has no rate for stays on the roofline.
@@ -59,6 +64,23 @@ def test_each_class_is_priced_at_its_rate_and_the_rest_on_the_roofline():
     assert priced[tanh] == seconds[tanh]
     assert np.array_equal(np.delete(priced, [k for k in ops if "tanh" in t.op_name(k)]),
                           np.delete(roofline, [k for k in ops if "tanh" in t.op_name(k)]))  # fmt: skip
+
+
+def test_large_outputs_pay_their_fresh_pages_on_the_operator_that_returns_them():
+    b = TraceBuilder()
+    for size in (FRESH_PAGES_MIN, FRESH_PAGES_MIN - 4096, 0):
+        b.add_op("aten.mul.Tensor", flops=0.0, nbytes=3e6, module=-1, phase=1, precision=0)
+        if size:
+            b.add(ALLOC, size, size=size)
+    b.add(ALLOC, 99, size=2 * FRESH_PAGES_MIN)  # the output of the last operator
+    t = b.build({"format_version": 6})
+    fresh = dataclasses.replace(ROOFLINE, fresh_page_bandwidth=1e9)
+    seconds, roofline = event_seconds(t, fresh), event_seconds(t, ROOFLINE)
+    ops = np.flatnonzero(t.op == OP)
+    assert seconds[ops[0]] == pytest.approx(roofline[ops[0]] + FRESH_PAGES_MIN / 1e9)
+    assert seconds[ops[1]] == roofline[ops[1]]  # below glibc's threshold: heap memory, no fresh pages
+    assert seconds[ops[2]] == pytest.approx(roofline[ops[2]] + 2 * FRESH_PAGES_MIN / 1e9)
+    assert (seconds[t.op == ALLOC] == 0).all()
 
 
 @pytest.mark.parametrize("name", sorted(PROFILES))
