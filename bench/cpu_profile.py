@@ -11,7 +11,9 @@ that trains, with PyTorch's own kernels and thread count:
 - ``matmul_flops``: FLOP/s of fp32 ``torch.mm`` at 1024 x 1024 x 1024 (2 n^3 FLOPs; median of repeats). The
   CPU has no low-precision tensor cores worth a separate peak: bf16/fp16 operators get the same figure.
 - ``mem_bandwidth``: bytes/s of ``torch.mul(a, b)`` counting what the capture counts for it (two inputs read,
-  one output written), on 8 MiB tensors (the size of the benchmark models' activations), out of place: a
+  one output written), on 8 MiB tensors (the size of the benchmark models' activations), each multiply on
+  the next of pairs cycled through ``COLD_BYTES``: a training step's operands come from memory, while one
+  pair in a hot loop stays in the L3 cache (calibrated that way, 57.8 GB/s), out of place: a
   training step's operators allocate their outputs, and fresh memory costs page faults that an ``out=``
   kernel into a warm buffer does not pay (1 thread, this machine: 39 GB/s out of place, 54 GB/s with
   ``out=``; at 32 MiB, past glibc's mmap threshold, 5.6 against 30).
@@ -24,10 +26,10 @@ that trains, with PyTorch's own kernels and thread count:
   step fits (it profiles, then steps aside with its meter still on), less the plain step, per operator.
 - ``link_bandwidth``: the CPU has no copy engine. ``SwapManager`` on CPU "swaps" into host blocks in the same
   memory, with ``dst.copy_(src)`` on a worker thread that competes with the compute threads for the cores.
-  The link is that memcpy: bytes/s of ``copy_`` of 8 MiB tensors (counting each byte once, as the runtime's
-  swapped-bytes counters do). A swapped step is predicted as its compute plus every copied byte at this
-  bandwidth, serially (bench/plan_vs_reality_time.py), not as copies hidden behind compute.
-
+  The link is that memcpy: bytes/s of ``copy_`` of 8 MiB tensors, cycled like the multiply's (counting each
+  byte once, as the runtime's swapped-bytes counters do). A swapped step is predicted as its compute plus
+  every copied byte at this bandwidth, serially (bench/plan_vs_reality_time.py), not as copies hidden
+  behind compute.
 - ``class_rates``: the achieved rates of each operator class of Note [Operator classes] (swap/planning/pricing.py),
   where the roofline's two numbers are not enough on a CPU (``fit_rates``): bytes/s (as the capture counts
   them: tensors read and written) of each pointwise class's forward and backward kernels on 1, 4 and 16 MiB
@@ -65,6 +67,7 @@ import argparse
 import dataclasses
 import functools
 import gc
+import itertools
 import json
 import os
 import platform
@@ -84,13 +87,14 @@ import swap
 from swap.capture import capture
 from swap.capture.flops import operator_flops
 from swap.planning.devices import DeviceProfile
-from swap.planning.pricing import FRESH_PAGES_MIN, OP_CLASSES, iteration_seconds
+from swap.planning.pricing import CLASS_OF, FRESH_PAGES_MIN, OP_CLASSES, iteration_seconds, packet
 
 ROOT = Path(__file__).resolve().parents[1]
 PATH = ROOT / "bench" / "results" / "cpu_profile.json"
 MiB = 1 << 20
 MATMUL_N = 1024
 TENSOR_BYTES = 8 * MiB
+COLD_BYTES = 256 * MiB  # operands cycled through, 8x this machine's 32 MiB L3: each kernel reads memory
 TINY_WIDTH, TINY_LAYERS, TINY_BATCH = 8, 16, 2
 THREADS = 1  # Note [The CPU as a device]: one intra-op thread, for steady timings on a shared machine
 POINTWISE_MIB = (1, 4, 16)  # input sizes of the pointwise classes' microbenchmarks
@@ -251,7 +255,7 @@ def time_calls(calls: list[tuple[Any, tuple]], repeats: int) -> list[tuple[float
 
 
 def pointwise_calls(cls: str, mib: int) -> list[tuple[Any, tuple]]:
-    """The forward and backward kernels of pointwise class ``cls`` on ``mib`` MiB fp32 inputs."""
+    """The forward and backward kernels of a pointwise family (``FAMILIES``) on ``mib`` MiB fp32 inputs."""
     n = mib * MiB // 4
     x, g = torch.randn(n), torch.randn(n)
     rows = x.view(-1, 1024)
@@ -289,7 +293,14 @@ def pointwise_calls(cls: str, mib: int) -> list[tuple[Any, tuple]]:
         return [(aten.native_batch_norm.default, (images, w, b, rm, rv, True, 0.1, 1e-5)),
                 (aten.native_batch_norm_backward.default, (g.view_as(images), images, w, rm, rv, mean, invstd, True,
                                                            1e-5, [True, True, True]))]  # fmt: skip
-    raise ValueError(f"no microbenchmark for operator class {cls!r}")
+    if cls == "max_pool":
+        size = round((n // (8 * 64)) ** 0.5)  # square images of about mib MiB, batch 8, 64 channels
+        pool = (torch.randn(8, 64, size, size), [3, 3], [2, 2], [1, 1])
+        out, indices = aten.max_pool2d_with_indices.default(*pool)
+        return [(aten.max_pool2d_with_indices.default, pool),
+                (aten.max_pool2d_with_indices_backward.default, (torch.randn_like(out), *pool, [1, 1], False,
+                                                                 indices))]  # fmt: skip
+    raise ValueError(f"no microbenchmark for operator family {cls!r}")
 
 
 # (in, out channels, kernel, stride, pixels wide): 1x1 and 3x3 on a grid of channels and sizes, an image
@@ -311,13 +322,19 @@ def conv_calls() -> list[tuple[Any, tuple]]:
     return calls
 
 
+FAMILIES = ("conv", "dropout", "tanh", "pow", "gelu", "silu", "softmax", "layer_norm", "group_norm", "batch_norm",
+            "max_pool")  # fmt: skip  # each microbenchmarks its forward and backward classes
+
+
 def measure_classes(repeats: int) -> dict[str, list[tuple[float, float, float]]]:
     """(FLOPs, bytes, seconds) of the microbenchmark calls of every class of Note [Operator classes]."""
-    out = {}
-    for cls in OP_CLASSES:
-        calls = conv_calls() if cls == "conv" else [c for mib in POINTWISE_MIB for c in pointwise_calls(cls, mib)]
-        out[cls] = time_calls(calls, repeats)
-        flop_rate, byte_rate = fit_rates(out[cls])
+    out: dict[str, list[tuple[float, float, float]]] = {}
+    for family in FAMILIES:
+        calls = conv_calls() if family == "conv" else [c for mib in POINTWISE_MIB for c in pointwise_calls(family, mib)]
+        for (func, _), timed in zip(calls, time_calls(calls, repeats)):
+            out.setdefault(CLASS_OF[packet(str(func))], []).append(timed)
+    for cls, timed in out.items():
+        flop_rate, byte_rate = fit_rates(timed)
         log(f"  {cls}: " + (f"{flop_rate / 1e9:.1f} GFLOP/s + " if flop_rate else "") + f"{byte_rate / 1e9:.1f} GB/s")
     return out
 
@@ -394,9 +411,14 @@ def measure(repeats: int = 30) -> CpuMeasurements:
     mm = median_seconds(lambda: torch.mm(a, b), repeats)
     log(f"matmul {MATMUL_N}^3: {mm * 1e3:.2f} ms = {2 * MATMUL_N**3 / mm / 1e9:.1f} GFLOP/s")
     n = TENSOR_BYTES // 4
-    x, y, z = torch.randn(n), torch.randn(n), torch.empty(n)
-    mul = median_seconds(lambda: torch.mul(x, y), repeats * 3)
-    copy = median_seconds(lambda: z.copy_(x), repeats * 3)
+    operands = itertools.cycle([(torch.randn(n), torch.randn(n)) for _ in range(COLD_BYTES // TENSOR_BYTES // 2)])
+    mul = median_seconds(lambda: torch.mul(*next(operands)), repeats * 3)
+
+    def copy_next() -> None:
+        src, dst = next(operands)
+        dst.copy_(src)
+
+    copy = median_seconds(copy_next, repeats * 3)
     log(f"mul of {TENSOR_BYTES // MiB} MiB tensors: {3 * TENSOR_BYTES / mul / 1e9:.1f} GB/s; "
         f"copy_: {TENSOR_BYTES / copy / 1e9:.1f} GB/s")  # fmt: skip
     big, fresh, warm = measure_fresh_pages(repeats)
@@ -451,9 +473,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         rounds.append(measure())
     m = median_of(rounds)
     p = profile_from(m, platform.processor() or platform.machine())
-    convs = m.classes["conv"]
+    convs = m.classes["conv"] + m.classes["conv_backward"]
     one = fit_errors(convs, (sum(c[0] for c in convs) / sum(c[2] for c in convs), 0.0))
-    two = fit_errors(convs, p.device.class_rates["conv"])
+    two = np.concatenate([fit_errors(m.classes[c], p.device.class_rates[c]) for c in ("conv", "conv_backward")])
     log(f"convolutions, per call: one FLOP/s misses by {one.min():+.0%} to {one.max():+.0%}; FLOP/s + bytes/s by "
         f"{two.min():+.0%} to {two.max():+.0%}, {np.mean(abs(two) <= 0.25):.0%} of calls within 25%")  # fmt: skip
     d = p.device

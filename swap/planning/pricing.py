@@ -16,32 +16,33 @@ allow. Segments remain the unit of scheduling (swap.planning.from_trace).
 
 Note [Operator classes]
 Two numbers per device are not enough on a CPU. On one core, PyTorch's pointwise kernels that compute per
-element run far below the memory bandwidth of a multiply, each at its own rate (this machine, forward and
-backward kernels together, bytes as the capture counts them: dropout's bernoulli_ 1.4 GB/s, tanh 7.0, batch
-norm 8.1, GELU 14, softmax 20, layer norm 19, against 58 for a multiply); CPU flash attention reaches 17
-GFLOP/s with 8-wide heads and 79 with 64-wide ones, against 98 for a matmul; and a small convolution is slow
-for its FLOPs. A profile may therefore carry measured rates per operator class (``DeviceProfile.class_rates``,
-``attention_flops``): an operator of a class in ``OP_CLASSES`` then takes its FLOPs at the class's FLOP/s
-plus its bytes at the class's bytes/s, plus the per-operator overhead, instead of its roofline. Pointwise
-classes have no FLOPs. Convolutions pay both terms: on the calibration's 78 convolution calls (1x1 and 3x3,
-16 to 256 channels, 8 to 64 pixels wide, forward and backward), one FLOP/s misses single calls by -82% to
-+31% (median 18%), the two terms fitted (105 GFLOP/s + 17 GB/s here) by -67% to +48% (median 12%, 83%
-within 25%). CPU flash attention takes its FLOPs at the
+element run far below the memory bandwidth of a multiply, each at its own rate (this machine, in bytes as the
+capture counts them: max pooling's forward 0.9 GB/s, dropout's bernoulli_ 1.4, tanh 3.2, batch norm 4.3
+forward and 17 backward, GELU 14, softmax 12, layer norm 21, against 36 for a multiply); CPU flash attention
+reaches 17 GFLOP/s with 8-wide heads and 77 with 64-wide ones, against 100 for a matmul; and a small
+convolution is slow for its FLOPs. A profile may therefore carry measured rates per operator class
+(``DeviceProfile.class_rates``, ``attention_flops``): an operator of a class in ``OP_CLASSES`` then takes its
+FLOPs at the class's FLOP/s plus its bytes at the class's bytes/s, plus the per-operator overhead, instead of
+its roofline. Pointwise classes have no FLOPs. Convolutions pay both terms: on the calibration's 78
+convolution calls (1x1 and 3x3, 16 to 256 channels, 8 to 64 pixels wide, a stem, strided ones, forward and
+backward), one FLOP/s misses single calls by -81% to +31%, the two terms fitted (forward 108 GFLOP/s + 20
+GB/s, backward 101 + 11) by -66% to +30%, 86% of them within 25%. CPU flash attention takes its FLOPs at the
 rate of its head dim, interpolated in log2 of the head dim between the measured ones (clamped at the ends);
 the head dim is not recorded, but the kernel's outputs give it (``attention_head_dim``), and where they do
 not, the roofline prices it. The rates are measured on microbenchmarks of the classes' kernels
 (bench/cpu_profile.py), never fitted to the models they are checked on. Only the CPU profile sets them: the
-datasheet GPU profiles leave them unset and price every operator on the roofline exactly as before. A class
-is a function's forward and backward kernels: the classes are what the measured rates differ by, not a
-taxonomy; an operator of no class keeps its roofline.
+datasheet GPU profiles leave them unset and price every operator on the roofline exactly as before. A
+function's forward and backward kernels are separate classes, since they run at different rates (batch norm's
+forward at a quarter of its backward's) and a recompute reruns only forwards; the classes are what the
+measured rates differ by, not a taxonomy, and an operator of no class keeps its roofline.
 
 Fresh pages are the other cost a CPU step pays that no operator's bytes say: glibc serves an allocation of
 ``FRESH_PAGES_MIN`` (32 MiB, its largest mmap threshold on 64-bit) or more with fresh pages from the kernel
-and returns them at free, so every such output is page-faulted and zeroed on first touch, in every step
-(this machine: a multiply with a 64 MiB output runs at 6 GB/s out of place, 32 into a warm buffer, so fresh
-pages come at 2.2 GB/s of output; 24 MiB outputs pay nothing). With ``DeviceProfile.fresh_page_bandwidth``
-set, the operator that returns such an allocation (its alloc events follow it: Note [Trace file format])
-pays its size at that bandwidth on top.
+and returns them at free, so every such output is page-faulted and zeroed on first touch, in every step (this
+machine: a multiply with a 64 MiB output runs at 5.9 GB/s out of place, 28 into a warm buffer, so fresh pages
+come at 2.4 GB/s of output). With ``DeviceProfile.fresh_page_bandwidth`` set, the operator that returns
+such an allocation (its alloc events follow it: Note [Trace file format]) pays its size at that bandwidth on
+top.
 """
 
 from __future__ import annotations
@@ -63,18 +64,27 @@ def low_precision_model(trace: Trace) -> bool:
 
 # Note [Operator classes]: class -> its operators, as aten packet names.
 OP_CLASSES: dict[str, tuple[str, ...]] = {
-    "conv": ("aten.convolution", "aten.convolution_backward"),
+    "conv": ("aten.convolution",),
+    "conv_backward": ("aten.convolution_backward",),
     "dropout": ("aten.bernoulli_", "aten.bernoulli", "aten.native_dropout"),
-    "tanh": ("aten.tanh", "aten.tanh_backward"),
+    "tanh": ("aten.tanh",),
+    "tanh_backward": ("aten.tanh_backward",),
     "pow": ("aten.pow",),
-    "gelu": ("aten.gelu", "aten.gelu_backward"),
-    "silu": ("aten.silu", "aten.silu_backward"),
-    "softmax": ("aten._softmax", "aten._safe_softmax", "aten._softmax_backward_data", "aten._log_softmax",
-                "aten._log_softmax_backward_data"),
-    "layer_norm": ("aten.native_layer_norm", "aten.native_layer_norm_backward"),
-    "group_norm": ("aten.native_group_norm", "aten.native_group_norm_backward"),
-    "batch_norm": ("aten.native_batch_norm", "aten.native_batch_norm_backward", "aten._native_batch_norm_legit",
+    "gelu": ("aten.gelu",),
+    "gelu_backward": ("aten.gelu_backward",),
+    "silu": ("aten.silu",),
+    "silu_backward": ("aten.silu_backward",),
+    "softmax": ("aten._softmax", "aten._safe_softmax", "aten._log_softmax"),
+    "softmax_backward": ("aten._softmax_backward_data", "aten._log_softmax_backward_data"),
+    "layer_norm": ("aten.native_layer_norm",),
+    "layer_norm_backward": ("aten.native_layer_norm_backward",),
+    "group_norm": ("aten.native_group_norm",),
+    "group_norm_backward": ("aten.native_group_norm_backward",),
+    "batch_norm": ("aten.native_batch_norm", "aten._native_batch_norm_legit",
                    "aten._native_batch_norm_legit_functional", "aten._native_batch_norm_legit_no_training"),
+    "batch_norm_backward": ("aten.native_batch_norm_backward",),
+    "max_pool": ("aten.max_pool2d_with_indices",),
+    "max_pool_backward": ("aten.max_pool2d_with_indices_backward",),
 }  # fmt: skip
 CLASS_OF = {name: cls for cls, names in OP_CLASSES.items() for name in names}
 FRESH_PAGES_MIN = 32 << 20  # Note [Operator classes]: allocations glibc always maps fresh

@@ -25,7 +25,7 @@ from swap.planning.pricing import (
 
 ROOFLINE = DeviceProfile("test", 1e12, 4e12, 100e9, 10e9, 10e9, 1 << 30, efficiency=1.0, op_overhead=1e-6)
 # Distinct rates per class (FLOP/s, bytes/s), none of them the roofline's; convolutions pay both terms.
-RATES = {cls: (1e12 if cls == "conv" else 0.0, 1e9 * (k + 2)) for k, cls in enumerate(OP_CLASSES)}
+RATES = {cls: (1e12 if cls.startswith("conv") else 0.0, 1e9 * (k + 2)) for k, cls in enumerate(OP_CLASSES)}
 ATTENTION_FLOPS = ((8, 10e9), (32, 40e9), (128, 100e9))
 MEASURED = dataclasses.replace(ROOFLINE, class_rates=RATES, attention_flops=ATTENTION_FLOPS)
 
