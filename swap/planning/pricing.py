@@ -17,16 +17,16 @@ allow. Segments remain the unit of scheduling (swap.planning.from_trace).
 Note [Operator classes]
 Two numbers per device are not enough on a CPU. On one core, PyTorch's pointwise kernels that compute per
 element run far below the memory bandwidth of a multiply, each at its own rate (this machine, in bytes as the
-capture counts them: max pooling's forward 0.9 GB/s, dropout's bernoulli_ 1.4, tanh 3.2, batch norm 4.3
-forward and 17 backward, GELU 14, softmax 12, layer norm 21, against 36 for a multiply); CPU flash attention
+capture counts them: max pooling's forward 0.9 GB/s, dropout's bernoulli_ 1.4, tanh 3.1, batch norm 4.3
+forward and 17 backward, GELU 13, softmax 12, layer norm 21, against 36 for a multiply); CPU flash attention
 reaches 17 GFLOP/s with 8-wide heads and 77 with 64-wide ones, against 100 for a matmul; and a small
 convolution is slow for its FLOPs. A profile may therefore carry measured rates per operator class
 (``DeviceProfile.class_rates``, ``attention_flops``): an operator of a class in ``OP_CLASSES`` then takes its
 FLOPs at the class's FLOP/s plus its bytes at the class's bytes/s, plus the per-operator overhead, instead of
 its roofline. Pointwise classes have no FLOPs. Convolutions pay both terms: on the calibration's 78
 convolution calls (1x1 and 3x3, 16 to 256 channels, 8 to 64 pixels wide, a stem, strided ones, forward and
-backward), one FLOP/s misses single calls by -81% to +31%, the two terms fitted (forward 108 GFLOP/s + 20
-GB/s, backward 101 + 11) by -66% to +30%, 86% of them within 25%. CPU flash attention takes its FLOPs at the
+backward), one FLOP/s misses single calls by -81% to +31%, the two terms fitted (forward 109 GFLOP/s + 20
+GB/s, backward 102 + 11) by -66% to +30%, 86% of them within 25%. CPU flash attention takes its FLOPs at the
 rate of its head dim, interpolated in log2 of the head dim between the measured ones (clamped at the ends);
 the head dim is not recorded, but the kernel's outputs give it (``attention_head_dim``), and where they do
 not, the roofline prices it. The rates are measured on microbenchmarks of the classes' kernels
