@@ -115,7 +115,7 @@ def attention_head_dim(trace: Trace, k: int) -> Optional[int]:
         out, lse = sizes[0], int(trace.bytes[k]) - 4 * sizes[0] - 2 * sizes[1] - 2 * sizes[2]
     else:
         return None
-    if lse <= 0 or out <= 0 or (out // element) % (lse // 4):
+    if lse < 4 or out <= 0 or (out // element) % (lse // 4):  # not a logsumexp of whole fp32 numbers
         return None
     return (out // element) // (lse // 4)
 
