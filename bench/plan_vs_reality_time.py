@@ -65,13 +65,15 @@ MiB = 1 << 20
 RUNS = ("plain", "checkpointed", "swapped")
 GOAL_ERROR, GOAL_RATIO = 0.15, 0.10
 WHY = (
-    "Why the goals are missed (compare the columns above): the roofline prices every operator without FLOPs at "
-    "the memory bandwidth of a multiply, but on one CPU core pointwise kernels (dropout's random numbers, "
-    "softmax, GELU's tanh, normalization) are compute-bound and take several times longer ('other'); CPU flash "
-    "attention with narrow heads (the U-Net's are 8 wide) runs far below the matmul rate ('attention'); "
-    "checkpointing recomputes exactly those forward kernels, so where they dominate (ResNet's BatchNorm and ReLU) "
-    "the checkpointed/plain ratio is under-predicted; and the swapped runs pay more of the manager's own cost "
-    "(hooks, meter, bookkeeping) than the per-operator figure calibrated on the tiny step accounts for."
+    "Where the goals are missed (compare the columns above; the CPU profile prices pointwise kernels, "
+    "normalization, pooling, convolutions and CPU flash attention at rates measured on microbenchmarks, Note "
+    "[Operator classes] in swap/planning/pricing.py): ResNet's convolutions still run slower than the rates fitted "
+    "on the calibration's shapes say ('matmul/conv'; its feature maps shrink to 6 and 3 pixels, below the "
+    "calibration's smallest, 8), and what the capture does not record (making the batch's random inputs) adds to "
+    "its short step, so the checkpointed run, with the same gap, misses by more; and the swap runtime's own cost is "
+    "not per operator as the profile models it (+54.7 us per operator, from the tiny step): it over-prices "
+    "ResNet's swapped step, many small operators, and under-prices GPT-2's, whose swapped step costs 0.18 s more "
+    "than its plain one against 0.09 s predicted (copies at memcpy speed included)."
 )
 
 

@@ -9,7 +9,10 @@ GFLOP and 0.80 GB moved per image) gives 338 images/s, the paper's V100 figure b
 fraction is used for the other devices, an assumption until a measured profile replaces it (``measured``:
 the link bandwidths and per-step times ``SwapManager.save_profile`` writes on the GPU itself).
 ``op_overhead`` (seconds per operator beyond its roofline: launches, the framework) is 0 for the datasheet
-profiles, which have nothing measured to set it from; the CPU profile measures it.
+profiles, which have nothing measured to set it from; the CPU profile measures it, and also the rates of the
+operator classes the roofline misprices there and the first touch of large allocations (``class_rates``,
+``attention_flops``, ``fresh_page_bandwidth``: Note [Operator classes] in pricing.py), which the datasheet
+profiles leave unset.
 
 fp32 operators run on the fp32 peak (PyTorch's default keeps TF32 off for matmuls); bf16/fp16 operators on
 the tensor-core peak. Host links are per direction: PCIe Gen4 x16 is 32 GB/s nominal and pinned copies reach
@@ -65,6 +68,13 @@ class DeviceProfile:
     tf32_flops: float = 0.0  # FLOP/s on tensor cores in TF32 (0: none); informational, see the Note
     source: str = ""  # where the figures come from
     op_overhead: float = 0.0  # seconds each operator costs beyond its roofline (launch, framework); 0: unmeasured
+    # Measured rates per operator class, where the roofline's two numbers are not enough (Note [Operator
+    # classes] in pricing.py): class -> (FLOP/s, bytes/s), 0 where the class has no such term; and CPU flash
+    # attention's FLOP/s by head dim, as (head dim, FLOP/s) pairs. None / (): every operator on the roofline
+    # (the datasheet GPU profiles).
+    class_rates: Optional[dict[str, tuple[float, float]]] = None
+    attention_flops: tuple[tuple[int, float], ...] = ()
+    fresh_page_bandwidth: float = 0.0  # bytes/s at which a large allocation's fresh pages fault in; 0: free
 
     def step_seconds(self, flops: Any, nbytes: Any, low_precision: Any = False) -> Any:
         """Roofline: an operator takes the longer of its compute and its memory traffic, plus the per-operator

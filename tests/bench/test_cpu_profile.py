@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.cpu_profile import CpuMeasurements, CpuProfile, load, profile_from
+from bench.cpu_profile import CpuMeasurements, CpuProfile, load, median_of, profile_from
 from bench.plan_vs_reality_time import compare, swapped_seconds
 
 MiB = 1 << 20
@@ -48,6 +48,42 @@ def test_the_profile_round_trips_and_a_missing_file_says_how_to_make_one(tmp_pat
     assert load(path) == p and isinstance(load(path), CpuProfile)
     with pytest.raises(FileNotFoundError, match="python -m bench.cpu_profile"):
         load(tmp_path / "none.json")
+
+
+def test_operator_classes_get_their_measured_rates_and_round_trip(tmp_path):
+    # tanh: 2 GB in 1 s over two calls (bytes only: total over total). Convolutions: calls that take exactly
+    # FLOPs / 100 GFLOP/s + bytes / 10 GB/s. Attention: 1 GFLOP in 0.1 s at head dim 8, in 0.02 s at 64.
+    convs = [(f, b, f / 100e9 + b / 10e9) for f, b in [(1e9, 1e8), (4e9, 1e7), (1e8, 5e7)]]
+    m = dataclasses.replace(M, classes={"tanh": [(0.0, 0.5e9, 0.5), (0.0, 1.5e9, 0.5)], "conv": convs},
+                            attention={64: (1e9, 0.02), 8: (1e9, 0.1)})  # fmt: skip
+    d = profile_from(m).device
+    assert d.class_rates["tanh"] == pytest.approx((0.0, 2e9))
+    assert d.class_rates["conv"] == pytest.approx((100e9, 10e9))
+    assert [h for h, _ in d.attention_flops] == [8, 64]  # sorted by head dim
+    assert [r for _, r in d.attention_flops] == pytest.approx([10e9, 50e9])
+    assert profile_from(M).device.class_rates is None  # nothing measured: the roofline alone
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({"profile": profile_from(m).to_json()}))
+    assert load(path) == profile_from(m)
+    with pytest.raises(ValueError, match="no operator class"):
+        profile_from(dataclasses.replace(m, classes={"sparkle": [(0.0, 1.0, 1.0)]}))
+    with pytest.raises(ValueError, match="positive"):
+        profile_from(dataclasses.replace(m, attention={8: (1e9, 0.0)}))
+
+
+def test_fresh_pages_cost_what_a_large_output_adds_over_a_warm_buffer():
+    d = profile_from(dataclasses.replace(M, fresh_bytes=64 * MiB, fresh_seconds=0.03, warm_seconds=0.01)).device
+    assert d.fresh_page_bandwidth == pytest.approx(64 * MiB / 0.02)
+    no_penalty = dataclasses.replace(M, fresh_bytes=64 * MiB, fresh_seconds=0.01, warm_seconds=0.011)
+    assert profile_from(no_penalty).device.fresh_page_bandwidth == 0.0  # faster fresh: noise, nothing to add
+
+
+def test_rounds_give_the_median_of_each_time():
+    rounds = [dataclasses.replace(M, matmul_seconds=t, classes={"tanh": [(0.0, 1e9, t)]}, attention={8: (1e9, t)})
+              for t in (3.0, 1.0, 2.0)]  # fmt: skip
+    m = median_of(rounds)
+    assert m.matmul_seconds == 2.0 and m.classes["tanh"] == [(0.0, 1e9, 2.0)] and m.attention[8] == (1e9, 2.0)
+    assert m.copy_seconds == M.copy_seconds and m.tiny_ops == M.tiny_ops
 
 
 def test_swapped_steps_pay_every_copy_and_ratios_compare_strategies():
