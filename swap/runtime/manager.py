@@ -253,9 +253,11 @@ class SwapManager:
         seq = p.sequence
         self._profile_skips, self._skipped = self._skipped, {}  # the next iteration counts afresh
         self._nothing_to_do(seq, max(p.peak, p.unswapped_peak or 0))
-        if seq is None:
-            return None
         joint = self._joint
+        if seq is None:
+            if p.final and joint is not None:  # nothing to plan: the operator profiler must not tax every later step
+                joint.profiling_done()
+            return None
         undecided = joint is not None and not joint.decided  # recompute may still fit what swapping cannot
         if not p.final:
             if diagnose(seq, self.budget) is not None:  # Note [Two profiling iterations]: certain already

@@ -249,3 +249,25 @@ def test_a_plan_that_does_not_fit_is_reported_and_the_manager_swaps_only():
     assert report["recompute_plan"] == "none (checkpoint_window does not fit the budget: swapping only)"
     assert any("the rerun of blocks.0 is over" in n for n in report["notes"]), report["notes"]
     assert report["status"] == "planned" and not got["manager"]._joint.applied
+
+
+def test_the_operator_profiler_leaves_the_dispatch_stack_when_profiling_ends_with_nothing_to_manage():
+    """Saved tensors all under min_bytes: the manager has nothing to plan, so after its profiling iterations no
+    operator is profiled any more (a profiler left on taxed every later step ~10x on CPU)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from swap.runtime.op_profiler import OpProfiler
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(4)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(2, 8), torch.randn(2, 8)
+    profiling = []
+    with manager(1 << 30) as sm:
+        for _ in range(5):
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            profiling.append(any(isinstance(m, OpProfiler) for m in _get_current_dispatch_mode_stack()))
+    assert profiling[0] and not any(profiling[2:]), profiling
+    assert sm.report()["declined"]
