@@ -72,14 +72,15 @@ copy + bytes copied / bytes per second`` over three MLPs whose copies (42, 84) a
 1 MiB) vary apart (``fit_copy_costs``). The unit is the copy, not the tensor: each swap-out and each swap-in
 is one job on the worker with its own hand-off and wait, and a schedule may swap a tensor out without
 bringing it back in the step (a ResNet's window schedule copies out more than in), so the cost follows
-``len(swap_out) + len(swap_in)`` of the schedule. What the fit says (bench/results/cpu_profile.json): the
-cost follows the bytes, a step with 4x the bytes and the same 42 copies costs about 4x more, at about a
-quarter of memcpy's rate (``link_bandwidth``, 8 MiB ``copy_`` between warm tensors), and the per-copy term is
-small: the runtime's copies land in host blocks and fresh device-side tensors, and the worker's CPU time
-counts in the step, which a bare ``copy_`` does not show. A swapped step is therefore predicted with the
-copied bytes at ``runtime_copy_bandwidth`` (bench/plan_vs_reality_time.py, ``swapped_seconds``), plus the
-per-copy term. Saved tensors that a planned step keeps still run the hooks; they are few at this budget, so
-their cost is folded into the copies' and not priced apart.
+``len(swap_out) + len(swap_in)`` of the schedule. Both terms are needed: the runtime's copies land in host
+blocks and in fresh tensors, with the worker's CPU time counted in the step, which a bare ``copy_`` between
+warm tensors does not show (one run, ``python -m bench.cpu_profile``, 3 rounds: 97.6 µs per copy, bytes at
+9.95 GB/s against memcpy's 14.3; the fit's three steps 5.20 / 3.77, 8.52 / 7.81, 12.77 / 13.83 ms predicted /
+measured: the per-operator figure subtracted, 13 µs, is itself noisy at this scale). A swapped step is
+therefore predicted with its copies at ``runtime_save_overhead`` each and their bytes at
+``runtime_copy_bandwidth`` (bench/plan_vs_reality_time.py, ``swapped_seconds``). Saved tensors that a
+planned step keeps still run the hooks; they are few at this budget, so their cost is folded into the
+copies' and not priced apart.
 
 ``profile_from`` (pure: measurements in, profile out) turns the figures into a ``DeviceProfile`` at
 efficiency 1 (the rates are what the kernels reached, not peaks to be scaled).
