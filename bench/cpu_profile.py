@@ -461,10 +461,10 @@ def optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4)
 
 
-def tiny_steps(managed: bool, steps: int) -> float:
-    """Median seconds of a tiny training step (after the manager's profiling iterations, when managed)."""
+def training_step(model_fn: Callable[[], nn.Module], batch_fn: Callable[[int], Any], batch: int) -> Callable[[], None]:
+    """One training step (``tiny_loss``, ``optimizer``) of a fresh, seeded model on one fixed batch."""
     torch.manual_seed(0)
-    model, data = tiny_model(), tiny_batch(TINY_BATCH)
+    model, data = model_fn(), batch_fn(batch)
     opt = optimizer(model.parameters())
 
     def step() -> None:
@@ -472,6 +472,12 @@ def tiny_steps(managed: bool, steps: int) -> float:
         tiny_loss(model, data).backward()
         opt.step()
 
+    return step
+
+
+def tiny_steps(managed: bool, steps: int) -> float:
+    """Median seconds of a tiny training step (after the manager's profiling iterations, when managed)."""
+    step = training_step(tiny_model, tiny_batch, TINY_BATCH)
     if not managed:
         return median_seconds(step, steps, warmup=3)
     with swap.SwapManager(budget="1GiB", device="cpu", min_bytes="64KiB"):
@@ -506,15 +512,7 @@ def swap_step(width: int, depth: int, repeats: int) -> tuple[int, int, int, floa
     MLP ``width`` wide and ``depth`` layers deep (Note [The runtime's cost per copy])."""
     model_fn, batch_fn = functools.partial(save_mlp, width, depth), functools.partial(save_batch, width)
     ops = operators(step_trace(model_fn, batch_fn, SAVE_BATCH))
-    torch.manual_seed(0)
-    model, data = model_fn(), batch_fn(SAVE_BATCH)
-    opt = optimizer(model.parameters())
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        tiny_loss(model, data).backward()
-        opt.step()
-
+    step = training_step(model_fn, batch_fn, SAVE_BATCH)
     plain = median_seconds(step, repeats, warmup=3)
     manager = functools.partial(swap.SwapManager, device="cpu", min_bytes=SAVE_MIN_BYTES, policy="window")
     with manager(budget="1GiB") as sm:  # profiles the step (then declines): the budgets it could run at
