@@ -24,6 +24,9 @@ that trains, with PyTorch's own kernels and thread count:
 - ``runtime_op_overhead``: what ``SwapManager`` adds per operator on CPU (the ``LiveBytesMeter`` dispatch mode
   that measures the budget, and its saved-tensor hooks): the same small step under a manager whose budget the
   step fits (it profiles, then steps aside with its meter still on), less the plain step, per operator.
+- ``runtime_save_overhead`` and ``runtime_copy_bandwidth``: what a *planned, swapping* step adds beyond the
+  per-operator cost: seconds per copy the schedule issues (each swap-out and each swap-in of a saved tensor)
+  and the bytes per second at which the runtime's copies are paid for (Note [The runtime's cost per copy]).
 - ``link_bandwidth``: the CPU has no copy engine. ``SwapManager`` on CPU "swaps" into host blocks in the same
   memory, with ``dst.copy_(src)`` on a worker thread that competes with the compute threads for the cores.
   The link is that memcpy: bytes/s of ``copy_`` of 8 MiB tensors, cycled like the multiply's (counting each
@@ -56,6 +59,28 @@ Times are CPU time of the process (``time.process_time``), not wall time: other 
 cores, and the time the kernel gives them is not the step's (bench/swap_overhead.py, Note [CPU time, not wall
 time]). A swapped step's copy workers are counted in it, which is what Note [Copies on a CPU] in
 bench/plan_vs_reality_time.py predicts.
+
+Note [The runtime's cost per copy]
+A planned step does per saved tensor what a declined one does not: the executor queues its swap-out on the
+copy worker (a host block from the pool, a job handed to another thread, an event to wait on), releases it,
+queues its swap-in ahead of its use (a fresh tensor) and the unpack hook waits for it
+(bench/results/swap_overhead.md: tens of µs per pack and per unpack on CPU). It is measured on MLPs
+(``SAVE_MLPS``, not the checked models) whose budget (a fifth of the way from the least any schedule needs
+to the unswapped peak) makes the window schedule swap most saved tensors: the planned step less the plain
+step less the per-operator cost (``runtime_op_overhead``) of its operators, fitted as ``copies x seconds per
+copy + bytes copied / bytes per second`` over three MLPs whose copies (42, 84) and tensor sizes (256 KiB to
+1 MiB) vary apart (``fit_copy_costs``). The unit is the copy, not the tensor: each swap-out and each swap-in
+is one job on the worker with its own hand-off and wait, and a schedule may swap a tensor out without
+bringing it back in the step (a ResNet's window schedule copies out more than in), so the cost follows
+``len(swap_out) + len(swap_in)`` of the schedule. Both terms are needed: the runtime's copies land in host
+blocks and in fresh tensors, with the worker's CPU time counted in the step, which a bare ``copy_`` between
+warm tensors does not show (one run, ``python -m bench.cpu_profile``, 3 rounds: 97.6 µs per copy, bytes at
+9.95 GB/s against memcpy's 14.3; the fit's three steps 5.20 / 3.77, 8.52 / 7.81, 12.77 / 13.83 ms predicted /
+measured: the per-operator figure subtracted, 13 µs, is itself noisy at this scale). A swapped step is
+therefore predicted with its copies at ``runtime_save_overhead`` each and their bytes at
+``runtime_copy_bandwidth`` (bench/plan_vs_reality_time.py, ``swapped_seconds``). Saved tensors that a
+planned step keeps still run the hooks; they are few at this budget, so their cost is folded into the
+copies' and not priced apart.
 
 ``profile_from`` (pure: measurements in, profile out) turns the figures into a ``DeviceProfile`` at
 efficiency 1 (the rates are what the kernels reached, not peaks to be scaled).
@@ -98,6 +123,9 @@ COLD_BYTES = 256 * MiB  # operands cycled through, 8x this machine's 32 MiB L3: 
 TINY_WIDTH, TINY_LAYERS, TINY_BATCH = 8, 16, 2
 THREADS = 1  # Note [The CPU as a device]: one intra-op thread, for steady timings on a shared machine
 POINTWISE_MIB = (1, 4, 16)  # input sizes of the pointwise classes' microbenchmarks
+# Note [The runtime's cost per copy]: (width, Linear+GELU layers) of MLPs on a batch of SAVE_BATCH, whose
+# saved tensors (256 KiB to 1 MiB) are all above SAVE_MIN_BYTES and dominate the step's memory
+SAVE_MLPS, SAVE_BATCH, SAVE_MIN_BYTES = ((32, 12), (128, 12), (64, 24)), 2048, 32 * 1024
 HEAD_DIMS, ATTENTION_TOKENS = (8, 16, 32, 64, 128), (256, 1024)
 aten = torch.ops.aten
 
@@ -130,6 +158,9 @@ class CpuMeasurements:
     fresh_bytes: int = 0  # bytes of its output
     fresh_seconds: float = 0.0
     warm_seconds: float = 0.0
+    # the MLPs of Note [The runtime's cost per copy] (SAVE_MLPS): (operators, copies and bytes copied per
+    # planned step, seconds of a plain step, seconds of a planned, swapping step)
+    swap_steps: list[tuple[int, int, int, float, float]] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -140,10 +171,20 @@ class CpuProfile:
     device: DeviceProfile
     link_bandwidth: float  # bytes/s of the runtime's host copies (memcpy, competing with compute)
     runtime_op_overhead: float  # seconds per operator that SwapManager's meter and hooks add on CPU
+    # Note [The runtime's cost per copy]; the defaults (profiles from before them): copies cost the link's rate
+    runtime_save_overhead: float = 0.0  # seconds per copy (swap-out or swap-in) of a planned step
+    runtime_copy_bandwidth: float = 0.0  # bytes/s of a planned step's copies; 0: link_bandwidth
+
+    @property
+    def copy_bandwidth(self) -> float:
+        """Bytes/s at which a planned step's copies cost (Note [The runtime's cost per copy])."""
+        return self.runtime_copy_bandwidth or self.link_bandwidth
 
     def to_json(self) -> dict[str, Any]:
         return {"device": dataclasses.asdict(self.device), "link_bandwidth": self.link_bandwidth,
-                "runtime_op_overhead": self.runtime_op_overhead}  # fmt: skip
+                "runtime_op_overhead": self.runtime_op_overhead,
+                "runtime_save_overhead": self.runtime_save_overhead,
+                "runtime_copy_bandwidth": self.runtime_copy_bandwidth}  # fmt: skip
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> CpuProfile:
@@ -151,7 +192,8 @@ class CpuProfile:
         device["attention_flops"] = tuple((int(h), float(r)) for h, r in device.get("attention_flops", ()))
         if device.get("class_rates"):
             device["class_rates"] = {cls: (float(f), float(b)) for cls, (f, b) in device["class_rates"].items()}
-        return CpuProfile(DeviceProfile(**device), float(d["link_bandwidth"]), float(d["runtime_op_overhead"]))
+        return CpuProfile(DeviceProfile(**device), float(d["link_bandwidth"]), float(d["runtime_op_overhead"]),
+                          float(d.get("runtime_save_overhead", 0.0)), float(d.get("runtime_copy_bandwidth", 0.0)))
 
 
 def rates(m: CpuMeasurements) -> tuple[float, float]:
@@ -195,6 +237,36 @@ def class_rates(m: CpuMeasurements) -> tuple[dict[str, tuple[float, float]], tup
     return rates, tuple((h, flops / seconds) for h, (flops, seconds) in sorted(m.attention.items()))
 
 
+def copy_costs(m: CpuMeasurements, runtime_op_overhead: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(copies, bytes copied, seconds the runtime adds for them) of each of ``m.swap_steps``: the planned step
+    less the plain one less the per-operator cost (Note [The runtime's cost per copy]); pure."""
+    rows = []
+    for ops, copies, nbytes, plain, swapped in m.swap_steps:
+        if copies <= 0 or nbytes <= 0 or min(plain, swapped) <= 0:
+            raise ValueError(f"a swapping step must copy and take time, got {copies} copies of {nbytes} bytes, "
+                             f"{plain} s plain, {swapped} s planned")  # fmt: skip
+        rows.append((copies, nbytes, swapped - plain - ops * runtime_op_overhead))
+    copies, nbytes, seconds = (np.array(column, dtype=float) for column in zip(*rows))
+    return copies, nbytes, seconds
+
+
+def fit_copy_costs(m: CpuMeasurements, runtime_op_overhead: float) -> tuple[float, float]:
+    """(seconds per copy, bytes/s) of the runtime's copies, least squares over ``m.swap_steps`` (Note [The
+    runtime's cost per copy]); pure. A term that comes out negative (noise) is dropped and the other fitted
+    alone; (0, 0) when nothing was measured or nothing is left to price."""
+    if not m.swap_steps:
+        return 0.0, 0.0
+    copies, nbytes, seconds = copy_costs(m, runtime_op_overhead)
+    if seconds.sum() <= 0:
+        return 0.0, 0.0
+    (per_copy, per_byte), *_ = np.linalg.lstsq(np.stack([copies, nbytes], 1), seconds, rcond=None)
+    if per_byte <= 0:
+        return float(seconds.sum() / copies.sum()), 0.0
+    if per_copy < 0:
+        return 0.0, float(nbytes.sum() / seconds.sum())
+    return float(per_copy), float(1 / per_byte)
+
+
 def profile_from(m: CpuMeasurements, name: str = "cpu") -> CpuProfile:
     """The CPU profile the measurements imply (Note [The CPU as a device]); pure. ``tiny_roofline_seconds``
     must be the tiny step's roofline on ``rates(m)``; overheads below zero (noise) count as 0."""
@@ -204,6 +276,7 @@ def profile_from(m: CpuMeasurements, name: str = "cpu") -> CpuProfile:
     op_overhead = max(0.0, (m.tiny_step_seconds - m.tiny_roofline_seconds) / m.tiny_ops)
     runtime = max(0.0, (m.tiny_managed_step_seconds - m.tiny_step_seconds) / m.tiny_ops)
     link = m.copy_bytes / m.copy_seconds
+    per_copy, copy_bandwidth = fit_copy_costs(m, runtime)
     rates_of_classes, attention = class_rates(m)
     first_touch = m.fresh_seconds - m.warm_seconds  # 0 or less: fresh pages cost nothing measurable
     fresh_pages = m.fresh_bytes / first_touch if m.fresh_bytes and first_touch > 0 else 0.0
@@ -215,7 +288,7 @@ def profile_from(m: CpuMeasurements, name: str = "cpu") -> CpuProfile:
         op_overhead=op_overhead, class_rates=rates_of_classes or None, attention_flops=attention,
         fresh_page_bandwidth=fresh_pages,
     )  # fmt: skip
-    return CpuProfile(device, link, runtime)
+    return CpuProfile(device, link, runtime, per_copy, copy_bandwidth)
 
 
 def load(path: Path = PATH) -> CpuProfile:
@@ -388,10 +461,10 @@ def optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4)
 
 
-def tiny_steps(managed: bool, steps: int) -> float:
-    """Median seconds of a tiny training step (after the manager's profiling iterations, when managed)."""
+def training_step(model_fn: Callable[[], nn.Module], batch_fn: Callable[[int], Any], batch: int) -> Callable[[], None]:
+    """One training step (``tiny_loss``, ``optimizer``) of a fresh, seeded model on one fixed batch."""
     torch.manual_seed(0)
-    model, data = tiny_model(), tiny_batch(TINY_BATCH)
+    model, data = model_fn(), batch_fn(batch)
     opt = optimizer(model.parameters())
 
     def step() -> None:
@@ -399,10 +472,65 @@ def tiny_steps(managed: bool, steps: int) -> float:
         tiny_loss(model, data).backward()
         opt.step()
 
+    return step
+
+
+def tiny_steps(managed: bool, steps: int) -> float:
+    """Median seconds of a tiny training step (after the manager's profiling iterations, when managed)."""
+    step = training_step(tiny_model, tiny_batch, TINY_BATCH)
     if not managed:
         return median_seconds(step, steps, warmup=3)
     with swap.SwapManager(budget="1GiB", device="cpu", min_bytes="64KiB"):
         return median_seconds(step, steps, warmup=3)
+
+
+def step_trace(model_fn: Callable[[], nn.Module], batch_fn: Callable[[int], Any], batch: int) -> Any:
+    """The capture of a training step on ``tiny_loss`` and ``optimizer``."""
+    return capture(model_fn, batch_fn, batch, tiny_loss, optimizer=optimizer, target="cpu")
+
+
+def operators(trace: Any) -> int:
+    """Operators the capture records in the trace's last training step."""
+    begin, end = trace.iterations()[-1]
+    return int((trace.op[begin : end + 1] == swap.capture.trace.OP).sum())
+
+
+def save_mlp(width: int, depth: int) -> nn.Module:
+    """An MLP of Note [The runtime's cost per copy]: every Linear's input and GELU's input saved."""
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+def save_batch(width: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, width), torch.randn(n, width)
+
+
+def swap_step(width: int, depth: int, repeats: int) -> tuple[int, int, int, float, float]:
+    """(operators, copies and bytes copied per planned step, seconds of a plain step, of a planned one) of the
+    MLP ``width`` wide and ``depth`` layers deep (Note [The runtime's cost per copy])."""
+    model_fn, batch_fn = functools.partial(save_mlp, width, depth), functools.partial(save_batch, width)
+    ops = operators(step_trace(model_fn, batch_fn, SAVE_BATCH))
+    step = training_step(model_fn, batch_fn, SAVE_BATCH)
+    plain = median_seconds(step, repeats, warmup=3)
+    manager = functools.partial(swap.SwapManager, device="cpu", min_bytes=SAVE_MIN_BYTES, policy="window")
+    with manager(budget="1GiB") as sm:  # profiles the step (then declines): the budgets it could run at
+        for _ in range(3):
+            step()
+        r = sm.report()
+    least, peak = r["min_budget_bytes"], r["no_swap_peak_bytes"]
+    with manager(budget=least + (peak - least) // 5) as sm:
+        for _ in range(3):  # two profiling iterations, then planned
+            step()
+        before = sm.report()
+        swapped = median_seconds(step, repeats, warmup=0)
+        after, schedule = sm.report(), sm.schedule
+    if after["declined"] or schedule is None or after["replans"] != before["replans"]:
+        raise RuntimeError(f"the {width}-wide MLP's step did not run one plan under the manager: {after}")
+    copies = sum(map(len, schedule.swap_out)) + sum(map(len, schedule.swap_in))
+    moved = sum(after[k] - before[k] for k in ("swapped_out_bytes", "swapped_in_bytes")) // repeats
+    return ops, copies, moved, plain, swapped
 
 
 def measure(repeats: int = 30) -> CpuMeasurements:
@@ -424,9 +552,8 @@ def measure(repeats: int = 30) -> CpuMeasurements:
     big, fresh, warm = measure_fresh_pages(repeats)
     log("operator classes (Note [Operator classes]):")
     classes, attention = measure_classes(max(5, repeats // 3)), measure_attention(max(3, repeats // 6))
-    trace = capture(tiny_model, tiny_batch, TINY_BATCH, tiny_loss, optimizer=optimizer, target="cpu")
-    begin, end = trace.iterations()[-1]
-    ops = int((trace.op[begin : end + 1] == swap.capture.trace.OP).sum())
+    trace = step_trace(tiny_model, tiny_batch, TINY_BATCH)
+    ops = operators(trace)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     partial = CpuMeasurements(MATMUL_N, mm, TENSOR_BYTES, mul, TENSOR_BYTES, copy, ops, 0.0, 0.0, 0.0,
                               torch.get_num_threads(), memory, classes, attention, big, fresh, warm)  # fmt: skip
@@ -443,8 +570,15 @@ def measure(repeats: int = 30) -> CpuMeasurements:
     step, step_managed = statistics.median(plain), statistics.median(managed)
     log(f"tiny step: {ops} operators, {step * 1e3:.2f} ms plain, {step_managed * 1e3:.2f} ms under SwapManager "
         f"(roofline {roofline * 1e6:.0f} us)")  # fmt: skip
+    swaps = []
+    for width, depth in SAVE_MLPS:
+        gc.collect()
+        swaps.append(swap_step(width, depth, repeats))
+        ops_w, copies, moved, plain_w, swapped_w = swaps[-1]
+        log(f"{width}-wide {depth}-layer MLP: {ops_w} operators, plain {plain_w * 1e3:.2f} ms, planned "
+            f"{swapped_w * 1e3:.2f} ms ({copies} copies, {moved / MiB:.1f} MiB)")  # fmt: skip
     return dataclasses.replace(partial, tiny_roofline_seconds=roofline, tiny_step_seconds=step,
-                               tiny_managed_step_seconds=step_managed)  # fmt: skip
+                               tiny_managed_step_seconds=step_managed, swap_steps=swaps)  # fmt: skip
 
 
 def median_of(rounds: list[CpuMeasurements]) -> CpuMeasurements:
@@ -457,7 +591,9 @@ def median_of(rounds: list[CpuMeasurements]) -> CpuMeasurements:
     classes = {cls: [(f, b, med(r.classes[cls][k][2] for r in rounds)) for k, (f, b, _) in enumerate(calls)]
                for cls, calls in first.classes.items()}  # fmt: skip
     attention = {d: (f, med(r.attention[d][1] for r in rounds)) for d, (f, _) in first.attention.items()}
-    return dataclasses.replace(first, **times, classes=classes, attention=attention)
+    swaps = [(*counts, med(r.swap_steps[k][3] for r in rounds), med(r.swap_steps[k][4] for r in rounds))
+             for k, (*counts, _, _) in enumerate(first.swap_steps)]  # fmt: skip
+    return dataclasses.replace(first, **times, classes=classes, attention=attention, swap_steps=swaps)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -482,6 +618,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     log(f"profile: {d.fp32_flops / 1e9:.1f} GFLOP/s, {d.mem_bandwidth / 1e9:.1f} GB/s, {d.op_overhead * 1e6:.1f} us "
         f"per operator (+{p.runtime_op_overhead * 1e6:.1f} us under SwapManager), "
         f"link {p.link_bandwidth / 1e9:.1f} GB/s")
+    copies, nbytes, seconds = copy_costs(m, p.runtime_op_overhead)
+    fitted = copies * p.runtime_save_overhead + nbytes / p.copy_bandwidth
+    log(f"planned steps: +{p.runtime_save_overhead * 1e6:.1f} us per copy, copies at {p.copy_bandwidth / 1e9:.2f} "
+        "GB/s; fit per MLP (predicted / measured ms): " + ", ".join(
+            f"{w}x{d} {f * 1e3:.2f} / {s * 1e3:.2f}" for (w, d), f, s in zip(SAVE_MLPS, fitted, seconds)))  # fmt: skip
     doc = {"command": "python -m bench.cpu_profile", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
            "machine": platform.machine(), "rounds": args.rounds, "measurements": dataclasses.asdict(m),
            "profile": p.to_json()}  # fmt: skip

@@ -2,12 +2,14 @@
 comparison's arithmetic (bench/plan_vs_reality_time.py): pure functions, no timing."""
 
 import dataclasses
+import functools
 import json
 
 import pytest
 
-from bench.cpu_profile import CpuMeasurements, CpuProfile, load, median_of, profile_from
-from bench.plan_vs_reality_time import compare, swapped_seconds
+from bench.cpu_profile import CpuMeasurements, CpuProfile, fit_copy_costs, load, median_of, profile_from
+from bench.plan_vs_reality_time import compare, predict, swapped_seconds
+from swap import zoo
 
 MiB = 1 << 20
 
@@ -95,3 +97,51 @@ def test_swapped_steps_pay_every_copy_and_ratios_compare_strategies():
     assert c["ratio"]["checkpointed"]["measured"] == pytest.approx(1.3)
     assert c["ratio"]["checkpointed"]["error"] == pytest.approx(1.2 / 1.3 - 1)
     assert c["ratio"]["swapped"]["error"] == pytest.approx(0.0)
+
+
+def swapping_steps(per_copy: float, bandwidth: float) -> list[tuple[int, int, int, float, float]]:
+    """Planned MLP steps that cost the plain step + M's 20 us per operator + ``per_copy`` per copy + their bytes
+    at ``bandwidth``."""
+    shapes = [(300, 40, 10 * MiB, 5e-3), (300, 40, 40 * MiB, 30e-3), (600, 80, 40 * MiB, 20e-3)]
+    return [(ops, copies, nbytes, plain, plain + ops * 20e-6 + copies * per_copy + nbytes / bandwidth)
+            for ops, copies, nbytes, plain in shapes]  # fmt: skip
+
+
+def test_a_planned_steps_copies_cost_per_copy_and_per_byte():
+    p = profile_from(dataclasses.replace(M, swap_steps=swapping_steps(50e-6, 3e9)))
+    assert p.runtime_save_overhead == pytest.approx(50e-6) and p.runtime_copy_bandwidth == pytest.approx(3e9)
+    assert p.copy_bandwidth == p.runtime_copy_bandwidth != p.link_bandwidth
+    # Bytes alone (the per-copy term fits to about zero or below: dropped), or nothing left to price at all.
+    bytes_only = fit_copy_costs(dataclasses.replace(M, swap_steps=swapping_steps(-1e-6, 3e9)), 20e-6)
+    assert bytes_only[0] == 0.0 and bytes_only[1] == pytest.approx(3e9, rel=0.05)
+    free = [(ops, c, b, plain, plain) for ops, c, b, plain, _ in swapping_steps(0.0, 3e9)]
+    assert fit_copy_costs(dataclasses.replace(M, swap_steps=free), 20e-6) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="must copy"):
+        profile_from(dataclasses.replace(M, swap_steps=[(300, 0, 0, 5e-3, 6e-3)]))
+    # Rounds: the median of each step's times, its counts kept.
+    rounds = [dataclasses.replace(M, swap_steps=swapping_steps(x, 3e9)) for x in (10e-6, 30e-6, 20e-6)]
+    assert median_of(rounds).swap_steps == swapping_steps(20e-6, 3e9)
+
+
+def test_profiles_without_the_copy_costs_still_load_and_price_bytes_at_the_link(tmp_path):
+    p = profile_from(dataclasses.replace(M, swap_steps=swapping_steps(50e-6, 3e9)))
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({"profile": p.to_json()}))
+    assert load(path) == p
+    old = p.to_json()
+    del old["runtime_save_overhead"], old["runtime_copy_bandwidth"]
+    path.write_text(json.dumps({"profile": old}))
+    assert load(path).runtime_save_overhead == 0.0 and load(path).copy_bandwidth == p.link_bandwidth
+
+
+def test_a_swapped_prediction_grows_by_the_cost_per_copy_times_the_copies():
+    assert swapped_seconds(1.0, 3 * 10**9, 10**9, 4e9, copies=100, per_copy=1e-3) == pytest.approx(2.1)
+    model_fn = functools.partial(zoo.resnet, (1, 1), 16, 10)
+    spec = {"model_fn": model_fn, "batch_fn": lambda n: zoo.example_batch(model_fn(), n, 64), "batch": 8,
+            "loss_fn": None}  # fmt: skip
+    cpu = profile_from(M)
+    base = predict(spec, cpu)
+    dear = predict(spec, dataclasses.replace(cpu, runtime_save_overhead=1e-3))
+    assert base["copies"] > 0  # the window schedule swaps at a budget halfway to the unswapped peak
+    assert dear["swapped"] - base["swapped"] == pytest.approx(base["copies"] * 1e-3)
+    assert dear["plain"] == base["plain"] and dear["checkpointed"] == base["checkpointed"]
