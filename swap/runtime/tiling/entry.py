@@ -3,7 +3,7 @@ LM's head and loss)."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 from torch import nn
 
@@ -11,6 +11,7 @@ from ...planning.devices import DeviceProfile, profile
 from ..manager import Size, parse_size
 from .head import TiledCausalLM
 from .model import TiledModel
+from .progress import Progress
 
 
 def _is_causal_lm(model: nn.Module) -> bool:
@@ -20,7 +21,7 @@ def _is_causal_lm(model: nn.Module) -> bool:
 
 def tiled(model: nn.Module, budget: Size = None, *, tiles: Union[None, int, tuple[int, ...]] = None,
           device: Union[None, str, DeviceProfile] = None, swapped: bool = False, extra: Size = 0,
-          progress: Union[bool, Callable[[str], None]] = False) -> Union[TiledModel, TiledCausalLM]:  # fmt: skip
+          progress: Progress = False) -> Union[TiledModel, TiledCausalLM]:  # fmt: skip
     """``model`` run tile by tile where that keeps a training step within ``budget`` (seed 000's fused tiling).
 
     - A model whose forward has chains of FT-compatible operators (convolutions, pooling, pointwise ops;
@@ -52,7 +53,7 @@ def tiled(model: nn.Module, budget: Size = None, *, tiles: Union[None, int, tupl
     if _is_causal_lm(model):
         if tiles is not None and not isinstance(tiles, int):
             raise TypeError(f"tiles= of a causal LM is tokens per tile (an int), not {tiles!r}")
-        return TiledCausalLM(model, limit, tiles, bool(progress))
+        return TiledCausalLM(model, limit, tiles, progress)
     dev = profile(device) if isinstance(device, str) else device
     return TiledModel(model, limit, tiles=tiles, device=dev, extra=parse_size(extra, "extra") or 0, swapped=swapped,
                       progress=progress)  # fmt: skip
