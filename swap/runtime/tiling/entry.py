@@ -9,14 +9,9 @@ from torch import nn
 
 from ...planning.devices import DeviceProfile, profile
 from ..manager import Size, parse_size
-from .head import TiledCausalLM
+from .head import TiledCausalLM, is_causal_lm
 from .model import TiledModel
 from .progress import Progress
-
-
-def _is_causal_lm(model: nn.Module) -> bool:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return isinstance(head, nn.Linear) and getattr(model, "base_model", model) is not model
 
 
 def tiled(model: nn.Module, budget: Size = None, *, tiles: Union[None, int, tuple[int, ...]] = None,
@@ -50,7 +45,7 @@ def tiled(model: nn.Module, budget: Size = None, *, tiles: Union[None, int, tupl
     limit: Optional[int] = parse_size(budget, "budget", minimum=1, none="tiles= fixes the tiling instead")
     if limit is None and tiles is None:
         raise ValueError("swap.tiled needs budget= (bytes for the training step) or tiles= (tiles per dimension)")
-    if _is_causal_lm(model):
+    if is_causal_lm(model):
         if tiles is not None and not isinstance(tiles, int):
             raise TypeError(f"tiles= of a causal LM is tokens per tile (an int), not {tiles!r}")
         return TiledCausalLM(model, limit, tiles, progress)

@@ -60,6 +60,13 @@ def _check_labels(y: torch.Tensor, vocab: int, ignore_index: int) -> None:
                          f"indices below {vocab}, or {ignore_index} (ignore_index) for rows without a target")
 
 
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` is what ``TiledCausalLM`` tiles: a linear head (``get_output_embeddings()``) on a
+    ``base_model`` of its own."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return isinstance(head, nn.Linear) and getattr(model, "base_model", model) is not model
+
+
 class TiledCausalLM(nn.Module):
     """A Hugging Face causal LM (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ...) whose head and loss run
     tiled along tokens when it is called with ``labels``; without labels it is the model itself.
@@ -72,8 +79,7 @@ class TiledCausalLM(nn.Module):
     def __init__(self, model: nn.Module, budget: Optional[int] = None, tokens: Optional[int] = None,
                  progress: Progress = False) -> None:  # fmt: skip
         super().__init__()
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if not isinstance(head, nn.Linear) or not hasattr(model, "base_model") or model.base_model is model:
+        if not is_causal_lm(model):
             raise TypeError(f"{type(model).__name__} is not a causal LM with a linear head on a base model "
                             "(get_output_embeddings() and base_model): use swap.tiled_cross_entropy")  # fmt: skip
         config = getattr(model, "config", None)
@@ -83,6 +89,7 @@ class TiledCausalLM(nn.Module):
                                  "which the tiled head does not reproduce; use swap.tiled_cross_entropy")  # fmt: skip
         if budget is None and tokens is None:
             raise ValueError("give budget= (bytes for the head and loss) or tokens= (tokens per tile)")
+        head = model.get_output_embeddings()
         self.model, self.head, self.budget, self.tokens, self.progress = model, head, budget, tokens, progress
         self.last_tokens: Optional[int] = None
 
