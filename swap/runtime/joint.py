@@ -194,11 +194,8 @@ class JointRuntime:
         region_paths = plan.paths if plan is not None else []
         candidates = sorted(self.profiler.modules if self.profiler is not None else [], key=len)  # outermost first
 
-        def group(module: str) -> str:
-            for p in region_paths:
-                if module == p or module.startswith(p + "."):
-                    return p
-            for p in candidates:
+        def group(module: str) -> str:  # the region it runs in, else the outermost candidate module
+            for p in (*region_paths, *candidates):
                 if module == p or module.startswith(p + "."):
                     return p
             return module or "(outside modules)"

@@ -24,6 +24,7 @@ checkpoint at all (autograd would find the saved input modified).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -46,29 +47,31 @@ NONDETERMINISTIC_ON_CUDA = {
 }  # fmt: skip
 
 
+@functools.cache
+def _written(func: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument ``func`` writes in place (schema ``Tensor(a!)``, plus
+    ``LEGACY_WRITES``); read once per operator, since the rerun asks for every operator it runs."""
+    schema = func._schema
+    positions = {i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
+    positions |= set(LEGACY_WRITES.get(str(func), ()))
+    return tuple((i, schema.arguments[i].name if i < len(schema.arguments) else "") for i in sorted(positions))
+
+
 def written_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors ``func`` writes in place (schema ``Tensor(a!)``, plus ``LEGACY_WRITES``)."""
     out: list[torch.Tensor] = []
-    schema = func._schema
-    for i, a in enumerate(schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(a.name)
-        _tensors(value, out)
-    for i in LEGACY_WRITES.get(str(func), ()):
-        if i < len(args):
-            _tensors(args[i], out)
+    for i, name in _written(func):
+        _tensors(args[i] if i < len(args) else kwargs.get(name), out)
     return out
 
 
 def replace_written(func: Any, args: tuple, kwargs: dict, swap: Any) -> tuple[tuple, dict]:
     """``args``/``kwargs`` with each written tensor ``t`` replaced by ``swap(t)`` (Note [Scratch copies])."""
+    written = _written(func)
+    if not written:
+        return args, kwargs
     args, kwargs = list(args), dict(kwargs)
-    schema = func._schema
-    positions = {i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
-    positions |= set(LEGACY_WRITES.get(str(func), ()))
-    for i in sorted(positions):
-        name = schema.arguments[i].name if i < len(schema.arguments) else ""
+    for i, name in written:
         if i < len(args):
             args[i] = _map(args[i], swap)
         elif name in kwargs:

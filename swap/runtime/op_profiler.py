@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -80,7 +80,6 @@ class _RawCall:
     blocker: str
     end: int = -1
     end_step: int = -1
-    extra: dict = field(default_factory=dict)
 
 
 class OpProfiler(TorchDispatchMode):
@@ -196,11 +195,9 @@ class OpProfiler(TorchDispatchMode):
                       if isinstance(t, torch.Tensor) and self.manages(t)]  # fmt: skip
             why = stateful_argument(leaves)
             top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-            if why:
-                pass
-            elif not torch.is_grad_enabled():
+            if not why and not torch.is_grad_enabled():
                 why = "it ran with gradients off"
-            elif top is None or top != self.ours():
+            elif not why and (top is None or top != self.ours()):
                 why = "it runs inside saved-tensor hooks of your own (your torch.utils.checkpoint, or save_on_cpu)"
             call = _RawCall(path, len(self._log), self.ex.step, inputs, why)
             self._open.append(call)

@@ -69,7 +69,9 @@ class TilePlan:
         return f"{'; '.join(parts)}: peak {fmt(self.peak)} (untiled {fmt(self.untiled.bytes)})"
 
 
-def _tiles(graph: OpGraph, start: int, end: int, level: int) -> tuple[int, ...]:
+def _tiles(graph: OpGraph, end: int, level: int) -> tuple[int, ...]:
+    """Tiles per spatial dimension of a segment ending at node ``end``: ``level`` along its output's largest
+    extent, the other dimensions in proportion."""
     extents = graph.nodes[end].out_shape[2:]
     top = max(extents)
     return tuple(max(1, min(e, round(level * e / top))) for e in extents)
@@ -113,7 +115,7 @@ def plan_tiles(graph: OpGraph, budget: Optional[int], *, dev=None, lowp: bool = 
     ends = dict(runs)
 
     def build(lv: dict[int, int]) -> list[Segment]:
-        return [Segment(a, ends[a], _tiles(graph, a, ends[a], level)) for a, level in sorted(lv.items())]
+        return [Segment(a, ends[a], _tiles(graph, ends[a], level)) for a, level in sorted(lv.items())]
 
     est = estimate(graph, build(levels), dev, lowp, swapped, extra)
     for _ in range(MAX_ROUNDS):
@@ -154,8 +156,7 @@ def plan_tiles(graph: OpGraph, budget: Optional[int], *, dev=None, lowp: bool = 
 def _split_point(graph: OpGraph, seg: Segment) -> Optional[int]:
     """The strided window (a pooling, a strided convolution) nearest the middle of the segment, where it
     splits in two; None when it has none before its last operator."""
-    cuts = [i for i in range(seg.start, seg.end) if graph.nodes[i].kind == "window"
-            and any(w.sigma > 1 for w in graph.nodes[i].windows)]  # fmt: skip
+    cuts = [i for i in range(seg.start, seg.end) if graph.nodes[i].strided]
     middle = (seg.start + seg.end) / 2
     return min(cuts, key=lambda i: abs(i - middle)) if cuts else None
 
@@ -179,11 +180,10 @@ def _fit(graph: OpGraph, segs: list[Segment], budget: int, dev, lowp: bool, swap
         seg = _segment_at(est)
         if seg is None:
             return None
-        k = segs.index(seg)
-        level = max(seg.tiles) * 2 if max(seg.tiles) > 1 else 2
-        if max(seg.tiles) >= _max_level(graph, seg.end):
+        top = _max_level(graph, seg.end)
+        if max(seg.tiles) >= top:
             return None
-        segs[k] = replace(seg, tiles=_tiles(graph, seg.start, seg.end, min(level, _max_level(graph, seg.end))))
+        segs[segs.index(seg)] = replace(seg, tiles=_tiles(graph, seg.end, min(max(seg.tiles) * 2, top)))
     return None
 
 
@@ -196,13 +196,12 @@ def _faster(graph: OpGraph, plan: TilePlan, budget: int, dev, lowp: bool, swappe
         for k, s in enumerate(segs):
             candidates.append(segs[:k] + segs[k + 1 :])  # drop it
             for cut in range(s.start, s.end):
-                node = graph.nodes[cut]
-                if node.kind == "window" and any(w.sigma > 1 for w in node.windows):
-                    left = Segment(s.start, cut, _tiles(graph, s.start, cut, 1))
+                if graph.nodes[cut].strided:
+                    left = Segment(s.start, cut, _tiles(graph, cut, 1))
                     right = Segment(cut + 1, s.end, s.tiles)
                     candidates.append(segs[:k] + [left, right] + segs[k + 1 :])
             if max(s.tiles) > 1:  # fewer tiles where the budget allows
-                fewer = _tiles(graph, s.start, s.end, max(1, max(s.tiles) - 1))
+                fewer = _tiles(graph, s.end, max(1, max(s.tiles) - 1))
                 candidates.append(segs[:k] + [replace(s, tiles=fewer)] + segs[k + 1 :])
         improved = None
         for cand in candidates:

@@ -64,6 +64,12 @@ class OpNode:
     def tileable(self) -> bool:
         return self.kind in ("window", "pointwise")
 
+    @property
+    def strided(self) -> bool:
+        """A window with a stride (a pooling, a strided convolution): the chain shrinks after it, so a segment
+        split there leaves a shallower segment with a smaller halo."""
+        return self.kind == "window" and any(w.sigma > 1 for w in self.windows)
+
     def at(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> OpNode:
         """The same operator on a slice: saved bytes and FLOPs scale with the slice's elements."""
         fi = math.prod(in_shape) / max(1, math.prod(self.in_shape))

@@ -58,7 +58,7 @@ def _checkpoint_segments(graph: OpGraph) -> list[list[Segment]]:
         start = a
         for i in range(a, b + 1):
             node = graph.nodes[i]
-            if i == b or (node.kind == "window" and any(w.sigma > 1 for w in node.windows)):
+            if i == b or node.strided:
                 cut.append(Segment(start, i, (1,) * len(node.windows)))
                 start = i + 1
     return [whole, cut]

@@ -3,24 +3,20 @@ LM's head and loss)."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 from torch import nn
 
 from ...planning.devices import DeviceProfile, profile
 from ..manager import Size, parse_size
-from .head import TiledCausalLM
+from .head import TiledCausalLM, is_causal_lm
 from .model import TiledModel
-
-
-def _is_causal_lm(model: nn.Module) -> bool:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return isinstance(head, nn.Linear) and getattr(model, "base_model", model) is not model
+from .progress import Progress
 
 
 def tiled(model: nn.Module, budget: Size = None, *, tiles: Union[None, int, tuple[int, ...]] = None,
           device: Union[None, str, DeviceProfile] = None, swapped: bool = False, extra: Size = 0,
-          progress: Union[bool, Callable[[str], None]] = False) -> Union[TiledModel, TiledCausalLM]:  # fmt: skip
+          progress: Progress = False) -> Union[TiledModel, TiledCausalLM]:  # fmt: skip
     """``model`` run tile by tile where that keeps a training step within ``budget`` (seed 000's fused tiling).
 
     - A model whose forward has chains of FT-compatible operators (convolutions, pooling, pointwise ops;
@@ -49,10 +45,10 @@ def tiled(model: nn.Module, budget: Size = None, *, tiles: Union[None, int, tupl
     limit: Optional[int] = parse_size(budget, "budget", minimum=1, none="tiles= fixes the tiling instead")
     if limit is None and tiles is None:
         raise ValueError("swap.tiled needs budget= (bytes for the training step) or tiles= (tiles per dimension)")
-    if _is_causal_lm(model):
+    if is_causal_lm(model):
         if tiles is not None and not isinstance(tiles, int):
             raise TypeError(f"tiles= of a causal LM is tokens per tile (an int), not {tiles!r}")
-        return TiledCausalLM(model, limit, tiles, bool(progress))
+        return TiledCausalLM(model, limit, tiles, progress)
     dev = profile(device) if isinstance(device, str) else device
     return TiledModel(model, limit, tiles=tiles, device=dev, extra=parse_size(extra, "extra") or 0, swapped=swapped,
                       progress=progress)  # fmt: skip

@@ -4,7 +4,6 @@ for a Hugging Face causal LM without changing the model."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Optional
 
 import torch
@@ -12,12 +11,13 @@ from torch import nn
 
 from ...planning.tiling.head import HeadShape, tokens_per_tile
 from .linear_ce import LinearCrossEntropy
+from .progress import Progress, progress_sink
 
 IGNORE_INDEX = -100  # what PyTorch's and Hugging Face's losses skip
 
 
 def tiled_cross_entropy(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, tokens: int,
-                        ignore_index: int = IGNORE_INDEX, progress: bool = False) -> torch.Tensor:  # fmt: skip
+                        ignore_index: int = IGNORE_INDEX, progress: Progress = False) -> torch.Tensor:  # fmt: skip
     """``F.cross_entropy(head(hidden).float(), labels, reduction="sum")`` over ``tokens`` rows at a time:
     the logits of all rows never exist at once, and each tile's gradients are taken in the forward, so the
     backward recomputes nothing (Note [Tiled head and loss], Note [Gradients in the forward]).
@@ -42,8 +42,8 @@ def tiled_cross_entropy(hidden: torch.Tensor, head: nn.Linear, labels: torch.Ten
     _check_labels(y, weight.shape[0], ignore_index)
     grad = torch.is_grad_enabled()
     need = (grad and h.requires_grad, grad and weight.requires_grad, grad and bias is not None and bias.requires_grad)
-    say = (lambda msg: print(f"  [swap.tiled head] {msg}", file=sys.stderr, flush=True)) if progress else None
-    return LinearCrossEntropy.apply(h, weight, bias, y, tokens, ignore_index, need, say)
+    return LinearCrossEntropy.apply(h, weight, bias, y, tokens, ignore_index, need,
+                                    progress_sink(progress, "swap.tiled head"))
 
 
 def _check_labels(y: torch.Tensor, vocab: int, ignore_index: int) -> None:
@@ -60,6 +60,13 @@ def _check_labels(y: torch.Tensor, vocab: int, ignore_index: int) -> None:
                          f"indices below {vocab}, or {ignore_index} (ignore_index) for rows without a target")
 
 
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` is what ``TiledCausalLM`` tiles: a linear head (``get_output_embeddings()``) on a
+    ``base_model`` of its own."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return isinstance(head, nn.Linear) and getattr(model, "base_model", model) is not model
+
+
 class TiledCausalLM(nn.Module):
     """A Hugging Face causal LM (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ...) whose head and loss run
     tiled along tokens when it is called with ``labels``; without labels it is the model itself.
@@ -70,10 +77,9 @@ class TiledCausalLM(nn.Module):
     tokens per tile (``swap.planning.tiling.head.tokens_per_tile``), or ``tokens`` does."""
 
     def __init__(self, model: nn.Module, budget: Optional[int] = None, tokens: Optional[int] = None,
-                 progress: bool = False) -> None:  # fmt: skip
+                 progress: Progress = False) -> None:  # fmt: skip
         super().__init__()
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if not isinstance(head, nn.Linear) or not hasattr(model, "base_model") or model.base_model is model:
+        if not is_causal_lm(model):
             raise TypeError(f"{type(model).__name__} is not a causal LM with a linear head on a base model "
                             "(get_output_embeddings() and base_model): use swap.tiled_cross_entropy")  # fmt: skip
         config = getattr(model, "config", None)
@@ -83,6 +89,7 @@ class TiledCausalLM(nn.Module):
                                  "which the tiled head does not reproduce; use swap.tiled_cross_entropy")  # fmt: skip
         if budget is None and tokens is None:
             raise ValueError("give budget= (bytes for the head and loss) or tokens= (tokens per tile)")
+        head = model.get_output_embeddings()
         self.model, self.head, self.budget, self.tokens, self.progress = model, head, budget, tokens, progress
         self.last_tokens: Optional[int] = None
 

@@ -9,7 +9,6 @@ parameters, their gradients and the state dict are the user's model's.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -19,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ...planning.tiling.analyze import Analysis, analyze, trace
 from ...planning.tiling.choose import TilePlan, plan_tiles
+from .progress import Progress, progress_sink
 from .segment import Step, TiledSegment, window_call
 
 
@@ -67,7 +67,7 @@ class TiledModel(nn.Module):
 
     def __init__(self, model: nn.Module, budget: Optional[int], *, tiles: Union[None, int, tuple[int, ...]] = None,
                  device: Any = None, extra: int = 0, swapped: bool = False,
-                 progress: Union[bool, Callable[[str], None]] = False) -> None:  # fmt: skip
+                 progress: Progress = False) -> None:  # fmt: skip
         super().__init__()
         self.model = model
         self.budget, self.tiles, self.device_profile = budget, tiles, device
@@ -99,11 +99,7 @@ class TiledModel(nn.Module):
         lowp = any(isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) for t in tensors)
         plan = plan_tiles(analysis.graph, self.budget, dev=dev, lowp=lowp, swapped=self.swapped, extra=self.extra,
                           tiles=self.tiles)  # fmt: skip
-        say: Optional[Callable[[str], None]] = None
-        if callable(self.progress):
-            say = self.progress
-        elif self.progress:
-            say = lambda msg: print(f"  [swap.tiled] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+        say = progress_sink(self.progress, "swap.tiled")
         if say is not None:
             say(plan.describe(analysis.graph))
         graph = gm.graph

@@ -196,6 +196,16 @@ def test_llama_for_causal_lm_tiled_along_tokens(dtype: torch.dtype) -> None:
     assert tiled.last_tokens == 20
 
 
+def test_a_progress_callable_gets_the_head_tiles_lines_not_stderr(capsys: pytest.CaptureFixture) -> None:
+    config = transformers.GPT2Config(vocab_size=211, n_embd=32, n_layer=1, n_head=2, n_positions=32)
+    lines: list[str] = []
+    tiled = swap.tiled(transformers.GPT2LMHeadModel(config).eval(), tiles=10, progress=lines.append)
+    ids = torch.randint(0, 211, (2, 24))
+    tiled(input_ids=ids, labels=ids)
+    assert lines == [f"forward tile {k}/5" for k in range(1, 6)]  # 46 tokens, 10 per tile
+    assert capsys.readouterr().err == ""
+
+
 def test_tokens_per_tile_from_the_budget_and_the_error_below_one_token() -> None:
     shape = HeadShape(tokens=8192, hidden=1024, vocab=50257, itemsize=2)
     t = tokens_per_tile(shape, 2 << 30)
