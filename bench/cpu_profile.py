@@ -557,8 +557,6 @@ def measure(repeats: int = 30) -> CpuMeasurements:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     partial = CpuMeasurements(MATMUL_N, mm, TENSOR_BYTES, mul, TENSOR_BYTES, copy, ops, 0.0, 0.0, 0.0,
                               torch.get_num_threads(), memory, classes, attention, big, fresh, warm)  # fmt: skip
-    flops, bandwidth = rates(partial)
-    by_class, by_head_dim = class_rates(partial)
     unit = dataclasses.replace(profile_from(dataclasses.replace(partial, tiny_ops=1)).device, op_overhead=0.0)
     roofline = iteration_seconds(trace, unit)
     plain, managed = [], []
