@@ -495,6 +495,11 @@ def operators(trace: Any) -> int:
     return int((trace.op[begin : end + 1] == swap.capture.trace.OP).sum())
 
 
+def schedule_copies(schedule: Any) -> int:
+    """Copies a schedule issues per step: each swap-out and each swap-in (Note [The runtime's cost per copy])."""
+    return sum(map(len, schedule.swap_out)) + sum(map(len, schedule.swap_in))
+
+
 def save_mlp(width: int, depth: int) -> nn.Module:
     """An MLP of Note [The runtime's cost per copy]: every Linear's input and GELU's input saved."""
     layers: list[nn.Module] = []
@@ -528,9 +533,8 @@ def swap_step(width: int, depth: int, repeats: int) -> tuple[int, int, int, floa
         after, schedule = sm.report(), sm.schedule
     if after["declined"] or schedule is None or after["replans"] != before["replans"]:
         raise RuntimeError(f"the {width}-wide MLP's step did not run one plan under the manager: {after}")
-    copies = sum(map(len, schedule.swap_out)) + sum(map(len, schedule.swap_in))
     moved = sum(after[k] - before[k] for k in ("swapped_out_bytes", "swapped_in_bytes")) // repeats
-    return ops, copies, moved, plain, swapped
+    return ops, schedule_copies(schedule), moved, plain, swapped
 
 
 def measure(repeats: int = 30) -> CpuMeasurements:
@@ -557,8 +561,6 @@ def measure(repeats: int = 30) -> CpuMeasurements:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     partial = CpuMeasurements(MATMUL_N, mm, TENSOR_BYTES, mul, TENSOR_BYTES, copy, ops, 0.0, 0.0, 0.0,
                               torch.get_num_threads(), memory, classes, attention, big, fresh, warm)  # fmt: skip
-    flops, bandwidth = rates(partial)
-    by_class, by_head_dim = class_rates(partial)
     unit = dataclasses.replace(profile_from(dataclasses.replace(partial, tiny_ops=1)).device, op_overhead=0.0)
     roofline = iteration_seconds(trace, unit)
     plain, managed = [], []

@@ -26,6 +26,8 @@ Writes <out>/joint_cpu.json, joint_cpu.md and joint_cpu.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import logging
 import platform
@@ -109,9 +111,6 @@ def by_hand(model: torch.nn.Module, blocks: list) -> torch.nn.Module:
 def train(w: Workload, iterations: int, context: Optional[Any] = None, meter: Optional[swap.LiveBytesMeter] = None,
           hand: bool = False) -> dict[str, Any]:  # fmt: skip
     """Trains a fresh model; per iteration: loss, wall and CPU seconds, and the meter's peak if given."""
-    import contextlib
-    import gc
-
     gc.collect()
     model = w.build()
     if hand:
@@ -142,8 +141,10 @@ def train(w: Workload, iterations: int, context: Optional[Any] = None, meter: Op
     return out
 
 
-def bitwise(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return a["losses"] == b["losses"] and all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+def bitwise(a: dict[str, Any], b: dict[str, Any], tensors: Optional[int] = None) -> bool:
+    """Same losses, and the first ``tensors`` of ``params`` (all: parameters, then buffers) bitwise equal."""
+    return a["losses"] == b["losses"] and all(
+        torch.equal(x, y) for x, y in zip(a["params"][:tensors], b["params"][:tensors]))
 
 
 def manager(budget: int, blocks: Optional[list[str]] = None) -> swap.SwapManager:
@@ -179,8 +180,7 @@ def check(name: str, w: Workload, budget: int, iterations: int, plain: dict[str,
         warnings.simplefilter("always", swap.BudgetWarning)
         run = plain if name == "plain" else arm(name, w, budget, iterations, meter=swap.LiveBytesMeter("cpu"))
     out = {"bitwise_equal": bitwise(plain, run), "peak_bytes": max(run["peaks"]), "peaks": run["peaks"],
-           "params_equal": run["losses"] == plain["losses"] and all(
-               torch.equal(x, y) for x, y in zip(run["params"][: run["n_params"]], plain["params"])),
+           "params_equal": bitwise(plain, run, run["n_params"]),
            "within_budget": max(run["peaks"]) <= budget, "warnings": [str(c.message) for c in caught]}  # fmt: skip
     rep = run.get("report")
     if rep is not None:

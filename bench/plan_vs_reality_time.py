@@ -153,16 +153,15 @@ def predict(spec: dict[str, Any], cpu: cpu_profile.CpuProfile) -> dict[str, Any]
     floor = max(seq.nonswap[i] + seq.sizes[seq.var[i]] for i in range(len(seq)))
     budget = floor + (seq.no_swap_peak() - floor) // 2
     window, schedule, sim = choose_window(seq, budget, cpu.link_bandwidth, cpu.link_bandwidth)
-    copies = sum(map(len, schedule.swap_out)) + sum(map(len, schedule.swap_in))
-    b, e = plain.iterations()[-1]
+    n_copies = cpu_profile.schedule_copies(schedule)
     return {"breakdown": op_breakdown.predicted(plain, dev),
         "plain": iteration_seconds(plain, dev), "checkpointed": iteration_seconds(ckpt, dev),
-        "swapped": swapped_seconds(sim.compute_time, sim.d2h_bytes, sim.h2d_bytes, cpu.copy_bandwidth, copies,
+        "swapped": swapped_seconds(sim.compute_time, sim.d2h_bytes, sim.h2d_bytes, cpu.copy_bandwidth, n_copies,
                                    cpu.runtime_save_overhead),
         "swapped_compute": sim.compute_time, "bytes_out": sim.d2h_bytes, "bytes_in": sim.h2d_bytes,
-        "copies": copies,
+        "copies": n_copies,
         "budget": budget, "window": window,
-        "operators": int((plain.op[b : e + 1] == swap.capture.trace.OP).sum()),
+        "operators": cpu_profile.operators(plain),
     }  # fmt: skip
 
 

@@ -76,9 +76,7 @@ def check(w: Workload, s: dict[str, StrategyResult], wall: list[dict[str, Any]])
     if w.keep_at_5x is not None:
         k = kept(s, five)
         if auto.max_batch < five:
-            detail = (f"5x ({five}) does not fit with any strategy: the largest batch is {auto.max_batch} "
-                      f"({auto.max_batch / plain:.2f}x), keeping {kept(s, auto.max_batch):.0%} there. "
-                      f"{_wall(auto, wall)}")  # fmt: skip
+            detail = _out_of_reach(s, "5x", five, wall)
         else:
             detail = f"keeps {k:.0%} at 5x ({five}); " + _costs(s, five)
             if k < w.keep_at_5x:
@@ -104,9 +102,7 @@ def check(w: Workload, s: dict[str, StrategyResult], wall: list[dict[str, Any]])
         k = kept(s, ten)
         best = max((n for n in auto.points if kept(s, n) >= 0.6), default=0)
         if auto.max_batch < ten:
-            detail = (f"10x ({ten}) does not fit with any strategy: the largest batch is {auto.max_batch} "
-                      f"({auto.max_batch / plain:.2f}x), keeping {kept(s, auto.max_batch):.0%} there. "
-                      f"{_wall(auto, wall)}")  # fmt: skip
+            detail = _out_of_reach(s, "10x", ten, wall)
         else:
             detail = f"at 10x ({ten}) it keeps {k:.0%}" + (f", {(0.6 - k) * 100:.0f} points short" if k < 0.6 else "")
             detail += f"; {_costs(s, ten)}"
@@ -125,6 +121,14 @@ def _regions_wall(s: dict[str, StrategyResult]) -> str:
             f"every block stops fitting past batch {c.max_batch}: {c.blocker.split('. ')[0]}: a "
             "block's rerun holds its recomputed tensors until its backward, so past that batch what is saved must "
             "cross the link instead")  # fmt: skip
+
+
+def _out_of_reach(s: dict[str, StrategyResult], multiple: str, n: int, wall: list[dict[str, Any]]) -> str:
+    """Why a target's batch ``n`` (``multiple`` of the no-swap batch) is missed: no strategy fits it."""
+    auto = s["auto"]
+    return (f"{multiple} ({n}) does not fit with any strategy: the largest batch is {auto.max_batch} "
+            f"({auto.max_batch / s['none'].max_batch:.2f}x), keeping {kept(s, auto.max_batch):.0%} there. "
+            f"{_wall(auto, wall)}")  # fmt: skip
 
 
 def _wall(auto: StrategyResult, wall: list[dict[str, Any]]) -> str:

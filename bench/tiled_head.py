@@ -25,7 +25,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -56,6 +56,21 @@ def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4)
 
 
+def optimizer_of(name: str) -> Callable[[Any], torch.optim.Optimizer]:
+    """``adamw`` (issue 17's setting), or else the built-in workload's optimizer (SGD with momentum)."""
+    return adamw if name == "adamw" else ZOO["gpt2-medium-bf16"].optimizer
+
+
+def tiled_loss(tiles: int) -> Callable[[Trunk, Any], torch.Tensor]:
+    """The mean token loss of a ``Trunk``'s hidden states through its head, in ``tiles`` tiles of tokens."""
+
+    def loss(model: Trunk, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return swap.tiled_cross_entropy(model(x), model.gpt.head, y, tokens=-(-y.numel() // tiles)) / y.numel()
+
+    return loss
+
+
 def _step_accounting(t: Trace) -> dict:
     """FLOPs per phase and bytes saved for backward in the last captured iteration."""
     b, e = t.iterations()[-1]
@@ -70,15 +85,10 @@ def head_accounting(tiles: int, batch: int = 2, optimizer: str = "adamw") -> dic
     move from backward to forward (backward loses the head's two, 4 · tokens · hidden · vocab FLOPs, and
     recomputes nothing), and what it saves for backward (the hidden states' and the weight's gradients)
     replaces the untiled loss's tokens × vocab tensors."""
-    w = ZOO["gpt2-medium-bf16"]
-    opt = adamw if optimizer == "adamw" else w.optimizer
-
-    def tiled_loss(model: Trunk, b: Any) -> torch.Tensor:
-        x, y = b
-        return swap.tiled_cross_entropy(model(x), model.gpt.head, y, tokens=-(-y.numel() // tiles)) / y.numel()
-
+    w, opt = ZOO["gpt2-medium-bf16"], optimizer_of(optimizer)
     base = capture(w.model_fn(), w.batch_fn(), batch, optimizer=opt, dtype=w.dtype)
-    tiled = capture(lambda: Trunk(w.model_fn()()), w.batch_fn(), batch, tiled_loss, optimizer=opt, dtype=w.dtype)
+    tiled = capture(lambda: Trunk(w.model_fn()()), w.batch_fn(), batch, tiled_loss(tiles), optimizer=opt,
+                    dtype=w.dtype)  # fmt: skip
     with torch.device("meta"):
         head = w.model_fn()().head.weight
     tokens = batch * w.size
@@ -92,20 +102,13 @@ def run(budget: str, device: str, policies: tuple[str, ...], tiles: int, strateg
     """Plan the built-in GPT-2 medium with and without the tiled head; each swap policy's and each strategy's
     largest batch, and the strategies' samples/s at 5x the untiled model's no-swap batch (issue 17's target)."""
     w = ZOO["gpt2-medium-bf16"]
-    opt = adamw if optimizer == "adamw" else w.optimizer
-    common: dict[str, Any] = dict(budget=budget, device=device, policies=policies, optimizer=opt,
+    common: dict[str, Any] = dict(budget=budget, device=device, policies=policies, optimizer=optimizer_of(optimizer),
                                   dtype=w.dtype, progress=True, strategies=strategies)  # fmt: skip
-
-    def tiled_loss(model: Trunk, batch: Any) -> torch.Tensor:
-        x, y = batch
-        total = swap.tiled_cross_entropy(model(x), model.gpt.head, y, tokens=-(-y.numel() // tiles))
-        return total / y.numel()
-
     base = swap.plan(w.model_fn(), w.batch_fn(), name="gpt2-medium-bf16", **common)
     one = base.max_batch.get("none") or 0
     five = 5 * one if strategies and one else None
-    tiled = swap.plan(lambda: Trunk(w.model_fn()()), w.batch_fn(), tiled_loss, batch=five,
-                      name=f"gpt2-medium-bf16 + tiled head ({tiles} tiles)", **{**common})  # fmt: skip
+    tiled = swap.plan(lambda: Trunk(w.model_fn()()), w.batch_fn(), tiled_loss(tiles), batch=five,
+                      name=f"gpt2-medium-bf16 + tiled head ({tiles} tiles)", **common)  # fmt: skip
     out: dict = {"budget": budget, "device": device, "head_tiles": tiles, "optimizer": optimizer, "policies": {},
                  "strategies": {}, "one_x": one, "five_x": five}  # fmt: skip
     none_speed = base.policies["none"].samples_per_s if "none" in base.policies else None

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Optional
@@ -120,9 +119,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     cmd = "python -m bench.tiling_sim" + (" --quick" if args.quick else "")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tiling_sim.json").write_text(json.dumps({"command": cmd, **res}, indent=1,
-                                                    default=lambda v: None if isinstance(v, float) and math.isnan(v)
-                                                    else v) + "\n")  # fmt: skip
+    (out / "tiling_sim.json").write_text(json.dumps({"command": cmd, **res}, indent=1) + "\n")
     (out / "tiling_sim.md").write_text(markdown(res, cmd))
     log(f"wrote {plot(res, out / 'tiling_sim.png')}")
     return 0
