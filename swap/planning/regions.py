@@ -359,12 +359,13 @@ def _rewrite(seq: Sequence, table: OpTable, calls: list[_Call]) -> tuple[Sequenc
     last_access = {}
     for k, e in enumerate(entries):
         last_access[e.var] = k
+    ends = seq.ends()
     for old, new in new_id.items():
         new_sizes[new] = sizes[old]
         if old >= 0:
             swappable[new] = seq.swappable[old]
             held_until[new] = first_at[min(n, seq.held_until[old])] if seq.held_until[old] else 0
-            freed[new] = first_at[min(n, seq.ends()[old])]
+            freed[new] = first_at[min(n, ends[old])]
             modules[new] = seq.modules[old] if seq.modules else ""
         if old in region_vars:
             c = calls[region_vars[old]]
