@@ -221,10 +221,8 @@ def checkpoint(ev: Evaluator) -> Outcome:
 
 def checkpoint_every_k(ev: Evaluator) -> Outcome:
     """Full checkpointing of every k-th block, with the best k, no swapping."""
-    outs = []
-    for paths in _levels(ev).values():
-        for k in range(2, len(paths) + 1):
-            outs.append(_per_level(ev, "checkpoint_every_k", "none", every=k))
+    longest = max((len(paths) for paths in _levels(ev).values()), default=0)
+    outs = [_per_level(ev, "checkpoint_every_k", "none", every=k) for k in range(2, longest + 1)]  # every level each
     return _best(outs, "checkpoint_every_k") if outs else checkpoint(ev)
 
 
