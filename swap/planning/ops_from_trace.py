@@ -38,7 +38,7 @@ import numpy as np
 from ..capture.trace import ALLOC, OP, PHASE, SAVE, USE, Trace
 from .autograd_saves import saves_first_output
 from .devices import DeviceProfile
-from .ops import Op, OpTable, RegionCall
+from .ops import Op, OpTable, RegionCall, is_index
 from .pricing import event_seconds
 
 # What a name alone says cannot be rerun (Note [Operators that cannot be rerun] in swap.runtime.op_facts).
@@ -184,7 +184,7 @@ def table_from_trace(trace: Trace, dev: Optional[DeviceProfile] = None, min_byte
 def _candidates(path: str) -> list[str]:
     """The candidate modules (Note [Candidate regions]) a module path lies in, outermost first."""
     parts = path.split(".") if path else []
-    return [".".join(parts[: n + 1]) for n, p in enumerate(parts) if p.isdigit()]
+    return [".".join(parts[: n + 1]) for n, p in enumerate(parts) if is_index(p)]
 
 
 def _calls(rows: list[dict], alloc_at: dict[int, int], nbytes: dict[int, int], number: Callable[[int], int],
