@@ -130,7 +130,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for p in policies:
         if p not in POLICIES:
             ap.error(f"unknown policy {p!r}: choose among {', '.join(POLICIES)}")
-    strategies = {"all": STRATEGIES, "off": (), "none": ("none",)}.get(args.strategies)
+    strategies = {"all": STRATEGIES, "off": ()}.get(args.strategies)
     if strategies is None:
         strategies = tuple(s for s in args.strategies.split(",") if s)
         for s in strategies:

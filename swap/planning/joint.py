@@ -143,37 +143,35 @@ def _saved_in(ev: Evaluator, path: str) -> set[int]:
     return out
 
 
-def keep_chain(ev: Evaluator, path: str) -> list[frozenset]:
-    """The keep sets of ``path``, from none (full checkpointing) to every candidate, adding first the operator
-    whose rerun costs most per byte it keeps (Note [Joint policy])."""
+def _candidates(ev: Evaluator, path: str) -> list[tuple[float, int, tuple[str, int]]]:
+    """The operators of ``path``'s first call whose outputs may be kept (``OpTable.keep_candidates``), in
+    operator order: (seconds, bytes it keeps, key)."""
     calls = ev.table.calls_of(path)
     if not calls:
-        return [frozenset()]
+        return []
     c = calls[0]
-    saved = _saved_in(ev, path)
     keys = ev.table.op_keys(c)
-    scored = []
-    for j in ev.table.keep_candidates(c, saved):
+    out = []
+    for j in ev.table.keep_candidates(c, _saved_in(ev, path)):
         op = ev.table.ops[j]
-        nbytes = sum(ev.seq.sizes[v] for v in op.outputs if v >= 0) or 1
-        scored.append((op.seconds / nbytes, j))
-    scored.sort(key=lambda x: -x[0])
+        out.append((op.seconds, sum(ev.seq.sizes[v] for v in op.outputs if v >= 0), keys[j - c.ops[0]]))
+    return out
+
+
+def keep_chain(ev: Evaluator, path: str) -> list[frozenset]:
+    """The keep sets of ``path``, from none (full checkpointing) to every candidate, adding first the operator
+    whose rerun costs most per byte it keeps (Note [Joint policy]); ties in operator order."""
+    scored = sorted(_candidates(ev, path), key=lambda x: -x[0] / (x[1] or 1))
     chain, cur = [frozenset()], set()
-    for _, j in scored:
-        cur.add(keys[j - c.ops[0]])
+    for _, _, key in scored:
+        cur.add(key)
         chain.append(frozenset(cur))
     return chain
 
 
 def selective_keep(ev: Evaluator, path: str) -> frozenset:
     """Selective checkpointing's keep set: matmul, convolution and attention outputs."""
-    calls = ev.table.calls_of(path)
-    if not calls:
-        return frozenset()
-    c = calls[0]
-    keys = ev.table.op_keys(c)
-    cands = ev.table.keep_candidates(c, _saved_in(ev, path))
-    return frozenset(keys[j - c.ops[0]] for j in cands if is_selective(ev.table.ops[j].name))
+    return frozenset(key for _, _, key in _candidates(ev, path) if is_selective(key[0]))
 
 
 def _plan(paths: list[str], keep: Optional[Callable[[str], frozenset]] = None, rebuild: bool = False) -> RecomputePlan:
@@ -221,10 +219,8 @@ def checkpoint(ev: Evaluator) -> Outcome:
 
 def checkpoint_every_k(ev: Evaluator) -> Outcome:
     """Full checkpointing of every k-th block, with the best k, no swapping."""
-    outs = []
-    for paths in _levels(ev).values():
-        for k in range(2, len(paths) + 1):
-            outs.append(_per_level(ev, "checkpoint_every_k", "none", every=k))
+    longest = max((len(paths) for paths in _levels(ev).values()), default=0)
+    outs = [_per_level(ev, "checkpoint_every_k", "none", every=k) for k in range(2, longest + 1)]  # every level each
     return _best(outs, "checkpoint_every_k") if outs else checkpoint(ev)
 
 
@@ -242,22 +238,21 @@ def knapsack(ev: Evaluator) -> Outcome:
         return plain
     outs = []
     for paths in _levels(ev).values():
-        items = []  # (bytes per second, path, key)
+        items = []  # (bytes per second, path, key), in operator order: ties keep it (the sort is stable)
         for p in paths:
-            chain = keep_chain(ev, p)
-            full = chain[-1]
-            for key in full:
-                secs, nbytes = _op_cost(ev, p, key)
-                items.append((nbytes / max(secs, 1e-12), p, key))
+            items += [(nbytes / max(secs, 1e-12), p, key) for secs, nbytes, key in _candidates(ev, p)]
         items.sort(key=lambda x: -x[0])
 
         def plan_dropping(k: int, paths: list[str] = paths, items: list = items) -> RecomputePlan:
-            dropped = {(p, key) for _, p, key in items[:k]}
-            return _plan(paths, lambda q: frozenset(key for key in keep_chain(ev, q)[-1] if (q, key) not in dropped))
+            kept = {p: [] for p in paths}
+            for _, p, key in items[k:]:
+                kept[p].append(key)
+            return _plan(paths, lambda q: frozenset(kept[q]))
 
         lo, hi = 0, len(items)  # the fewest drops that fit (more drops, less memory)
-        if not ev.evaluate(Strategy("knapsack", plan_dropping(hi), "none")).feasible:
-            outs.append(ev.evaluate(Strategy("knapsack", plan_dropping(hi), "none")))
+        everything = ev.evaluate(Strategy("knapsack", plan_dropping(hi), "none"))
+        if not everything.feasible:
+            outs.append(everything)
             continue
         while lo < hi:
             mid = (lo + hi) // 2
@@ -269,14 +264,6 @@ def knapsack(ev: Evaluator) -> Outcome:
     if not outs:
         return Outcome(Strategy("knapsack"), False, math.inf, "no candidate regions (no repeated blocks in containers)")
     return _best(outs, "knapsack")
-
-
-def _op_cost(ev: Evaluator, path: str, key: tuple[str, int]) -> tuple[float, int]:
-    c = ev.table.calls_of(path)[0]
-    keys = ev.table.op_keys(c)
-    j = c.ops[0] + keys.index(key)
-    op = ev.table.ops[j]
-    return op.seconds, sum(ev.seq.sizes[v] for v in op.outputs if v >= 0)
 
 
 def window(ev: Evaluator) -> Outcome:

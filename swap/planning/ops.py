@@ -118,9 +118,9 @@ class OpTable:
         out: dict[str, list[str]] = {}
         for c in self.calls:
             parts = c.path.split(".")
-            if not parts or not _INDEX.match(parts[-1]) or c.steps[0] == c.steps[1]:
+            if not parts or not is_index(parts[-1]) or c.steps[0] == c.steps[1]:
                 continue
-            pattern = ".".join("*" if _INDEX.match(p) else p for p in parts)
+            pattern = ".".join("*" if is_index(p) else p for p in parts)
             paths = out.setdefault(pattern, [])
             if c.path not in paths:
                 paths.append(c.path)
@@ -162,6 +162,11 @@ class OpTable:
 def is_selective(name: str) -> bool:
     """Whether selective checkpointing keeps this operator's output (matmuls, convolutions, attention)."""
     return SELECTIVE.search(name) is not None
+
+
+def is_index(part: str) -> bool:
+    """Whether a module path's part is an index into a container (Note [Candidate regions])."""
+    return _INDEX.match(part) is not None
 
 
 def nested(inner: str, outer: str) -> bool:

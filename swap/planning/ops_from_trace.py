@@ -38,7 +38,7 @@ import numpy as np
 from ..capture.trace import ALLOC, OP, PHASE, SAVE, USE, Trace
 from .autograd_saves import saves_first_output
 from .devices import DeviceProfile
-from .ops import Op, OpTable, RegionCall
+from .ops import Op, OpTable, RegionCall, is_index
 from .pricing import event_seconds
 
 # What a name alone says cannot be rerun (Note [Operators that cannot be rerun] in swap.runtime.op_facts).
@@ -111,6 +111,7 @@ def table_from_trace(trace: Trace, dev: Optional[DeviceProfile] = None, min_byte
     user_checkpointed = {path_of(m) for p, m in zip(phase, module) if p == recompute and m >= 0}
     rows: list[dict] = []  # forward operators, in order
     alloc_at: dict[int, int] = {}  # allocation id -> index into rows of the operator before it (-1: before any)
+    nbytes: dict[int, int] = {}  # allocation id -> bytes
     pending: list[int] = []  # saves since the last forward operator's event
     step = 0
 
@@ -146,6 +147,7 @@ def table_from_trace(trace: Trace, dev: Optional[DeviceProfile] = None, min_byte
                 in_forward = False
         elif o == ALLOC:
             alloc_at[i] = len(rows) - 1
+            nbytes[i] = s
             if in_forward:
                 rows[-1]["allocs"].append(i)
             if in_forward and s >= min_bytes:
@@ -175,19 +177,14 @@ def table_from_trace(trace: Trace, dev: Optional[DeviceProfile] = None, min_byte
             tuple(number(i) for i in dict.fromkeys(r["saved_in"]) if i not in outs), keepable,
             blocker_of(r["name"], cuda), rng,
         ))  # fmt: skip
-    calls = _calls(rows, alloc_at, sizes_of(ops_, ids, sizes), number, user_checkpointed)
+    calls = _calls(rows, alloc_at, nbytes, number, user_checkpointed)
     return OpTable(table_ops, calls)
-
-
-def sizes_of(ops_: list[int], ids: list[int], sizes: list[int]) -> dict[int, int]:
-    """Allocation id -> bytes, from the alloc events."""
-    return {i: s for o, i, s in zip(ops_, ids, sizes) if o == ALLOC}
 
 
 def _candidates(path: str) -> list[str]:
     """The candidate modules (Note [Candidate regions]) a module path lies in, outermost first."""
     parts = path.split(".") if path else []
-    return [".".join(parts[: n + 1]) for n, p in enumerate(parts) if p.isdigit()]
+    return [".".join(parts[: n + 1]) for n, p in enumerate(parts) if is_index(p)]
 
 
 def _calls(rows: list[dict], alloc_at: dict[int, int], nbytes: dict[int, int], number: Callable[[int], int],

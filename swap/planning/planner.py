@@ -28,7 +28,7 @@ from .scheduler import POLICIES, InfeasibleBudget, Schedule
 from .scheduler import plan as make_schedule
 from .sequence import Sequence
 from .simulator import choose_window, simulate
-from .strategies import STRATEGIES, StrategyBook, compare
+from .strategies import STRATEGIES, StrategyBook, check_strategies, compare
 
 Size = Union[int, str]
 LINEAR_BATCHES = (2, 4)  # fitted
@@ -295,9 +295,7 @@ def plan(
             raise ValueError(f"unknown policy {p!r}: choose among {', '.join(POLICIES)}")
     if max_batch is not None and max_batch < 1:
         raise ValueError(f"max_batch must be at least 1, not {max_batch}")
-    for s in strategies:
-        if s not in STRATEGIES:
-            raise ValueError(f"unknown strategy {s!r}: choose among {', '.join(STRATEGIES)}")
+    check_strategies(strategies)
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise ValueError(f"batch must be a positive int, not {batch!r}")
     min_bytes_ = _size(min_bytes, "min_bytes") if min_bytes else 0

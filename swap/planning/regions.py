@@ -105,7 +105,14 @@ def apply_regions(seq: Sequence, table: OpTable, plan: RecomputePlan) -> RegionM
     if error is not None:
         raise ValueError(error)
     keep_of = {r.path: r.keep for r in plan.regions}
-    calls = [_prepare(seq, table, c, keep_of[c.path]) for c in table.calls if c.path in keep_of]
+    saves_at: dict[int, list[int]] = defaultdict(list)  # variable -> its save steps, and its use steps
+    uses_at: dict[int, list[int]] = defaultdict(list)
+    for i, (v, k) in enumerate(zip(seq.var, seq.kind)):
+        if k == SAVE:
+            saves_at[v].append(i)
+        elif k == USE:
+            uses_at[v].append(i)
+    calls = [_prepare(seq, table, c, keep_of[c.path], saves_at, uses_at) for c in table.calls if c.path in keep_of]
     calls = [c for c in calls if c is not None]
     out = _rewrite(seq, table, calls)
     model = RegionModel(out[0], sum(c.seconds for c in calls))
@@ -160,21 +167,15 @@ def _uses(seq: Sequence, v: int) -> int:
     return sum(1 for x, k in zip(seq.var, seq.kind) if x == v and k == USE)
 
 
-def _prepare(seq: Sequence, table: OpTable, c: RegionCall, keep: frozenset) -> Optional[_Call]:
+def _prepare(seq: Sequence, table: OpTable, c: RegionCall, keep: frozenset, save_steps: dict[int, list[int]],
+             uses_by_var: dict[int, list[int]]) -> Optional[_Call]:  # fmt: skip
+    """A call's part of the rewrite; ``save_steps`` / ``uses_by_var``: each variable's save and use steps."""
     lo, hi = c.steps
     saves = [i for i in range(lo, hi) if seq.kind[i] == SAVE]
     if not saves:
         return None
     saved = {seq.var[i] for i in saves}
-    save_steps: dict[int, list[int]] = defaultdict(list)
-    for i, (x, k) in enumerate(zip(seq.var, seq.kind)):
-        if k == SAVE and x in saved:
-            save_steps[x].append(i)
     inside = {v: all(lo <= i < hi for i in save_steps[v]) for v in saved}
-    uses_by_var: dict[int, list[int]] = defaultdict(list)
-    for i, (v, k) in enumerate(zip(seq.var, seq.kind)):
-        if k == USE and v in saved:
-            uses_by_var[v].append(i)
     pure = [u for v in saved if inside[v] for u in uses_by_var[v]]
     span_from = pure or [u for v in saved for u in uses_by_var[v]]
     if not span_from:
@@ -359,12 +360,13 @@ def _rewrite(seq: Sequence, table: OpTable, calls: list[_Call]) -> tuple[Sequenc
     last_access = {}
     for k, e in enumerate(entries):
         last_access[e.var] = k
+    ends = seq.ends()
     for old, new in new_id.items():
         new_sizes[new] = sizes[old]
         if old >= 0:
             swappable[new] = seq.swappable[old]
             held_until[new] = first_at[min(n, seq.held_until[old])] if seq.held_until[old] else 0
-            freed[new] = first_at[min(n, seq.ends()[old])]
+            freed[new] = first_at[min(n, ends[old])]
             modules[new] = seq.modules[old] if seq.modules else ""
         if old in region_vars:
             c = calls[region_vars[old]]

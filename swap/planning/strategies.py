@@ -39,6 +39,13 @@ MULTIPLES = (1, 2, 3, 5, 10)  # of the no-swap batch: where the strategies are c
 AUTO_EVALUATIONS = 200  # plans the joint policy judges per batch (Note [Joint policy])
 
 
+def check_strategies(names: tuple[str, ...]) -> None:
+    """ValueError naming the first of ``names`` that is not a strategy, and the ones there are."""
+    for name in names:
+        if name not in STRATEGIES:
+            raise ValueError(f"unknown strategy {name!r}: choose among {', '.join(STRATEGIES)}")
+
+
 @dataclass
 class Point:
     """One strategy at one batch."""
@@ -110,8 +117,7 @@ class StrategyBook:
         """Strategy ``name`` at batch ``n``."""
         key = (name, n)
         if key not in self._outcomes:
-            if name not in STRATEGIES:
-                raise ValueError(f"unknown strategy {name!r}: choose among {', '.join(STRATEGIES)}")
+            check_strategies((name,))
             ev = self.evaluator(n)
             if len(ev.seq) == 0:  # nothing is saved: every strategy runs the step as it is
                 trace = self.trace_at(n)
@@ -149,9 +155,7 @@ def compare(book: StrategyBook, names: tuple[str, ...], largest: Search, guess: 
     from ``guess``) and its speed at ``batch`` (the one asked for), at ``MULTIPLES`` of the largest batch
     without swapping or recomputing ("none"'s, judged whether or not it is in ``names``) and at every
     strategy's largest batch (Note [Strategies from one capture])."""
-    for name in names:
-        if name not in STRATEGIES:
-            raise ValueError(f"unknown strategy {name!r}: choose among {', '.join(STRATEGIES)}")
+    check_strategies(names)
     results: dict[str, StrategyResult] = {}
     guess = max(1, guess)
     for name in ["none", *(n for n in names if n not in ("auto", "none"))]:

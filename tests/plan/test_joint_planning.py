@@ -151,6 +151,21 @@ def test_knapsack_recomputes_nothing_where_the_step_fits_and_the_least_where_it_
     assert tight.strategy.swap == "none" and tight.copied_bytes == 0
 
 
+
+def test_knapsack_breaks_ties_in_operator_order():
+    # Every operator costs the same per byte: which ones knapsack recomputes must not depend on set iteration
+    # order (string hashes differ per process): ties go in operator order, the first block's first operator first.
+    seq, table = blocks(2, 6, [40_000], [0.002])
+    tight = BASELINES["knapsack"](Evaluator(seq, table, int(seq.no_swap_peak() * 0.9), 5e6, 5e6))
+    assert tight.feasible and tight.strategy.plan.regions
+    ev = Evaluator(seq, table, 10**12, 5e6, 5e6)
+    candidates = {r.path: keep_chain(ev, r.path)[-1] for r in tight.strategy.plan.regions}
+    order = [(p, key) for p, keys in candidates.items() for key in table.op_keys(table.calls_of(p)[0]) if key in keys]
+    kept = {(r.path, key) for r in tight.strategy.plan.regions for key in r.keep}
+    dropped = [x not in kept for x in order]
+    assert 0 < sum(dropped) < len(order) and dropped == sorted(dropped, reverse=True), dropped
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n=st.integers(1, 3),
