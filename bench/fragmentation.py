@@ -56,7 +56,7 @@ def log(msg: str) -> None:
 def swap_budget(trace: Trace) -> Optional[int]:
     """16 GiB, or half the no-swap peak when that is below 16 GiB; raised to what the plan can meet."""
     seq = sequence_from_trace(trace)
-    floor = max(seq.nonswap[i] + seq.sizes[seq.var[i]] for i in range(len(seq)))
+    floor = seq.step_floor()
     budget = min(SWAP_BUDGET, seq.no_swap_peak() // 2)
     return max(budget, int(floor * 1.05))
 

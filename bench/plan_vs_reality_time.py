@@ -150,7 +150,7 @@ def predict(spec: dict[str, Any], cpu: cpu_profile.CpuProfile) -> dict[str, Any]
     dev = cpu.device
     managed = DeviceProfile(**{**dev.__dict__, "op_overhead": dev.op_overhead + cpu.runtime_op_overhead})
     seq = sequence_from_trace(plain, cost=managed, min_bytes=MIN_BYTES)
-    floor = max(seq.nonswap[i] + seq.sizes[seq.var[i]] for i in range(len(seq)))
+    floor = seq.step_floor()
     budget = floor + (seq.no_swap_peak() - floor) // 2
     window, schedule, sim = choose_window(seq, budget, cpu.link_bandwidth, cpu.link_bandwidth)
     n_copies = cpu_profile.schedule_copies(schedule)

@@ -118,7 +118,7 @@ def run_workload(model: str, size: Optional[int], dev: DeviceProfile, memory: in
         batch = k * b0
         trace = cached_capture(model, batch, STEPS, size)
         seq = sequence(trace, dev)
-        floor = max(seq.nonswap[i] + seq.sizes[seq.var[i]] for i in range(len(seq)))
+        floor = seq.step_floor()
         row: dict[str, Any] = {"multiple": k, "batch": batch, "compute_time": sum(seq.compute),
                                "no_swap_peak": seq.no_swap_peak(), "floor": floor}  # fmt: skip
         window = run_policy(seq, dev, memory, "window")

@@ -51,7 +51,7 @@ def _table() -> dict[str, bool] | None:
     path = os.path.join(os.path.dirname(torchgen.__file__), "packaged", "autograd", "derivatives.yaml")
     try:
         with open(path) as f:
-            entries = yaml.safe_load(f)
+            entries = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml's: 10x faster
     except OSError:
         return None
     table = {}

@@ -219,7 +219,7 @@ def _guess(ev: _Evaluator, policy: str) -> int:
         seq = ev.sequence(n)
         if policy == "none" or not len(seq):
             return seq.no_swap_peak() if len(seq) else 0
-        return max(seq.nonswap[i] + seq.sizes[seq.var[i]] for i in range(len(seq)))
+        return seq.step_floor()
 
     na, nb = need(a), need(b)
     slope = (nb - na) / (b - a)

@@ -51,7 +51,7 @@ def predict_peak(
     dev = device if isinstance(device, DeviceProfile) else device_profile(device)
     trace = capture(model_fn, batch_fn, batch, loss_fn, optimizer=optimizer, dtype=dtype, target=target)
     seq = sequence_from_trace(trace, min_bytes=_size(min_bytes, "min_bytes") if min_bytes else 0)
-    floor = max((seq.nonswap[i] + seq.sizes[seq.var[i]] for i in range(len(seq))), default=0)
+    floor = seq.step_floor()
     out = PeakPrediction(batch, seq.no_swap_peak(), floor)
     if budget is None:
         return out

@@ -165,3 +165,8 @@ class Sequence:
     def no_swap_peak(self) -> int:
         """The device peak if nothing were swapped."""
         return max((n + live for n, live in zip(self.nonswap, self.live_bytes())), default=0)
+
+    def step_floor(self) -> int:
+        """The least any schedule needs: the largest step's unswappable bytes plus the variable it touches
+        (``swap.planning.budget.min_budget`` is the finer floor, with what a step must hold besides)."""
+        return max((self.nonswap[i] + self.sizes[self.var[i]] for i in range(len(self))), default=0)

@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
-from ..planning.ops import Op, OpTable, RegionCall
+from ..planning.ops import Op, OpTable, RegionCall, is_index
 from .op_facts import (
     aliases_output,
     blocker,
@@ -178,7 +178,7 @@ class OpProfiler(TorchDispatchMode):
         self.roots.append(weakref.ref(root))
         prefix = "" if len(self.roots) == 1 else f"{len(self.roots) - 1}:"
         for name, m in root.named_modules():
-            if name and name.rsplit(".", 1)[-1].isdigit() and prefix + name not in self.modules:
+            if name and is_index(name.rsplit(".", 1)[-1]) and prefix + name not in self.modules:
                 path = prefix + name
                 self.modules[path] = m
                 # Note [Hooks and torch.compile] (swap.runtime.executor): dynamo must run the hooks, not trace them.

@@ -63,7 +63,7 @@ def test_import_of_a_vmalloc_snapshot_replays(tmp_path):
 
 def test_swapped_trace_stays_under_the_budget_and_balances(small_trace):
     seq = sequence_from_trace(small_trace)
-    floor = max(seq.nonswap[i] + seq.sizes[seq.var[i]] for i in range(len(seq)))
+    floor = seq.step_floor()
     budget = (floor + seq.no_swap_peak()) // 2
     s = swapped(small_trace, budget)
     assert live_peak(s) <= budget < live_peak(small_trace)

@@ -20,7 +20,7 @@ def test_training_with_recompute_is_bitwise_equal_and_moves_fewer_bytes():
     ref = run("gpt", 4)
     probe = run("gpt", 3, manager=lambda: swap.SwapManager(budget="64GiB", device="cpu", min_bytes=16 * KiB))
     seq = probe["manager"].sequence
-    floor = max(seq.nonswap[i] + seq.sizes[seq.var[i]] for i in range(len(seq)))
+    floor = seq.step_floor()
     budget = floor + (seq.no_swap_peak() - floor) // 4
 
     def managed(recompute):

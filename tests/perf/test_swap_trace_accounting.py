@@ -12,7 +12,7 @@ def test_planned_peak_is_the_swapped_traces_peak(model, batch, size):
     # node that read it returns. Counting it until then makes the plan's peak the swapped trace's peak.
     t = capture(model, batch, steps=2, size=size, progress=False)
     seq, _ = plan_for(t, 1 << 40, "none")
-    floor = max(seq.nonswap[i] + seq.sizes[seq.var[i]] for i in range(len(seq)))
+    floor = seq.step_floor()
     budget = (floor + seq.no_swap_peak()) // 2
     _, sched = plan_for(t, budget, "window", window=budget // 4)
     st = swapped(t, budget, schedule=sched)

@@ -187,7 +187,7 @@ def test_small_saves_stay_and_the_swapped_trace_keeps_the_budget():
     assert len(big.sizes) < len(everything.sizes) and min(big.sizes) >= 16 * 1024
     assert big.no_swap_peak() == everything.no_swap_peak()  # small saves count as memory that is not swappable
     assert sum(big.compute) == sum(everything.compute) == 0.0  # no cost model: no time
-    budget = (max(big.nonswap[i] + big.sizes[big.var[i]] for i in range(len(big))) + big.no_swap_peak()) // 2
+    budget = (big.step_floor() + big.no_swap_peak()) // 2
     schedule = make_schedule(big, budget, None, "all")
     s = swapped(t, budget, schedule=schedule, min_bytes=16 * 1024)
     assert live_peak(s) <= budget < live_peak(t)

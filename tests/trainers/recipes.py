@@ -45,7 +45,7 @@ def budget_from_profile(train: Callable[[Any], Any], fraction: float = 0.5) -> i
     probe = swap.SwapManager(budget="64GiB", device="cpu", min_bytes=MIN_BYTES)
     train(probe)
     seq = probe.sequence
-    floor = max(seq.nonswap[i] + seq.sizes[seq.var[i]] for i in range(len(seq)))
+    floor = seq.step_floor()
     peak = seq.no_swap_peak()
     assert floor < peak, "the test model must be able to swap"
     return floor + int((peak - floor) * fraction)
