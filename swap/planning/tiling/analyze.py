@@ -155,7 +155,7 @@ def _rule(node: fx.Node, modules: dict[str, nn.Module], args: Any, kwargs: Any, 
     if node.op == "call_module":
         if n_acts != 1:
             return barrier(f"{type(modules[node.target]).__name__} reads {n_acts} activations")
-        rule = classify_module(modules[node.target], tuple(first.shape))
+        rule = classify_module(modules[node.target])
     else:
         rule = classify_call(node.target, n_acts, args, kwargs, method=node.op == "call_method")
     if rule.tileable and not rule.windows:

@@ -91,7 +91,7 @@ def _per_dim(value: Any, n: int) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, (tuple, list)) else (int(value),) * n
 
 
-def _conv(m: nn.Module, in_shape: tuple[int, ...]) -> Rule:
+def _conv(m: nn.Module) -> Rule:
     n = m.weight.dim() - 2
     if m.padding_mode != "zeros":
         return barrier(f"padding_mode={m.padding_mode!r}: only zero padding is tiled exactly")
@@ -121,10 +121,10 @@ def _pool(m: nn.Module) -> Rule:
     return Rule("window", tuple(Window(k[i], s[i], p[i], 1, True) for i in range(n)), 0.0, layer=m)
 
 
-def classify_module(m: nn.Module, in_shape: tuple[int, ...]) -> Rule:
-    """The rule for calling module ``m`` on an input of ``in_shape`` in its current train/eval mode."""
+def classify_module(m: nn.Module) -> Rule:
+    """The rule for calling module ``m`` in its current train/eval mode."""
     if isinstance(m, CONV):
-        return _conv(m, in_shape)
+        return _conv(m)
     if isinstance(m, MAXPOOL + AVGPOOL):
         return _pool(m)
     if isinstance(m, NORMS):
