@@ -70,3 +70,21 @@ def test_with_a_device_profile_the_plan_is_no_slower_and_still_fits() -> None:
     assert fewest.peak <= budget and fastest.peak <= budget
     assert fastest.seconds <= estimate(graph, fewest.segments, DEV).seconds
     assert fastest.seconds >= fastest.untiled.seconds  # tiles recompute: never faster than untiled
+
+
+def test_border_tiles_count_their_input_at_its_real_size() -> None:
+    from swap.planning.tiling.cost import Segment, tile_chain, tile_shapes
+
+    # 10 positions in 3 tiles: outputs [0, 4), [4, 8), [8, 10); a 3x3 convolution with padding 1 reads
+    # inputs [0, 5), [3, 9), [7, 10) of the image (5, 6 and 3 real positions; the borders' padding is a copy)
+    graph = image_graph(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU()), 10)
+    (start, end), = graph.runs()
+    seg = Segment(start, end, (3, 3))
+    shapes = tile_shapes(graph, seg)
+    assert sum(s.count for s in shapes) == 9
+    chains = [(s.count, tile_chain(graph, seg, s, False)) for s in shapes]
+    assert sum(n * c[0].out_bytes for n, c in chains) == (5 + 6 + 3) ** 2 * 3 * 4  # float32, batch 1
+    # the tiles' outputs partition the untiled output: their FLOPs add up to the untiled operator's
+    conv = graph.nodes[start]
+    tiled_flops = sum(n * op.flops for n, c in chains for op in c if op.name == conv.name)
+    assert abs(tiled_flops - conv.flops) <= 1e-9 * conv.flops

@@ -51,11 +51,13 @@ class Segment:
 
 @dataclass
 class TileShape:
-    """One distinct tile of a segment: how many tiles have it, and per operator the padded input extents,
-    the output extents and whether it pads."""
+    """One distinct tile of a segment: how many tiles have it, the shape of its slice of the segment's input
+    (real positions only: a border tile's padding is added by a copy, Note [Exact borders]), and per operator
+    the padded input extents, the output extents and whether it pads."""
 
     count: int
     ops: list[tuple[tuple[int, ...], tuple[int, ...], bool]]
+    input: tuple[int, ...]
 
 
 def tile_shapes(graph: OpGraph, seg: Segment) -> list[TileShape]:
@@ -69,18 +71,20 @@ def tile_shapes(graph: OpGraph, seg: Segment) -> list[TileShape]:
         sig: Counter = Counter()
         for lo, hi in grid(sizes[-1], seg.tiles[d]):
             chain = spans(windows, sizes, lo, hi)
-            sig[tuple((s.padded_extent, s.hi - s.lo, bool(s.pad_a or s.pad_b)) for s in chain)] += 1
+            per_op = tuple((s.padded_extent, s.hi - s.lo, bool(s.pad_a or s.pad_b)) for s in chain)
+            sig[(chain[0].b - chain[0].a, per_op)] += 1
         per_dim.append(sig)
     out: list[TileShape] = []
     for combo in itertools.product(*(c.items() for c in per_dim)):
         count = math.prod(n for _, n in combo)
         shaped = []
         for k, op in enumerate(ops):
-            padded = tuple(c[0][k][0] for c in combo)
-            extent = tuple(c[0][k][1] for c in combo)
-            pads = any(c[0][k][2] for c in combo)
+            padded = tuple(c[0][1][k][0] for c in combo)
+            extent = tuple(c[0][1][k][1] for c in combo)
+            pads = any(c[0][1][k][2] for c in combo)
             shaped.append(((*op.in_shape[:2], *padded), (*op.out_shape[:2], *extent), pads))
-        out.append(TileShape(count, shaped))
+        real_input = (*ops[0].in_shape[:2], *(c[0][0] for c in combo))
+        out.append(TileShape(count, shaped, real_input))
     return out
 
 
@@ -88,9 +92,7 @@ def tile_chain(graph: OpGraph, seg: Segment, shape: TileShape, input_grad: bool)
     """The tile's operators as a chain of ``OpNode`` at the tile's extents, with a node for each padded
     copy the runtime makes (Note [Exact borders] in geometry), for the eager memory model."""
     ops = graph.nodes[seg.start : seg.end + 1]
-    first_in = shape.ops[0][0]
-    unpadded = (*first_in[:2], *(e for e in first_in[2:]))
-    chain = [OpNode("tile input", "input", out_shape=unpadded, itemsize=ops[0].in_itemsize, needs_grad=input_grad)]
+    chain = [OpNode("tile input", "input", out_shape=shape.input, itemsize=ops[0].in_itemsize, needs_grad=input_grad)]
     for op, (padded, extent, pads) in zip(ops, shape.ops):
         if pads:
             prev = chain[-1]
