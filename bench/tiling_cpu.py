@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 import swap
 from swap.planning.budget import fmt_bytes
+from swap.planning.tiling.largest import largest_side
 
 from .plotting import pyplot, save
 
@@ -123,19 +124,6 @@ def sweep_one(side: int, rounds: int, c: int) -> dict:
     return row
 
 
-def largest_side(fits: Callable[[int], bool], step: int = 16, start: int = 32) -> int:
-    """The largest multiple of ``step`` for which ``fits`` holds (doubling, then bisection); 0 if none."""
-    if not fits(start):
-        return 0
-    lo, hi = start, 2 * start
-    while fits(hi):
-        lo, hi = hi, 2 * hi
-    while hi - lo > step:
-        mid = (lo + hi) // 2 // step * step
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
-
-
 def compare(budget: int, c: int, max_segments: int) -> dict:
     torch.manual_seed(0)
     model = vgg_style(c)
@@ -158,10 +146,10 @@ def compare(budget: int, c: int, max_segments: int) -> dict:
         return peak_of(lambda: train_step(run, x, y), held)
 
     found: dict[str, int] = {}
-    found["pytorch-base"] = largest_side(lambda s: measured(s, None) <= budget)
+    found["pytorch-base"] = largest_side(lambda s: measured(s, None) <= budget, 16, start=32)
     log(f"PyTorch-Base: {found['pytorch-base']}")
     for k in range(1, max_segments + 1):
-        found[f"checkpoint_sequential k={k}"] = largest_side(lambda s, k=k: measured(s, k) <= budget)
+        found[f"checkpoint_sequential k={k}"] = largest_side(lambda s, k=k: measured(s, k) <= budget, 16, start=32)
         log(f"checkpoint_sequential k={k}: {found[f'checkpoint_sequential k={k}']}")
     best_k = max((k for k in found if k.startswith("checkpoint")), key=lambda k: found[k])
 
@@ -172,7 +160,7 @@ def compare(budget: int, c: int, max_segments: int) -> dict:
         except swap.TilingInfeasible:
             return False
 
-    tiled_side = largest_side(planned, start=64)
+    tiled_side = largest_side(planned, 16, start=64)
     x = torch.randn(1, 3, tiled_side, tiled_side)
     tiled = swap.tiled(model, budget=budget)
     model.zero_grad(set_to_none=True)

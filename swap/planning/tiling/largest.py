@@ -94,27 +94,32 @@ def largest_image(model: nn.Module, budget: int, dev, strategy: str, *, step: in
     """The largest square image side (a multiple of ``step``) that ``strategy`` trains on within ``budget``
     (doubling, then bisection); None when not even ``step`` fits."""
     lowp = dtype in (torch.bfloat16, torch.float16)
+    plans: dict[int, ImagePlan] = {}
 
-    def at(side: int) -> ImagePlan:
+    def fits(side: int) -> bool:
         p = plan_image(image_graph(model, side, batch, channels, dtype), side, strategy, budget, dev, lowp, extra)
         if progress is not None:
             progress(f"{strategy} at {side}x{side}: {'fits' if p.fits else 'does not fit'}")
-        return p
+        plans[side] = p
+        return p.fits
 
-    best = at(step)
-    if not best.fits:
-        return None
-    lo, hi = step, 2 * step
-    while hi <= limit:
-        p = at(hi)
-        if not p.fits:
-            break
-        best, lo, hi = p, hi, 2 * hi
+    side = largest_side(fits, step, start=step, limit=limit)
+    return plans[side] if side else None
+
+
+def largest_side(fits: Callable[[int], bool], step: int, start: int, limit: Optional[int] = None) -> int:
+    """The largest multiple of ``step`` from ``start`` on for which ``fits`` holds, assuming that what fits at
+    a side fits at every smaller one: doubling from ``start`` (while the side is at most ``limit``), then
+    bisection between the last side that fits and the first that does not; 0 if not even ``start`` fits."""
+    if not fits(start):
+        return 0
+    lo, hi = start, 2 * start
+    while (limit is None or hi <= limit) and fits(hi):
+        lo, hi = hi, 2 * hi
     while hi - lo > step:
         mid = (lo + hi) // 2 // step * step
-        p = at(mid)
-        best, lo, hi = (p, mid, hi) if p.fits else (best, lo, mid)
-    return best
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def stderr_progress(msg: str) -> None:
