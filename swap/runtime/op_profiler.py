@@ -43,6 +43,7 @@ from .op_facts import (
     tensors_of,
     written_args,  # fmt: skip
 )
+from .regions import innermost_hooks_are
 from .tracer import ModulePaths
 
 # Roofline shape for pricing operators on CUDA (Note [Operator profiler]): only the ratio matters.
@@ -165,10 +166,9 @@ class OpProfiler(TorchDispatchMode):
         # Note [Operators that cannot be rerun]: one that also writes in place or draws from the default
         # generator cannot be kept either; its module is not checkpointed.
         unkeepable = bool(why) and (aliasing or bool(writes) or rng)
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self._log.append(_Raw(
             str(func), module, seconds, flops, nbytes, tuple(outs), tuple(out_sizes), tuple(ins), writes, keepable,
-            why, rng, ex.step, top is not None and top == self.ours(), self.paths.in_module, ex._backward_done,
+            why, rng, ex.step, innermost_hooks_are(self.ours()), self.paths.in_module, ex._backward_done,
             self.paths.compiled, unkeepable,
         ))  # fmt: skip
         return out
@@ -194,10 +194,9 @@ class OpProfiler(TorchDispatchMode):
             inputs = [(self._sid(t), t.untyped_storage().nbytes()) for t in leaves
                       if isinstance(t, torch.Tensor) and self.manages(t)]  # fmt: skip
             why = stateful_argument(leaves)
-            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
             if not why and not torch.is_grad_enabled():
                 why = "it ran with gradients off"
-            elif not why and (top is None or top != self.ours()):
+            elif not why and not innermost_hooks_are(self.ours()):
                 why = "it runs inside saved-tensor hooks of your own (your torch.utils.checkpoint, or save_on_cpu)"
             call = _RawCall(path, len(self._log), self.ex.step, inputs, why)
             self._open.append(call)

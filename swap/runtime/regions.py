@@ -63,6 +63,13 @@ class RegionStats:
     skipped: int = 0  # calls run unwrapped (an argument the rerun could change twice)
 
 
+def innermost_hooks_are(ours: Any) -> bool:
+    """Whether the innermost saved-tensor hooks are ``ours`` (the manager's (pack, unpack) pair, None when it
+    has none): not a user's ``torch.utils.checkpoint`` or ``save_on_cpu`` inside them (Note [Whose checkpoint])."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and top == ours
+
+
 class _Counter:
     def __init__(self) -> None:
         self.seen: dict[str, int] = {}
@@ -206,8 +213,7 @@ class Regions:
 
         @functools.wraps(forward)
         def checkpointed(*args: Any, **kwargs: Any) -> Any:
-            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-            if not torch.is_grad_enabled() or top is None or top != self.ours():
+            if not torch.is_grad_enabled() or not innermost_hooks_are(self.ours()):
                 return forward(*args, **kwargs)  # Note [Whose checkpoint]
             leaves, spec = tree_flatten((args, kwargs))
             if stateful_argument(leaves):  # profiled without one; this call has one: run it as written
