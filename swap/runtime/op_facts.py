@@ -93,17 +93,26 @@ def _own_generator(args: tuple, kwargs: dict) -> bool:
     return kwargs.get("generator") is not None or any(isinstance(a, torch.Generator) for a in args)
 
 
-def blocker(func: Any, args: tuple, kwargs: dict, device: torch.device) -> str:
-    """Why ``func`` cannot be rerun (Note [Operators that cannot be rerun]); "" if it can."""
+@functools.cache
+def _operator_blocker(func: Any) -> tuple[str, bool]:
+    """What of Note [Operators that cannot be rerun] the operator alone decides: why it can never be rerun
+    ("" if it can), and whether its CUDA kernel is not deterministic. Read once per operator, as ``_written``."""
     name = str(func)
     if name in SIDE_EFFECTS:
-        return SIDE_EFFECTS[name]
+        return SIDE_EFFECTS[name], False
     if func.namespace in COLLECTIVE_NAMESPACES:
-        return "a collective (a rerun would make other ranks wait for it)"
+        return "a collective (a rerun would make other ranks wait for it)", False
+    return "", name in NONDETERMINISTIC_ON_CUDA
+
+
+def blocker(func: Any, args: tuple, kwargs: dict, device: torch.device) -> str:
+    """Why ``func`` cannot be rerun (Note [Operators that cannot be rerun]); "" if it can."""
+    always, nondeterministic = _operator_blocker(func)
+    if always:
+        return always
     if _own_generator(args, kwargs):
         return "draws from a torch.Generator of its own (checkpoint replays only the default generators)"
-    if (device.type == "cuda" and name in NONDETERMINISTIC_ON_CUDA
-            and not torch.are_deterministic_algorithms_enabled()):  # fmt: skip
+    if nondeterministic and device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
         return "a non-deterministic CUDA kernel (torch.use_deterministic_algorithms is off)"
     return ""
 
