@@ -106,11 +106,11 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
 
 import swap
 from swap.capture import capture
 from swap.capture.flops import operator_flops
+from swap.capture.traffic import moved_bytes
 from swap.planning.devices import DeviceProfile
 from swap.planning.pricing import CLASS_OF, FRESH_PAGES_MIN, OP_CLASSES, iteration_seconds, packet
 
@@ -310,12 +310,6 @@ def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> floa
     return statistics.median(times)
 
 
-def moved_bytes(args: tuple, out: Any) -> int:
-    """Bytes an operator call moves as the capture counts them: its tensor arguments and outputs."""
-    tensors = [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def time_calls(calls: list[tuple[Any, tuple]], repeats: int) -> list[tuple[float, float, float]]:
     """(FLOPs, bytes, seconds) of each of ``calls`` of (aten overload, args), FLOPs and bytes as the capture
     counts them, seconds the median of repeats."""
@@ -323,7 +317,7 @@ def time_calls(calls: list[tuple[Any, tuple]], repeats: int) -> list[tuple[float
     for func, args in calls:
         result = func(*args)
         seconds = median_seconds(functools.partial(func, *args), repeats)
-        out.append((operator_flops(func, args, {}, result), float(moved_bytes(args, result)), seconds))
+        out.append((operator_flops(func, args, {}, result), float(moved_bytes(func, args, {}, result)), seconds))
     return out
 
 

@@ -65,7 +65,7 @@ from .trace import (
     Trace,
     TraceBuilder,
 )
-from .traffic import indexed_bytes
+from .traffic import moved_bytes
 from .where import Where
 
 ModelFn = Callable[[], nn.Module]
@@ -189,21 +189,10 @@ class _Recorder(TorchDispatchMode):
         if not inputs and not outputs:
             return  # no tensor in or out: bookkeeping such as the profiler's record_function markers
         flops = operator_flops(func, args, kwargs, out)
-        moved = 0
-        first_float: Optional[torch.dtype] = None  # the operator's precision: its first float input's
-        for t in inputs:
-            moved += t.numel() * t.element_size()
-            if first_float is None and t.is_floating_point():
-                first_float = t.dtype
-        for t in _written_without_return(func, args, kwargs):
-            moved += t.numel() * t.element_size()
-        for t in outputs:
-            moved += t.numel() * t.element_size()
-            if first_float is None and t.is_floating_point():
-                first_float = t.dtype
+        moved = moved_bytes(func, args, kwargs, out, outputs)
+        # the operator's precision: its first float input's (or output's)
+        first_float = next((t.dtype for t in (*inputs, *outputs) if t.is_floating_point()), None)
         precision = LOW_PRECISION if first_float in (torch.bfloat16, torch.float16) else FP32
-        indexed = indexed_bytes(func, args, kwargs, out)  # Note [Indexed operators move what they index]
-        moved = indexed if indexed is not None else moved
         module, phase = self.where.operator()
         self.b.add_op(str(func), flops, float(moved), module, phase, precision)
 
@@ -214,22 +203,6 @@ class _Recorder(TorchDispatchMode):
             if st is not None and torch._C._storage_Use_Count(st._cdata) <= aliases + 1:
                 self.b.add(UNREF, ident, st.nbytes())
                 del self.watch[ident]
-
-
-def _written_without_return(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors an operator writes in place without returning them (the in-place foreach kernels
-    optimizers use on CUDA return nothing). Their writes are memory traffic like the returned ``self`` of an
-    ordinary in-place operator, which the bytes moved count as an output; without this a foreach optimizer
-    step would count only its reads."""
-    schema = getattr(func, "_schema", None)
-    if schema is None or schema.returns:
-        return []
-    out: list[torch.Tensor] = []
-    for k, a in enumerate(schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            value = args[k] if k < len(args) else kwargs.get(a.name)
-            out.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
-    return out
 
 
 # -- errors -----------------------------------------------------------------------------------------------
