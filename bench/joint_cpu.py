@@ -39,10 +39,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 import swap
 from bench import models
+from bench.checkpointing import blocks_at, checkpoint_blocks
 from bench.plotting import pyplot, save
 from swap.planning.joint import JointResult, Strategy
 from swap.planning.regions import RecomputePlan, Region
@@ -100,21 +100,13 @@ WORKLOADS = {
 }  # fmt: skip
 
 
-def by_hand(model: torch.nn.Module, blocks: list) -> torch.nn.Module:
-    """Full checkpointing as a user writes it: every block's forward in a non-reentrant checkpoint."""
-    for block in blocks:
-        inner = block.forward
-        block.forward = lambda *a, inner=inner, **k: checkpoint(inner, *a, use_reentrant=False, **k)
-    return model
-
-
 def train(w: Workload, iterations: int, context: Optional[Any] = None, meter: Optional[swap.LiveBytesMeter] = None,
           hand: bool = False) -> dict[str, Any]:  # fmt: skip
     """Trains a fresh model; per iteration: loss, wall and CPU seconds, and the meter's peak if given."""
     gc.collect()
     model = w.build()
-    if hand:
-        by_hand(model, [model.get_submodule(p) for p in w.blocks])
+    if hand:  # full checkpointing as a user writes it: every block in a non-reentrant checkpoint
+        checkpoint_blocks(blocks_at(model, w.blocks))
     opt = w.optimizer(model.parameters())
     out: dict[str, Any] = {"losses": [], "wall": [], "cpu": [], "peaks": []}
     with contextlib.ExitStack() as stack:

@@ -49,10 +49,10 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 import swap
 from bench import cpu_profile, op_breakdown
+from bench.checkpointing import checkpoint_blocks
 from bench.plan_vs_reality import MIN_BYTES, gpt2, optimizer, resnet, unet
 from bench.write import write_results
 from swap import zoo
@@ -86,24 +86,6 @@ def log(msg: str) -> None:
 
 
 # -- checkpointing by hand ----------------------------------------------------------------------------------
-class Checkpointed(nn.Module):
-    """``inner`` run under non-reentrant activation checkpointing; its attributes stay reachable (the U-Net's
-    forward reads ``up_block.resnets``)."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["inner"], name)
-
-
 def blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """(parent, attribute) of each block to checkpoint in the three models, and in the built-in ResNet and
     GPT (swap.zoo: bottlenecks, transformer blocks)."""
@@ -123,8 +105,7 @@ def blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
 def checkpointed(model_fn: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         model = model_fn()
-        for parent, name in blocks(model):
-            setattr(parent, name, Checkpointed(getattr(parent, name)))
+        checkpoint_blocks(blocks(model))
         return model
 
     return build
