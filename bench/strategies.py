@@ -27,6 +27,7 @@ import swap
 from swap import zoo
 from swap.planning.strategies import MULTIPLES
 
+from .plotting import pyplot, save
 from .strategy_targets import WORKLOADS, Workload, check, kept, largest_tensors
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -117,7 +118,7 @@ def markdown(runs: list[dict[str, Any]], command: str) -> str:
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> Path:
-    from swap.planning.strategy_report import draw, pyplot
+    from swap.planning.strategy_report import draw
 
     plt = pyplot()
     cols = min(2, len(runs))
@@ -129,10 +130,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> Path:
     for ax in list(axes.flat)[len(runs) :]:
         ax.set_visible(False)
     axes[0][0].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
