@@ -161,6 +161,10 @@ def rebuild_recipes(seq: Sequence, table: OpTable, exclude: set[int] = frozenset
         seconds[(r.flops, r.nbytes)] = secs
 
     ops = table.ops
+    first_save: dict[int, int] = {}
+    for i, (v, k) in enumerate(zip(seq.var, seq.kind)):
+        if k == SAVE:
+            first_save.setdefault(v, i)
     for j, op in enumerate(ops):
         if not op.outputs or not op.inputs:
             continue
@@ -170,14 +174,14 @@ def rebuild_recipes(seq: Sequence, table: OpTable, exclude: set[int] = frozenset
         elif op.name in BATCH_NORM_OPS:
             # The trace shows the ReLU that follows (in place: it writes the norm's output; out of place: its
             # own output), not which tensor it read: the operator right after the norm is taken to be its. Any
-            # other in-place operator there (a residual ``out += identity``) may write the output: the runtime
-            # would decline it, so the plan does too.
+            # other in-place operator before the output's first save (a residual ``out += identity``) may
+            # write it: the runtime would decline that output, so the plan does too.
             nxt = ops[j + 1] if j + 1 < len(ops) else None
             relu = nxt is not None and nxt.name in RELU_OPS
-            if nxt is not None and not relu and _in_place(nxt.name):
-                continue
             if relu and nxt.outputs:
                 o = nxt.outputs[0]
+            if o not in first_save or any(_in_place(q.name) for q in ops[j + 1 + relu:] if q.step <= first_save[o]):
+                continue
             flops = op.flops + (nxt.flops if relu else 0.0)
             nbytes = (op.nbytes or 3.0 * seq.sizes[o]) + (nxt.nbytes if relu else 0.0)
             add(o, s, flops, nbytes, op.seconds + (nxt.seconds if relu else 0.0))

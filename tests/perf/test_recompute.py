@@ -1,6 +1,7 @@
 """Recompute instead of swap: the runtime rebuilds eligible tensors bitwise exactly, and the sequence model of
 the rebuild matches what the runtime records."""
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -186,7 +187,7 @@ def test_batch_norm_and_relu_outputs_are_rebuilt_bitwise_from_the_norm_input(nor
             m.zero_grad(set_to_none=True)
         hooks, handles = RecomputeHooks(), []
         stats = bn.running_mean.clone(), bn.running_var.clone()
-        with torch.autograd.graph.saved_tensors_hooks(*_hooked(hooks, handles)) if hooked else contextlib_null():
+        with torch.autograd.graph.saved_tensors_hooks(*_hooked(hooks, handles)) if hooked else contextlib.nullcontext():
             c = conv(x)
             y = act(bn(c) if norm == "module" else _with_update(c, bn))
             out = conv2(y).square().sum()  # conv2 saves y (and the ReLU its result): both rebuilt from c
@@ -205,14 +206,6 @@ def test_batch_norm_and_relu_outputs_are_rebuilt_bitwise_from_the_norm_input(nor
     assert rebuilt == (1 if relu == "none" else 2)  # conv2's input; and the ReLU's saved result
     assert hooks.rebuilt == rebuilt
     assert all(torch.equal(a, b) for a, b in zip(ref, got)), "a gradient differs"
-
-
-class contextlib_null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_batch_norm_rebuilds_decline_eval_mode_a_frozen_bias_and_an_add_before_the_relu():
@@ -275,3 +268,30 @@ def test_training_a_resnet_with_batch_norm_rebuilds_is_bitwise_equal_and_moves_f
     found = recipes(net, (x,), min_bytes=16 * KiB)
     assert found and not set(found) & {r.source for r in found.values()}
     assert len(rebuilt["manager"].sequence.sizes) == len(probe["manager"].sequence.sizes) - len(found)
+
+
+def test_the_trace_plans_the_batch_norm_rebuilds_the_runtime_makes():
+    # The planner reads rebuilds off the captured operator table, where it cannot see which tensor a ReLU read
+    # or an in-place add wrote; it must find exactly the candidates the runtime's rules find on a live forward
+    # (conv -> bn -> relu, never the last norm of a bottleneck, whose ReLU reads the residual add).
+    from swap.capture import capture
+    from swap.planning.from_trace import sequence_from_trace
+    from swap.planning.ops_from_trace import table_from_trace
+    from swap.planning.regions import rebuild_recipes
+
+    def build():
+        return models.resnet((1, 1, 1, 1), width=8, num_classes=10)
+
+    def batch(n):
+        return torch.randn(n, 3, 64, 64), torch.randint(0, 10, (n,))
+
+    tr = capture(build, batch, 4, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), target="cpu")
+    seq, table = sequence_from_trace(tr, min_bytes=0), table_from_trace(tr, min_bytes=0)
+    planned, _ = rebuild_recipes(seq, table)
+    with torch.device("meta"):
+        net = build()
+    x = torch.empty(4, 3, 64, 64, device="meta")
+    xs = x.untyped_storage()  # the batch is the step's input, not a saved activation, in the trace
+    live = recipes(net, (x,), exclude=lambda t: t.untyped_storage() is xs, expect_sizes=seq.sizes)
+    assert len(live) == 1 + 2 * 4  # the stem's, and two per bottleneck
+    assert {v: r.source for v, r in planned.items()} == {v: r.source for v, r in live.items()}
