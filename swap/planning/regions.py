@@ -33,6 +33,9 @@ from .recompute import Recipe, with_recompute
 from .sequence import SAVE, USE, Sequence
 
 REBUILD_OPS = ("aten.gelu.default", "aten.silu.default", "aten.leaky_relu.default")  # swap.planning.recompute.RULES
+BATCH_NORM_OPS = ("aten.native_batch_norm.default", "aten._batch_norm_with_update.default",
+                  "aten.cudnn_batch_norm.default")  # Note [Batch norm rebuilds], swap.planning.recompute
+RELU_OPS = ("aten.relu.default", "aten.relu_.default")
 
 
 @dataclass(frozen=True)
@@ -140,23 +143,55 @@ def with_regions(seq: Sequence, table: OpTable, plan: RecomputePlan) -> Sequence
 
 
 def rebuild_recipes(seq: Sequence, table: OpTable, exclude: set[int] = frozenset()) -> tuple[dict[int, Recipe], dict]:
-    """The elementwise rebuilds the op table shows (GELU, SiLU, leaky ReLU outputs saved with their saved
-    input), outside ``exclude``: {variable: recipe}, and each recipe's seconds keyed by (flops, nbytes)."""
+    """The rebuilds the op table shows, outside ``exclude``: {variable: recipe}, and each recipe's seconds keyed
+    by (flops, nbytes). Elementwise: GELU, SiLU, leaky ReLU outputs saved with their saved input. Batch norm
+    (Note [Batch norm rebuilds], swap.planning.recompute): a training batch norm's saved output, or the ReLU
+    applied to it, rebuilt from the batch norm's saved input."""
     saved = set(seq.var)
     found: dict[int, Recipe] = {}
     seconds: dict[tuple[float, float], float] = {}
-    for op in table.ops:
-        if op.name not in REBUILD_OPS or not op.outputs or not op.inputs:
+
+    def add(o: int, s: int, flops: float, nbytes: float, secs: float) -> None:
+        if o < 0 or s < 0 or o in exclude or s in exclude or o not in saved or s not in saved or o in found:
+            return
+        if s in found:  # Note [No rebuild from a rebuild]
+            return
+        r = Recipe(s, flops, nbytes)
+        found[o] = r
+        seconds[(r.flops, r.nbytes)] = secs
+
+    ops = table.ops
+    first_save: dict[int, int] = {}
+    for i, (v, k) in enumerate(zip(seq.var, seq.kind)):
+        if k == SAVE:
+            first_save.setdefault(v, i)
+    for j, op in enumerate(ops):
+        if not op.outputs or not op.inputs:
             continue
         o, s = op.outputs[0], op.inputs[0]
-        if o < 0 or s < 0 or o in exclude or s in exclude or o not in saved or s not in saved or o in found:
-            continue
-        if s in found:  # Note [No rebuild from a rebuild]
-            continue
-        r = Recipe(s, op.flops, op.nbytes or 2.0 * seq.sizes[o])
-        found[o] = r
-        seconds[(r.flops, r.nbytes)] = op.seconds
+        if op.name in REBUILD_OPS:
+            add(o, s, op.flops, op.nbytes or 2.0 * seq.sizes[o], op.seconds)
+        elif op.name in BATCH_NORM_OPS:
+            # The trace shows the ReLU that follows (in place: it writes the norm's output; out of place: its
+            # own output), not which tensor it read: the operator right after the norm is taken to be its. Any
+            # other in-place operator before the output's first save (a residual ``out += identity``) may
+            # write it: the runtime would decline that output, so the plan does too.
+            nxt = ops[j + 1] if j + 1 < len(ops) else None
+            relu = nxt is not None and nxt.name in RELU_OPS
+            if relu and nxt.outputs:
+                o = nxt.outputs[0]
+            if o not in first_save or any(_in_place(q.name) for q in ops[j + 1 + relu:] if q.step <= first_save[o]):
+                continue
+            flops = op.flops + (nxt.flops if relu else 0.0)
+            nbytes = (op.nbytes or 3.0 * seq.sizes[o]) + (nxt.nbytes if relu else 0.0)
+            add(o, s, flops, nbytes, op.seconds + (nxt.seconds if relu else 0.0))
     return found, seconds
+
+
+def _in_place(name: str) -> bool:
+    """Whether an operator's name is an in-place ATen one (``aten.add_.Tensor``)."""
+    parts = name.split(".")
+    return len(parts) > 1 and parts[1].endswith("_")
 
 
 def _valid_recipes(seq: Sequence, found: dict[int, Recipe]) -> dict[int, Recipe]:

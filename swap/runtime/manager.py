@@ -132,8 +132,9 @@ class SwapManager:
             them: saved tensors they match stay put.
         arena: a ``vmalloc.Arena`` whose OOM handler the manager becomes (found automatically when vmalloc is
             the global CUDA allocator).
-        recompute: rebuild saved outputs of GELU/SiLU/leaky ReLU from their saved inputs at backward instead
-            of swapping them (bitwise exact; fewer bytes over the link; swap.planning.recompute).
+        recompute: rebuild saved outputs of GELU/SiLU/leaky ReLU from their saved inputs, and those of
+            training-mode batch norm (and a ReLU on it) from the norm's saved input, at backward instead of
+            swapping them (bitwise exact; fewer bytes over the link; swap.planning.recompute).
 
     Raises ``InfeasibleBudget`` (at the first saved tensor of the iteration after the one that showed it)
     when no schedule can keep the budget; warns once with ``BudgetWarning`` per cause when it cannot help

@@ -1,6 +1,6 @@
-"""The runtime side of elementwise rebuilds (Note [Recompute or swap], swap.planning.recompute): saved outputs
-of GELU/SiLU/leaky ReLU are not packed; autograd keeps a ``Recomputed`` handle, and the output is rebuilt from
-the packed input at its backward use."""
+"""The runtime side of rebuilds (Notes [Recompute or swap], [Batch norm rebuilds], swap.planning.recompute):
+saved outputs of GELU/SiLU/leaky ReLU, and of training-mode batch norm (and a ReLU on it), are not packed;
+autograd keeps a ``Recomputed`` handle, and the output is rebuilt from the packed input at its backward use."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..planning.recompute import RULES, Rule, producer
+from ..planning.recompute import Rule, producer, rebuild_of
 
 
 @dataclass
@@ -35,18 +35,20 @@ class RecomputeHooks:
 
     def pack(self, t: torch.Tensor) -> Optional[Recomputed]:
         root, node = producer(t)
-        make = RULES.get(type(node).__name__) if node is not None else None
-        if make is None or root.requires_grad is False:
+        if node is None or root.requires_grad is False:
+            return None
+        how = rebuild_of(node)
+        if how is None:
             return None
         self._peeking, self._peeked = True, None
         try:
-            _ = node._saved_self  # unpacks through our hook: see intercepts()/unpack()
+            _ = getattr(how.node, how.attribute)  # unpacks through our hook: see intercepts()/unpack()
         finally:
             self._peeking = False
         source, self._peeked = self._peeked, None
         if source is None or isinstance(source, Recomputed):
             return None  # Note [No rebuild from a rebuild]
-        return Recomputed(make(node), source, t.dtype, t.size(), t.stride(), t.storage_offset())
+        return Recomputed(how.rule, source, t.dtype, t.size(), t.stride(), t.storage_offset())
 
     def intercepts(self, packed: Any) -> bool:
         return self._peeking or isinstance(packed, Recomputed)

@@ -1,6 +1,7 @@
 """Recompute instead of swap: the runtime rebuilds eligible tensors bitwise exactly, and the sequence model of
 the rebuild matches what the runtime records."""
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -153,3 +154,144 @@ def test_recipes_leaves_no_activation_alive():
     x, _ = chain_batch(net, 0)
     assert len(recipes(net, (x,))) == 2
     assert len(outputs) == len(net) and all(r() is None for r in outputs), "recipes() kept activations alive"
+
+
+# -- batch norm rebuilds (Note [Batch norm rebuilds]) ------------------------------------------------------------
+def _hooked(hooks: RecomputeHooks, handles: list) -> tuple:
+    def pack(t):
+        h = hooks.pack(t)
+        handles.append(h)
+        return h if h is not None else t
+
+    def unpack(p):
+        return hooks.unpack(p, lambda q: q) if hooks.intercepts(p) else p
+
+    return pack, unpack
+
+
+def _with_update(x, bn):  # the op export and compiled graphs call; its node is BatchNormWithUpdateBackward0
+    return torch.ops.aten._batch_norm_with_update(x, bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                                                  bn.momentum, bn.eps)[0]  # fmt: skip
+
+
+@pytest.mark.parametrize("norm", ["module", "with_update"])
+@pytest.mark.parametrize("relu", ["none", "relu", "relu_"])
+def test_batch_norm_and_relu_outputs_are_rebuilt_bitwise_from_the_norm_input(norm, relu):
+    torch.manual_seed(0)
+    conv, bn, conv2 = torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Conv2d(8, 4, 1)
+    act = {"none": lambda y: y, "relu": torch.relu, "relu_": torch.relu_}[relu]
+    x = torch.randn(4, 3, 12, 12)
+
+    def step(hooked: bool) -> tuple:
+        for m in (conv, bn, conv2):
+            m.zero_grad(set_to_none=True)
+        hooks, handles = RecomputeHooks(), []
+        stats = bn.running_mean.clone(), bn.running_var.clone()
+        with torch.autograd.graph.saved_tensors_hooks(*_hooked(hooks, handles)) if hooked else contextlib.nullcontext():
+            c = conv(x)
+            y = act(bn(c) if norm == "module" else _with_update(c, bn))
+            out = conv2(y).square().sum()  # conv2 saves y (and the ReLU its result): both rebuilt from c
+        after_forward = bn.running_mean.clone(), bn.running_var.clone()
+        out.backward()
+        # The rebuild wrote scratch statistics: the module's were updated once, by the forward.
+        assert torch.equal(bn.running_mean, after_forward[0]) and torch.equal(bn.running_var, after_forward[1])
+        assert not torch.equal(bn.running_mean, stats[0])
+        bn.running_mean.copy_(stats[0]), bn.running_var.copy_(stats[1])  # the next step starts from the same state
+        grads = [p.grad.clone() for m in (conv, bn, conv2) for p in m.parameters()]
+        return grads, hooks, handles
+
+    ref, _, _ = step(False)
+    got, hooks, handles = step(True)
+    rebuilt = sum(h is not None for h in handles)
+    assert rebuilt == (1 if relu == "none" else 2)  # conv2's input; and the ReLU's saved result
+    assert hooks.rebuilt == rebuilt
+    assert all(torch.equal(a, b) for a, b in zip(ref, got)), "a gradient differs"
+
+
+def test_batch_norm_rebuilds_decline_eval_mode_a_frozen_bias_and_an_add_before_the_relu():
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(16)
+    c = torch.randn(32, 16, requires_grad=True)
+    w = torch.randn(16, 4, requires_grad=True)
+
+    def packs(f) -> list:
+        hooks, handles = RecomputeHooks(), []
+        with torch.autograd.graph.saved_tensors_hooks(*_hooked(hooks, handles)):
+            f()
+        return [h for h in handles if h is not None]
+
+    assert len(packs(lambda: torch.relu(bn(c)) @ w)) == 2  # eligible: the ReLU's result, the mm's input
+    bn.eval()
+    assert packs(lambda: torch.relu(bn(c)) @ w) == []  # eval: its output follows the running statistics
+    bn.train()
+    bn.bias.requires_grad_(False)
+    assert packs(lambda: torch.relu(bn(c)) @ w) == []  # a frozen bias: the node holds no way back to it
+    bn.bias.requires_grad_(True)
+    assert packs(lambda: torch.relu(bn(c) + 1.0) @ w) == []  # the ReLU reads an add, not the norm
+
+
+def test_a_batch_norm_bias_changed_before_the_rebuild_is_an_error_not_a_silent_difference():
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(16)
+    c = torch.randn(32, 16, requires_grad=True)
+    w = torch.randn(16, 4, requires_grad=True)
+    hooks, handles = RecomputeHooks(), []
+    with torch.autograd.graph.saved_tensors_hooks(*_hooked(hooks, handles)):
+        out = (torch.relu(bn(c)) @ w).sum()
+    with torch.no_grad():
+        bn.bias.add_(1.0)  # e.g. an optimizer stepping inside the backward, before this layer's gradient
+    with pytest.raises(RuntimeError, match="bias was changed in place"):
+        out.backward()
+
+
+def test_training_a_resnet_with_batch_norm_rebuilds_is_bitwise_equal_and_moves_fewer_bytes():
+    ref = run("resnet", 4)
+    probe = run("resnet", 3, manager=lambda: swap.SwapManager(budget="64GiB", device="cpu", min_bytes=16 * KiB,
+                                                               recompute=False))  # fmt: skip
+    seq = probe["manager"].sequence
+    floor = seq.step_floor()
+    budget = floor + (seq.no_swap_peak() - floor) // 4
+
+    def managed(recompute):
+        return lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB, recompute=recompute)
+
+    plain, rebuilt = run("resnet", 4, manager=managed(False)), run("resnet", 4, manager=managed(True))
+    assert_bitwise_equal(ref, plain)
+    assert_bitwise_equal(ref, rebuilt)  # gradients, losses and BatchNorm's running statistics
+    assert rebuilt["manager"]._recompute.rebuilt > 0
+    assert rebuilt["manager"].report()["swapped_out_bytes"] < plain["manager"].report()["swapped_out_bytes"]
+    # The planning side finds the same candidates on the meta device: one per conv -> bn -> relu of the model.
+    with torch.device("meta"):
+        torch.manual_seed(0)
+        net = models.resnet((1, 1, 1, 1), width=8, num_classes=10)
+    x, _ = models.example_batch(net, 8, 64, None, "meta")
+    found = recipes(net, (x,), min_bytes=16 * KiB)
+    assert found and not set(found) & {r.source for r in found.values()}
+    assert len(rebuilt["manager"].sequence.sizes) == len(probe["manager"].sequence.sizes) - len(found)
+
+
+def test_the_trace_plans_the_batch_norm_rebuilds_the_runtime_makes():
+    # The planner reads rebuilds off the captured operator table, where it cannot see which tensor a ReLU read
+    # or an in-place add wrote; it must find exactly the candidates the runtime's rules find on a live forward
+    # (conv -> bn -> relu, never the last norm of a bottleneck, whose ReLU reads the residual add).
+    from swap.capture import capture
+    from swap.planning.from_trace import sequence_from_trace
+    from swap.planning.ops_from_trace import table_from_trace
+    from swap.planning.regions import rebuild_recipes
+
+    def build():
+        return models.resnet((1, 1, 1, 1), width=8, num_classes=10)
+
+    def batch(n):
+        return torch.randn(n, 3, 64, 64), torch.randint(0, 10, (n,))
+
+    tr = capture(build, batch, 4, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), target="cpu")
+    seq, table = sequence_from_trace(tr, min_bytes=0), table_from_trace(tr, min_bytes=0)
+    planned, _ = rebuild_recipes(seq, table)
+    with torch.device("meta"):
+        net = build()
+    x = torch.empty(4, 3, 64, 64, device="meta")
+    xs = x.untyped_storage()  # the batch is the step's input, not a saved activation, in the trace
+    live = recipes(net, (x,), exclude=lambda t: t.untyped_storage() is xs, expect_sizes=seq.sizes)
+    assert len(live) == 1 + 2 * 4  # the stem's, and two per bottleneck
+    assert {v: r.source for v, r in planned.items()} == {v: r.source for v, r in live.items()}
