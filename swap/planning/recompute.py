@@ -122,18 +122,21 @@ class Rebuild:
     passes: int  # tensor-sized reads and writes
 
 
-def rebuild_of(node: Any) -> Optional[Rebuild]:
+def rebuild_of(node: Any, ours: Callable[[Any], bool] = lambda node: True) -> Optional[Rebuild]:
     """The rebuild of the tensor ``node`` produced, if it is eligible (Notes [Recompute or swap], [Batch norm
-    rebuilds]); None otherwise. Reads the node's non-tensor fields and parameters, never its saved input."""
+    rebuilds]); None otherwise. Reads the node's non-tensor fields and parameters, never its saved input.
+    ``ours(n)``: whether node ``n`` saved its tensors through the caller's hooks; a node that did not is
+    declined before any of its saved tensors is read, since reading one runs another's unpack hook (Note
+    [Whose saved input] in swap.runtime.recompute)."""
     name = type(node).__name__
     make = RULES.get(name)
     if make is not None:
-        return Rebuild(node, "_saved_self", make(node), ELEMENTWISE_FLOPS, 2)
+        return Rebuild(node, "_saved_self", make(node), ELEMENTWISE_FLOPS, 2) if ours(node) else None
     if name == "ReluBackward0":
         bn = node.next_functions[0][0] if node.next_functions else None
-        norm = _batch_norm_rule(bn) if bn is not None else None
+        norm = _batch_norm_rule(bn) if bn is not None and ours(bn) else None
         return Rebuild(bn, "_saved_input", lambda x: torch.relu_(norm(x)), BATCH_NORM_FLOPS, 5) if norm else None
-    norm = _batch_norm_rule(node)
+    norm = _batch_norm_rule(node) if ours(node) else None
     return Rebuild(node, "_saved_input", norm, BATCH_NORM_FLOPS, 3) if norm else None
 
 

@@ -295,3 +295,70 @@ def test_the_trace_plans_the_batch_norm_rebuilds_the_runtime_makes():
     live = recipes(net, (x,), exclude=lambda t: t.untyped_storage() is xs, expect_sizes=seq.sizes)
     assert len(live) == 1 + 2 * 4  # the stem's, and two per bottleneck
     assert {v: r.source for v, r in planned.items()} == {v: r.source for v, r in live.items()}
+
+
+@pytest.mark.parametrize("block", ["conv_bn_relu", "linear_gelu"])
+def test_a_rebuild_never_reads_a_saved_input_behind_a_checkpoint(block):
+    # A module checkpointed inside our hooks (a user's torch.utils.checkpoint, or one of our recompute regions)
+    # whose output ends in a rebuild candidate, saved by an operator outside it: the candidate's saved input was
+    # packed by the checkpoint's hooks. Peeking at it ran the checkpoint's unpack hook, which reran the module in
+    # the forward and fed it our peek's empty answer (a crash). It must decline instead (Note [Whose saved input]).
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    inner = (torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+             if block == "conv_bn_relu" else torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.GELU()))  # fmt: skip
+    after = torch.nn.Conv2d(8, 4, 1) if block == "conv_bn_relu" else torch.nn.Linear(8, 4)
+    x = torch.randn(4, 3, 12, 12) if block == "conv_bn_relu" else torch.randn(4, 10, 12)
+    runs = []
+    inner[0].register_forward_hook(lambda *args: runs.append(torch.is_grad_enabled()))
+
+    def step(hooked: bool) -> tuple:
+        for m in (inner, after):
+            m.zero_grad(set_to_none=True)
+        hooks, handles = RecomputeHooks(), []
+        with torch.autograd.graph.saved_tensors_hooks(*_hooked(hooks, handles)) if hooked else contextlib.nullcontext():
+            y = checkpoint(inner, x, use_reentrant=False)
+            out = after(y).square().sum()
+        assert len(runs) == 1  # the checkpointed module ran once: nothing reran it in the forward
+        out.backward()
+        return [p.grad.clone() for m in (inner, after) for p in m.parameters()], handles
+
+    ref, _ = step(False)
+    runs.clear()
+    got, handles = step(True)
+    assert not any(handles), "rebuilt from a saved input that the checkpoint, not our hooks, packed"
+    assert all(torch.equal(a, b) for a, b in zip(ref, got)), "a gradient differs"
+
+
+def test_a_checkpointed_conv_bn_relu_block_trains_under_the_manager_with_rebuilds():
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                             torch.nn.ReLU(inplace=True))  # fmt: skip
+            self.tail = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                            torch.nn.ReLU(inplace=True), torch.nn.MaxPool2d(2))  # fmt: skip
+            self.head = torch.nn.Linear(8, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.tail(checkpoint(self.block, x, use_reentrant=False))
+            return self.head(y.mean((2, 3)))
+
+    def batch(model, it):
+        g = torch.Generator().manual_seed(it)
+        return torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+    def pattern(model, x, y, it):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    kw = dict(build=Net, batch_fn=batch, pattern=pattern)
+    ref = run("net", 3, **kw)
+    got = run("net", 3, manager=lambda: swap.SwapManager(budget="64GiB", device="cpu", min_bytes=0, recompute=True),
+              **kw)  # fmt: skip
+    assert_bitwise_equal(ref, got)
+    assert got["manager"]._recompute.rebuilt > 0  # the tail's conv -> bn -> relu outside the checkpoint still rebuilds
