@@ -68,8 +68,9 @@ BATCH_NORM_FLOPS = 10  # per element: the statistics' pass and the normalisation
 # Eligible: the output of a training-mode batch norm node (NativeBatchNorm, CudnnBatchNorm,
 # BatchNormWithUpdate), or of a ReLU applied to one, in place or not. The bias is not saved by the node
 # (the backward does not need it); it is read from its AccumulateGrad node, so a frozen bias (no such node)
-# declines, and a bias changed in place between the forward and the rebuild is an error, not a silent
-# difference. An eval-mode batch norm declines (its output depends on running statistics that may change).
+# declines, and a bias or weight changed in place between the forward and the rebuild is an error, not a
+# silent difference (autograd checks no versions behind saved-tensor hooks). An eval-mode batch norm
+# declines (its output depends on running statistics that may change).
 _BATCH_NORM_OPS: dict[str, Callable[..., Any]] = {
     "NativeBatchNormBackward0": lambda x, w, b, rm, rv, eps: torch.ops.aten.native_batch_norm(
         x, w, b, rm, rv, True, 0.1, eps)[0],
@@ -95,15 +96,16 @@ def _batch_norm_rule(node: Any) -> Optional[Rule]:
     bias_fn = nxt[2][0] if len(nxt) > 2 else None
     if eps is None or bias_fn is None or not hasattr(bias_fn, "variable"):
         return None  # a frozen, absent or computed bias: we cannot read it back
-    bias, version = bias_fn.variable, bias_fn.variable._version
-    weight = node._saved_weight
+    bias, weight = bias_fn.variable, node._saved_weight
+    versions = [(name, t, t._version) for name, t in (("bias", bias), ("weight", weight)) if t is not None]
     stats = _scratch(node._saved_running_mean), _scratch(node._saved_running_var)
 
     def rule(x: torch.Tensor) -> torch.Tensor:
-        if bias._version != version:
-            raise RuntimeError("a batch norm's bias was changed in place between the forward and the backward, so "
-                               "its output cannot be rebuilt: turn rebuilds off (SwapManager(recompute=False)) or "
-                               "update parameters after the backward")  # fmt: skip
+        for name, t, version in versions:
+            if t._version != version:
+                raise RuntimeError(f"a batch norm's {name} was changed in place between the forward and the backward, "
+                                   "so its output cannot be rebuilt: turn rebuilds off (SwapManager(recompute=False)) "
+                                   "or update parameters after the backward")  # fmt: skip
         rm, rv = (None if s is None else torch.zeros(s[0], dtype=s[1], device=s[2]) for s in stats)
         return run(x, weight, bias, rm, rv, eps)
 

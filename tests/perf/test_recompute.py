@@ -244,6 +244,24 @@ def test_a_batch_norm_bias_changed_before_the_rebuild_is_an_error_not_a_silent_d
         out.backward()
 
 
+def test_a_batch_norm_weight_changed_before_the_rebuild_is_an_error_not_a_silent_difference():
+    # The rule reads the weight when the output is saved; autograd checks no versions behind saved-tensor hooks,
+    # so a weight stepped in place (an optimizer in the first of two backwards over a retained graph) would
+    # rebuild another output than the forward's, silently.
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(16)
+    c = torch.randn(32, 16, requires_grad=True)
+    w = torch.randn(16, 4, requires_grad=True)
+    hooks, handles = RecomputeHooks(), []
+    with torch.autograd.graph.saved_tensors_hooks(*_hooked(hooks, handles)):
+        out = (torch.relu(bn(c)) @ w).sum()
+    out.backward(retain_graph=True)
+    with torch.no_grad():
+        bn.weight.mul_(0.5)
+    with pytest.raises(RuntimeError, match="weight was changed in place"):
+        out.backward()
+
+
 def test_training_a_resnet_with_batch_norm_rebuilds_is_bitwise_equal_and_moves_fewer_bytes():
     ref = run("resnet", 4)
     probe = run("resnet", 3, manager=lambda: swap.SwapManager(budget="64GiB", device="cpu", min_bytes=16 * KiB,
