@@ -380,3 +380,35 @@ def test_a_checkpointed_conv_bn_relu_block_trains_under_the_manager_with_rebuild
               **kw)  # fmt: skip
     assert_bitwise_equal(ref, got)
     assert got["manager"]._recompute.rebuilt > 0  # the tail's conv -> bn -> relu outside the checkpoint still rebuilds
+
+
+@pytest.mark.parametrize("backward", [True, False])
+def test_batch_norm_rebuild_handles_keep_no_activation_or_module_alive(backward):
+    # A Recomputed handle lives in the graph; if it (its rule, its source) held a tensor with a grad_fn, the graph
+    # would hold itself through C++, a cycle the GC cannot see: a graph dropped without backward (an evaluation
+    # forward with grad enabled) would never be freed. Its rule holds the norm's parameters: not the module.
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(inplace=True),
+                              torch.nn.Conv2d(8, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                              torch.nn.Conv2d(8, 4, 1))  # fmt: skip
+    outputs: list[weakref.ref] = []
+    for m in net:
+        m.register_forward_hook(lambda mod, args, out: outputs.append(weakref.ref(out)))
+    sm = swap.SwapManager(budget="64GiB", device="cpu", min_bytes=0, recompute=True)
+    with sm:
+        for _ in range(3):
+            loss = net(torch.randn(4, 3, 16, 16)).square().sum()
+            if backward:
+                loss.backward()
+            del loss
+    assert sm._recompute.rebuilt > 0 if backward else sm._recompute is not None
+    gc.collect()
+    alive = [r for r in outputs if r() is not None]
+    assert len(outputs) == 3 * len(net) and not alive, f"{len(alive)} activations kept alive"
+    params, module = [weakref.ref(p) for p in net.parameters()], weakref.ref(net)
+    del net, m
+    gc.collect()
+    assert module() is None and all(p() is None for p in params), "the manager keeps the model alive"
