@@ -112,6 +112,39 @@ def _batch_norm_rule(node: Any) -> Optional[Rule]:
     return rule
 
 
+# Note [Whose saved input]
+# Finding a candidate's source means reading its producer's saved input (and, for a batch norm, its weight and
+# running statistics), which runs those saved tensors' unpack hook. Ours answers the peek without moving
+# anything; another's may not: a node made inside a checkpoint nested in our hooks (a user's
+# ``torch.utils.checkpoint``, one of the runtime's recompute regions) saved its tensors through the
+# checkpoint's hooks, whose unpack reruns the whole checkpointed module, in the forward, and reads the
+# checkpoint's own inputs through our hooks while we peek (the runtime crashed; ``recipes`` planned a rebuild
+# from the checkpoint's input). So every tensor our hooks save is noted (``SavedThrough.saving``) with the
+# thread's autograd sequence number at that moment: a node saves its tensors right after it is made, when the
+# counter is its own ``_sequence_nr() + 1``. A candidate whose node saved nothing through us is declined before
+# any of its saved tensors is read. Sequence numbers are per thread: a forward that builds its graph on several
+# threads could take one node for another, which the peek then catches as before (no handle of ours: declined).
+
+
+class SavedThrough:
+    """Which autograd nodes saved tensors through our hooks (Note [Whose saved input]): call ``saving()`` in
+    the pack hook for every tensor it saves; ``self(node)`` says whether ``node`` saved any."""
+
+    REMEMBERED = 1 << 16  # sequence numbers kept; a candidate saved later than that after its node is declined
+
+    def __init__(self) -> None:
+        self._seqs: set[int] = set()
+
+    def saving(self) -> None:
+        seq = torch._C._autograd._get_sequence_nr()
+        self._seqs.add(seq)
+        if len(self._seqs) > self.REMEMBERED:
+            self._seqs = {s for s in self._seqs if s > seq - self.REMEMBERED // 2}
+
+    def __call__(self, node: Any) -> bool:
+        return node._sequence_nr() + 1 in self._seqs
+
+
 @dataclass(frozen=True)
 class Rebuild:
     """How an eligible saved tensor is rebuilt: ``rule`` applied to the tensor ``node`` saved as ``attribute``
@@ -129,7 +162,7 @@ def rebuild_of(node: Any, ours: Callable[[Any], bool] = lambda node: True) -> Op
     rebuilds]); None otherwise. Reads the node's non-tensor fields and parameters, never its saved input.
     ``ours(n)``: whether node ``n`` saved its tensors through the caller's hooks; a node that did not is
     declined before any of its saved tensors is read, since reading one runs another's unpack hook (Note
-    [Whose saved input] in swap.runtime.recompute)."""
+    [Whose saved input])."""
     name = type(node).__name__
     make = RULES.get(name)
     if make is not None:
@@ -170,7 +203,10 @@ def recipes(model: torch.nn.Module, inputs: tuple, exclude: Callable[[torch.Tens
     found: dict[int, Recipe] = {}
     peeked: list[Any] = []
 
+    ours = SavedThrough()  # Note [Whose saved input]
+
     def pack(t: torch.Tensor) -> Any:
+        ours.saving()
         st = t.untyped_storage()
         key = key_of(st)
         if key in params or exclude(t) or t.requires_grad and t.is_leaf or st.nbytes() < min_bytes:
@@ -179,7 +215,7 @@ def recipes(model: torch.nn.Module, inputs: tuple, exclude: Callable[[torch.Tens
             index[key] = len(sizes)
             sizes.append(st.nbytes())
             root, node = producer(t)
-            how = rebuild_of(node) if node is not None else None
+            how = rebuild_of(node, ours) if node is not None else None
             if how is not None:
                 peeked.clear()
                 _ = getattr(how.node, how.attribute)  # our unpack hook records its handle

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..planning.recompute import Rule, producer, rebuild_of
+from ..planning.recompute import Rule, SavedThrough, producer, rebuild_of
 
 
 @dataclass
@@ -31,32 +31,12 @@ class RecomputeHooks:
     def __init__(self) -> None:
         self._peeking = False
         self._peeked: Any = None
-        self._ours: set[int] = set()  # Note [Whose saved input]
+        self._ours = SavedThrough()  # Note [Whose saved input]
         self.rebuilt = 0
-
-    # Note [Whose saved input]
-    # Finding a candidate's source means reading its producer's saved input, which runs that saved tensor's
-    # unpack hook. Ours answers the peek without moving anything; another's may not: a node made inside a
-    # checkpoint nested in our hooks (a user's ``torch.utils.checkpoint``, one of our recompute regions) saved
-    # its input through the checkpoint's hooks, whose unpack reruns the whole checkpointed module, in the
-    # forward, and reads the checkpoint's own inputs through our hooks while we are peeking (a crash). So every
-    # tensor our hooks save is told to us (``pack``, or ``saving`` for those the manager keeps), and we
-    # remember the autograd sequence number at that moment: a node saves its tensors right after it is made,
-    # when the thread's counter is its own ``_sequence_nr() + 1``. A candidate whose node never saved through
-    # us is declined before any of its saved tensors (its input, its weight, its running statistics) is read.
-    # Sequence numbers are per thread; a forward that builds its graph on several threads could mistake one
-    # node for another, which is then caught as before: the peek finds no handle of ours and declines.
-    _REMEMBERED = 1 << 16  # sequence numbers kept; a candidate saved later than that after its node is declined
 
     def saving(self) -> None:
         """Our pack hook is saving a tensor (``pack`` calls it; Note [Whose saved input])."""
-        seq = torch._C._autograd._get_sequence_nr()
-        self._ours.add(seq)
-        if len(self._ours) > self._REMEMBERED:
-            self._ours = {s for s in self._ours if s > seq - self._REMEMBERED // 2}
-
-    def _saved_through_us(self, node: Any) -> bool:
-        return node._sequence_nr() + 1 in self._ours  # Note [Whose saved input]
+        self._ours.saving()
 
     def pack(self, t: torch.Tensor) -> Optional[Recomputed]:
         """Called for every tensor our hooks save (the manager calls ``saving`` for those it does not offer)."""
@@ -64,7 +44,7 @@ class RecomputeHooks:
         root, node = producer(t)
         if node is None or root.requires_grad is False:
             return None
-        how = rebuild_of(node, self._saved_through_us)
+        how = rebuild_of(node, self._ours)
         if how is None:
             return None
         self._peeking, self._peeked = True, None

@@ -412,3 +412,30 @@ def test_batch_norm_rebuild_handles_keep_no_activation_or_module_alive(backward)
     del net, m
     gc.collect()
     assert module() is None and all(p() is None for p in params), "the manager keeps the model alive"
+
+
+def test_recipes_plan_no_rebuild_from_a_checkpoints_input():
+    # The planning side's peek had the same flaw (Note [Whose saved input]): on a checkpointed conv -> bn -> relu
+    # it reran the block in its forward and planned the block's output rebuilt from the checkpoint's input.
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                             torch.nn.ReLU())  # fmt: skip
+            self.conv2 = torch.nn.Conv2d(8, 4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv2(checkpoint(self.block, x, use_reentrant=False))
+
+    with torch.device("meta"):
+        net = Net()
+    runs = []
+    net.block[0].register_forward_hook(lambda *args: runs.append(1))
+    x = torch.empty(2, 3, 8, 8, device="meta")
+    assert recipes(net, (x,)) == {}
+    assert len(runs) == 1
+    net.block = torch.nn.Sequential(*net.block)  # the same layers, not checkpointed: the rebuild is planned
+    net.forward = lambda x: net.conv2(net.block(x))
+    assert len(recipes(net, (x,))) == 1
