@@ -17,9 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "swap"))
 from training import KiB, assert_bitwise_equal, run  # noqa: E402
 
 
-def test_training_with_recompute_is_bitwise_equal_and_moves_fewer_bytes():
-    ref = run("gpt", 4)
-    probe = run("gpt", 3, manager=lambda: swap.SwapManager(budget="64GiB", device="cpu", min_bytes=16 * KiB))
+def train_with_and_without_rebuilds(name: str) -> tuple[dict, dict, dict, dict]:
+    """Trains ``name`` unmanaged, then under a quarter of the way from the step floor to the unswapped peak
+    without and with rebuilds: (reference, probe run, plain, rebuilt)."""
+    ref = run(name, 4)
+    probe = run(name, 3, manager=lambda: swap.SwapManager(budget="64GiB", device="cpu", min_bytes=16 * KiB,
+                                                           recompute=False))  # fmt: skip
     seq = probe["manager"].sequence
     floor = seq.step_floor()
     budget = floor + (seq.no_swap_peak() - floor) // 4
@@ -27,7 +30,12 @@ def test_training_with_recompute_is_bitwise_equal_and_moves_fewer_bytes():
     def managed(recompute):
         return lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB, recompute=recompute)
 
-    plain, rebuilt = run("gpt", 4, manager=managed(False)), run("gpt", 4, manager=managed(True))
+    return ref, probe, run(name, 4, manager=managed(False)), run(name, 4, manager=managed(True))
+
+
+def test_training_with_recompute_is_bitwise_equal_and_moves_fewer_bytes():
+    ref, probe, plain, rebuilt = train_with_and_without_rebuilds("gpt")
+    seq = probe["manager"].sequence
     assert_bitwise_equal(ref, plain)
     assert_bitwise_equal(ref, rebuilt)
     hooks = rebuilt["manager"]._recompute
@@ -230,23 +238,11 @@ def test_batch_norm_rebuilds_decline_eval_mode_a_frozen_bias_and_an_add_before_t
     assert packs(lambda: torch.relu(bn(c) + 1.0) @ w) == []  # the ReLU reads an add, not the norm
 
 
-def test_a_batch_norm_bias_changed_before_the_rebuild_is_an_error_not_a_silent_difference():
-    torch.manual_seed(0)
-    bn = torch.nn.BatchNorm1d(16)
-    c = torch.randn(32, 16, requires_grad=True)
-    w = torch.randn(16, 4, requires_grad=True)
-    hooks, handles = RecomputeHooks(), []
-    with torch.autograd.graph.saved_tensors_hooks(*_hooked(hooks, handles)):
-        out = (torch.relu(bn(c)) @ w).sum()
-    with torch.no_grad():
-        bn.bias.add_(1.0)  # e.g. an optimizer stepping inside the backward, before this layer's gradient
-    with pytest.raises(RuntimeError, match="bias was changed in place"):
-        out.backward()
-
-
-def test_a_batch_norm_weight_changed_before_the_rebuild_is_an_error_not_a_silent_difference():
-    # The rule reads the weight when the output is saved; autograd checks no versions behind saved-tensor hooks,
-    # so a weight stepped in place (an optimizer in the first of two backwards over a retained graph) would
+@pytest.mark.parametrize("name,retained", [("bias", False), ("weight", True)])
+def test_a_batch_norm_parameter_changed_before_the_rebuild_is_an_error_not_a_silent_difference(name, retained):
+    # The rule reads the bias and weight when the output is saved, and autograd checks no versions behind
+    # saved-tensor hooks: a parameter stepped in place before the rebuild (an optimizer stepping inside the
+    # backward before this layer's gradient; in the first of two backwards over a retained graph) would
     # rebuild another output than the forward's, silently.
     torch.manual_seed(0)
     bn = torch.nn.BatchNorm1d(16)
@@ -255,25 +251,16 @@ def test_a_batch_norm_weight_changed_before_the_rebuild_is_an_error_not_a_silent
     hooks, handles = RecomputeHooks(), []
     with torch.autograd.graph.saved_tensors_hooks(*_hooked(hooks, handles)):
         out = (torch.relu(bn(c)) @ w).sum()
-    out.backward(retain_graph=True)
+    if retained:
+        out.backward(retain_graph=True)
     with torch.no_grad():
-        bn.weight.mul_(0.5)
-    with pytest.raises(RuntimeError, match="weight was changed in place"):
+        getattr(bn, name).add_(1.0)
+    with pytest.raises(RuntimeError, match=f"{name} was changed in place"):
         out.backward()
 
 
 def test_training_a_resnet_with_batch_norm_rebuilds_is_bitwise_equal_and_moves_fewer_bytes():
-    ref = run("resnet", 4)
-    probe = run("resnet", 3, manager=lambda: swap.SwapManager(budget="64GiB", device="cpu", min_bytes=16 * KiB,
-                                                               recompute=False))  # fmt: skip
-    seq = probe["manager"].sequence
-    floor = seq.step_floor()
-    budget = floor + (seq.no_swap_peak() - floor) // 4
-
-    def managed(recompute):
-        return lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB, recompute=recompute)
-
-    plain, rebuilt = run("resnet", 4, manager=managed(False)), run("resnet", 4, manager=managed(True))
+    ref, probe, plain, rebuilt = train_with_and_without_rebuilds("resnet")
     assert_bitwise_equal(ref, plain)
     assert_bitwise_equal(ref, rebuilt)  # gradients, losses and BatchNorm's running statistics
     assert rebuilt["manager"]._recompute.rebuilt > 0
