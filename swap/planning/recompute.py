@@ -68,8 +68,9 @@ BATCH_NORM_FLOPS = 10  # per element: the statistics' pass and the normalisation
 # Eligible: the output of a training-mode batch norm node (NativeBatchNorm, CudnnBatchNorm,
 # BatchNormWithUpdate), or of a ReLU applied to one, in place or not. The bias is not saved by the node
 # (the backward does not need it); it is read from its AccumulateGrad node, so a frozen bias (no such node)
-# declines, and a bias changed in place between the forward and the rebuild is an error, not a silent
-# difference. An eval-mode batch norm declines (its output depends on running statistics that may change).
+# declines, and a bias or weight changed in place between the forward and the rebuild is an error, not a
+# silent difference (autograd checks no versions behind saved-tensor hooks). An eval-mode batch norm
+# declines (its output depends on running statistics that may change).
 _BATCH_NORM_OPS: dict[str, Callable[..., Any]] = {
     "NativeBatchNormBackward0": lambda x, w, b, rm, rv, eps: torch.ops.aten.native_batch_norm(
         x, w, b, rm, rv, True, 0.1, eps)[0],
@@ -95,19 +96,53 @@ def _batch_norm_rule(node: Any) -> Optional[Rule]:
     bias_fn = nxt[2][0] if len(nxt) > 2 else None
     if eps is None or bias_fn is None or not hasattr(bias_fn, "variable"):
         return None  # a frozen, absent or computed bias: we cannot read it back
-    bias, version = bias_fn.variable, bias_fn.variable._version
-    weight = node._saved_weight
+    bias, weight = bias_fn.variable, node._saved_weight
+    versions = [(name, t, t._version) for name, t in (("bias", bias), ("weight", weight)) if t is not None]
     stats = _scratch(node._saved_running_mean), _scratch(node._saved_running_var)
 
     def rule(x: torch.Tensor) -> torch.Tensor:
-        if bias._version != version:
-            raise RuntimeError("a batch norm's bias was changed in place between the forward and the backward, so "
-                               "its output cannot be rebuilt: turn rebuilds off (SwapManager(recompute=False)) or "
-                               "update parameters after the backward")  # fmt: skip
+        for name, t, version in versions:
+            if t._version != version:
+                raise RuntimeError(f"a batch norm's {name} was changed in place between the forward and the backward, "
+                                   "so its output cannot be rebuilt: turn rebuilds off (SwapManager(recompute=False)) "
+                                   "or update parameters after the backward")  # fmt: skip
         rm, rv = (None if s is None else torch.zeros(s[0], dtype=s[1], device=s[2]) for s in stats)
         return run(x, weight, bias, rm, rv, eps)
 
     return rule
+
+
+# Note [Whose saved input]
+# Finding a candidate's source means reading its producer's saved input (and, for a batch norm, its weight and
+# running statistics), which runs those saved tensors' unpack hook. Ours answers the peek without moving
+# anything; another's may not: a node made inside a checkpoint nested in our hooks (a user's
+# ``torch.utils.checkpoint``, one of the runtime's recompute regions) saved its tensors through the
+# checkpoint's hooks, whose unpack reruns the whole checkpointed module, in the forward, and reads the
+# checkpoint's own inputs through our hooks while we peek (the runtime crashed; ``recipes`` planned a rebuild
+# from the checkpoint's input). So every tensor our hooks save is noted (``SavedThrough.saving``) with the
+# thread's autograd sequence number at that moment: a node saves its tensors right after it is made, when the
+# counter is its own ``_sequence_nr() + 1``. A candidate whose node saved nothing through us is declined before
+# any of its saved tensors is read. Sequence numbers are per thread: a forward that builds its graph on several
+# threads could take one node for another, which the peek then catches as before (no handle of ours: declined).
+
+
+class SavedThrough:
+    """Which autograd nodes saved tensors through our hooks (Note [Whose saved input]): call ``saving()`` in
+    the pack hook for every tensor it saves; ``self(node)`` says whether ``node`` saved any."""
+
+    REMEMBERED = 1 << 16  # sequence numbers kept; a candidate saved later than that after its node is declined
+
+    def __init__(self) -> None:
+        self._seqs: set[int] = set()
+
+    def saving(self) -> None:
+        seq = torch._C._autograd._get_sequence_nr()
+        self._seqs.add(seq)
+        if len(self._seqs) > self.REMEMBERED:
+            self._seqs = {s for s in self._seqs if s > seq - self.REMEMBERED // 2}
+
+    def __call__(self, node: Any) -> bool:
+        return node._sequence_nr() + 1 in self._seqs
 
 
 @dataclass(frozen=True)
@@ -122,18 +157,21 @@ class Rebuild:
     passes: int  # tensor-sized reads and writes
 
 
-def rebuild_of(node: Any) -> Optional[Rebuild]:
+def rebuild_of(node: Any, ours: Callable[[Any], bool] = lambda node: True) -> Optional[Rebuild]:
     """The rebuild of the tensor ``node`` produced, if it is eligible (Notes [Recompute or swap], [Batch norm
-    rebuilds]); None otherwise. Reads the node's non-tensor fields and parameters, never its saved input."""
+    rebuilds]); None otherwise. Reads the node's non-tensor fields and parameters, never its saved input.
+    ``ours(n)``: whether node ``n`` saved its tensors through the caller's hooks; a node that did not is
+    declined before any of its saved tensors is read, since reading one runs another's unpack hook (Note
+    [Whose saved input])."""
     name = type(node).__name__
     make = RULES.get(name)
     if make is not None:
-        return Rebuild(node, "_saved_self", make(node), ELEMENTWISE_FLOPS, 2)
+        return Rebuild(node, "_saved_self", make(node), ELEMENTWISE_FLOPS, 2) if ours(node) else None
     if name == "ReluBackward0":
         bn = node.next_functions[0][0] if node.next_functions else None
-        norm = _batch_norm_rule(bn) if bn is not None else None
+        norm = _batch_norm_rule(bn) if bn is not None and ours(bn) else None
         return Rebuild(bn, "_saved_input", lambda x: torch.relu_(norm(x)), BATCH_NORM_FLOPS, 5) if norm else None
-    norm = _batch_norm_rule(node)
+    norm = _batch_norm_rule(node) if ours(node) else None
     return Rebuild(node, "_saved_input", norm, BATCH_NORM_FLOPS, 3) if norm else None
 
 
@@ -165,7 +203,10 @@ def recipes(model: torch.nn.Module, inputs: tuple, exclude: Callable[[torch.Tens
     found: dict[int, Recipe] = {}
     peeked: list[Any] = []
 
+    ours = SavedThrough()  # Note [Whose saved input]
+
     def pack(t: torch.Tensor) -> Any:
+        ours.saving()
         st = t.untyped_storage()
         key = key_of(st)
         if key in params or exclude(t) or t.requires_grad and t.is_leaf or st.nbytes() < min_bytes:
@@ -174,7 +215,7 @@ def recipes(model: torch.nn.Module, inputs: tuple, exclude: Callable[[torch.Tens
             index[key] = len(sizes)
             sizes.append(st.nbytes())
             root, node = producer(t)
-            how = rebuild_of(node) if node is not None else None
+            how = rebuild_of(node, ours) if node is not None else None
             if how is not None:
                 peeked.clear()
                 _ = getattr(how.node, how.attribute)  # our unpack hook records its handle

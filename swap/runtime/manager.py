@@ -414,6 +414,8 @@ class SwapManager:
             if rebuild and self._recompute is not None and (rebuilt := self._recompute.pack(t)) is not None:
                 return rebuilt
             return ex.pack(t)
+        if rebuild and self._recompute is not None:
+            self._recompute.saving()  # a node's saved input we keep may still be a rebuild's source
         ex.observe(t)
         if ex.mode == PROFILE:
             self._note_skip(t, reason)

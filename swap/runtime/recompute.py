@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..planning.recompute import Rule, producer, rebuild_of
+from ..planning.recompute import Rule, SavedThrough, producer, rebuild_of
 
 
 @dataclass
@@ -31,13 +31,20 @@ class RecomputeHooks:
     def __init__(self) -> None:
         self._peeking = False
         self._peeked: Any = None
+        self._ours = SavedThrough()  # Note [Whose saved input]
         self.rebuilt = 0
 
+    def saving(self) -> None:
+        """Our pack hook is saving a tensor (``pack`` calls it; Note [Whose saved input])."""
+        self._ours.saving()
+
     def pack(self, t: torch.Tensor) -> Optional[Recomputed]:
+        """Called for every tensor our hooks save (the manager calls ``saving`` for those it does not offer)."""
+        self.saving()
         root, node = producer(t)
         if node is None or root.requires_grad is False:
             return None
-        how = rebuild_of(node)
+        how = rebuild_of(node, self._ours)
         if how is None:
             return None
         self._peeking, self._peeked = True, None

@@ -17,9 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "swap"))
 from training import KiB, assert_bitwise_equal, run  # noqa: E402
 
 
-def test_training_with_recompute_is_bitwise_equal_and_moves_fewer_bytes():
-    ref = run("gpt", 4)
-    probe = run("gpt", 3, manager=lambda: swap.SwapManager(budget="64GiB", device="cpu", min_bytes=16 * KiB))
+def train_with_and_without_rebuilds(name: str) -> tuple[dict, dict, dict, dict]:
+    """Trains ``name`` unmanaged, then under a quarter of the way from the step floor to the unswapped peak
+    without and with rebuilds: (reference, probe run, plain, rebuilt)."""
+    ref = run(name, 4)
+    probe = run(name, 3, manager=lambda: swap.SwapManager(budget="64GiB", device="cpu", min_bytes=16 * KiB,
+                                                           recompute=False))  # fmt: skip
     seq = probe["manager"].sequence
     floor = seq.step_floor()
     budget = floor + (seq.no_swap_peak() - floor) // 4
@@ -27,7 +30,12 @@ def test_training_with_recompute_is_bitwise_equal_and_moves_fewer_bytes():
     def managed(recompute):
         return lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB, recompute=recompute)
 
-    plain, rebuilt = run("gpt", 4, manager=managed(False)), run("gpt", 4, manager=managed(True))
+    return ref, probe, run(name, 4, manager=managed(False)), run(name, 4, manager=managed(True))
+
+
+def test_training_with_recompute_is_bitwise_equal_and_moves_fewer_bytes():
+    ref, probe, plain, rebuilt = train_with_and_without_rebuilds("gpt")
+    seq = probe["manager"].sequence
     assert_bitwise_equal(ref, plain)
     assert_bitwise_equal(ref, rebuilt)
     hooks = rebuilt["manager"]._recompute
@@ -230,7 +238,12 @@ def test_batch_norm_rebuilds_decline_eval_mode_a_frozen_bias_and_an_add_before_t
     assert packs(lambda: torch.relu(bn(c) + 1.0) @ w) == []  # the ReLU reads an add, not the norm
 
 
-def test_a_batch_norm_bias_changed_before_the_rebuild_is_an_error_not_a_silent_difference():
+@pytest.mark.parametrize("name,retained", [("bias", False), ("weight", True)])
+def test_a_batch_norm_parameter_changed_before_the_rebuild_is_an_error_not_a_silent_difference(name, retained):
+    # The rule reads the bias and weight when the output is saved, and autograd checks no versions behind
+    # saved-tensor hooks: a parameter stepped in place before the rebuild (an optimizer stepping inside the
+    # backward before this layer's gradient; in the first of two backwards over a retained graph) would
+    # rebuild another output than the forward's, silently.
     torch.manual_seed(0)
     bn = torch.nn.BatchNorm1d(16)
     c = torch.randn(32, 16, requires_grad=True)
@@ -238,24 +251,16 @@ def test_a_batch_norm_bias_changed_before_the_rebuild_is_an_error_not_a_silent_d
     hooks, handles = RecomputeHooks(), []
     with torch.autograd.graph.saved_tensors_hooks(*_hooked(hooks, handles)):
         out = (torch.relu(bn(c)) @ w).sum()
+    if retained:
+        out.backward(retain_graph=True)
     with torch.no_grad():
-        bn.bias.add_(1.0)  # e.g. an optimizer stepping inside the backward, before this layer's gradient
-    with pytest.raises(RuntimeError, match="bias was changed in place"):
+        getattr(bn, name).add_(1.0)
+    with pytest.raises(RuntimeError, match=f"{name} was changed in place"):
         out.backward()
 
 
 def test_training_a_resnet_with_batch_norm_rebuilds_is_bitwise_equal_and_moves_fewer_bytes():
-    ref = run("resnet", 4)
-    probe = run("resnet", 3, manager=lambda: swap.SwapManager(budget="64GiB", device="cpu", min_bytes=16 * KiB,
-                                                               recompute=False))  # fmt: skip
-    seq = probe["manager"].sequence
-    floor = seq.step_floor()
-    budget = floor + (seq.no_swap_peak() - floor) // 4
-
-    def managed(recompute):
-        return lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB, recompute=recompute)
-
-    plain, rebuilt = run("resnet", 4, manager=managed(False)), run("resnet", 4, manager=managed(True))
+    ref, probe, plain, rebuilt = train_with_and_without_rebuilds("resnet")
     assert_bitwise_equal(ref, plain)
     assert_bitwise_equal(ref, rebuilt)  # gradients, losses and BatchNorm's running statistics
     assert rebuilt["manager"]._recompute.rebuilt > 0
@@ -295,3 +300,129 @@ def test_the_trace_plans_the_batch_norm_rebuilds_the_runtime_makes():
     live = recipes(net, (x,), exclude=lambda t: t.untyped_storage() is xs, expect_sizes=seq.sizes)
     assert len(live) == 1 + 2 * 4  # the stem's, and two per bottleneck
     assert {v: r.source for v, r in planned.items()} == {v: r.source for v, r in live.items()}
+
+
+@pytest.mark.parametrize("block", ["conv_bn_relu", "linear_gelu"])
+def test_a_rebuild_never_reads_a_saved_input_behind_a_checkpoint(block):
+    # A module checkpointed inside our hooks (a user's torch.utils.checkpoint, or one of our recompute regions)
+    # whose output ends in a rebuild candidate, saved by an operator outside it: the candidate's saved input was
+    # packed by the checkpoint's hooks. Peeking at it ran the checkpoint's unpack hook, which reran the module in
+    # the forward and fed it our peek's empty answer (a crash). It must decline instead (Note [Whose saved input]).
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    inner = (torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+             if block == "conv_bn_relu" else torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.GELU()))  # fmt: skip
+    after = torch.nn.Conv2d(8, 4, 1) if block == "conv_bn_relu" else torch.nn.Linear(8, 4)
+    x = torch.randn(4, 3, 12, 12) if block == "conv_bn_relu" else torch.randn(4, 10, 12)
+    runs = []
+    inner[0].register_forward_hook(lambda *args: runs.append(torch.is_grad_enabled()))
+
+    def step(hooked: bool) -> tuple:
+        for m in (inner, after):
+            m.zero_grad(set_to_none=True)
+        hooks, handles = RecomputeHooks(), []
+        with torch.autograd.graph.saved_tensors_hooks(*_hooked(hooks, handles)) if hooked else contextlib.nullcontext():
+            y = checkpoint(inner, x, use_reentrant=False)
+            out = after(y).square().sum()
+        assert len(runs) == 1  # the checkpointed module ran once: nothing reran it in the forward
+        out.backward()
+        return [p.grad.clone() for m in (inner, after) for p in m.parameters()], handles
+
+    ref, _ = step(False)
+    runs.clear()
+    got, handles = step(True)
+    assert not any(handles), "rebuilt from a saved input that the checkpoint, not our hooks, packed"
+    assert all(torch.equal(a, b) for a, b in zip(ref, got)), "a gradient differs"
+
+
+def test_a_checkpointed_conv_bn_relu_block_trains_under_the_manager_with_rebuilds():
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                             torch.nn.ReLU(inplace=True))  # fmt: skip
+            self.tail = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                            torch.nn.ReLU(inplace=True), torch.nn.MaxPool2d(2))  # fmt: skip
+            self.head = torch.nn.Linear(8, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.tail(checkpoint(self.block, x, use_reentrant=False))
+            return self.head(y.mean((2, 3)))
+
+    def batch(model, it):
+        g = torch.Generator().manual_seed(it)
+        return torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+    def pattern(model, x, y, it):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    kw = dict(build=Net, batch_fn=batch, pattern=pattern)
+    ref = run("net", 3, **kw)
+    got = run("net", 3, manager=lambda: swap.SwapManager(budget="64GiB", device="cpu", min_bytes=0, recompute=True),
+              **kw)  # fmt: skip
+    assert_bitwise_equal(ref, got)
+    assert got["manager"]._recompute.rebuilt > 0  # the tail's conv -> bn -> relu outside the checkpoint still rebuilds
+
+
+@pytest.mark.parametrize("backward", [True, False])
+def test_batch_norm_rebuild_handles_keep_no_activation_or_module_alive(backward):
+    # A Recomputed handle lives in the graph; if it (its rule, its source) held a tensor with a grad_fn, the graph
+    # would hold itself through C++, a cycle the GC cannot see: a graph dropped without backward (an evaluation
+    # forward with grad enabled) would never be freed. Its rule holds the norm's parameters: not the module.
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(inplace=True),
+                              torch.nn.Conv2d(8, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                              torch.nn.Conv2d(8, 4, 1))  # fmt: skip
+    outputs: list[weakref.ref] = []
+    for m in net:
+        m.register_forward_hook(lambda mod, args, out: outputs.append(weakref.ref(out)))
+    sm = swap.SwapManager(budget="64GiB", device="cpu", min_bytes=0, recompute=True)
+    with sm:
+        for _ in range(3):
+            loss = net(torch.randn(4, 3, 16, 16)).square().sum()
+            if backward:
+                loss.backward()
+            del loss
+    assert sm._recompute.rebuilt > 0 if backward else sm._recompute is not None
+    gc.collect()
+    alive = [r for r in outputs if r() is not None]
+    assert len(outputs) == 3 * len(net) and not alive, f"{len(alive)} activations kept alive"
+    params, module = [weakref.ref(p) for p in net.parameters()], weakref.ref(net)
+    del net, m
+    gc.collect()
+    assert module() is None and all(p() is None for p in params), "the manager keeps the model alive"
+
+
+def test_recipes_plan_no_rebuild_from_a_checkpoints_input():
+    # The planning side's peek had the same flaw (Note [Whose saved input]): on a checkpointed conv -> bn -> relu
+    # it reran the block in its forward and planned the block's output rebuilt from the checkpoint's input.
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                             torch.nn.ReLU())  # fmt: skip
+            self.conv2 = torch.nn.Conv2d(8, 4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv2(checkpoint(self.block, x, use_reentrant=False))
+
+    with torch.device("meta"):
+        net = Net()
+    runs = []
+    net.block[0].register_forward_hook(lambda *args: runs.append(1))
+    x = torch.empty(2, 3, 8, 8, device="meta")
+    assert recipes(net, (x,)) == {}
+    assert len(runs) == 1
+    net.block = torch.nn.Sequential(*net.block)  # the same layers, not checkpointed: the rebuild is planned
+    net.forward = lambda x: net.conv2(net.block(x))
+    assert len(recipes(net, (x,))) == 1

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import swap
 from swap.planning.joint import BASELINES, JointResult, Strategy, search
+from swap.planning.regions import RecomputePlan, Region
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from third_party import run_kwargs  # noqa: E402
@@ -271,3 +272,37 @@ def test_the_operator_profiler_leaves_the_dispatch_stack_when_profiling_ends_wit
             profiling.append(any(isinstance(m, OpProfiler) for m in _get_current_dispatch_mode_stack()))
     assert profiling[0] and not any(profiling[2:]), profiling
     assert sm.report()["declined"]
+
+
+def _conv_bn_relu(cin: int, cout: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+
+
+def conv_bn_relu_model() -> nn.Module:
+    return nn.Sequential(_conv_bn_relu(3, 4), nn.MaxPool2d(2), _conv_bn_relu(4, 16), _conv_bn_relu(16, 16),
+                         _conv_bn_relu(16, 16), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))  # fmt: skip
+
+
+def image_batch(model, it):
+    g = torch.Generator().manual_seed(it)
+    return torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+
+def test_a_region_ending_in_batch_norm_and_relu_trains_with_rebuilds_on():
+    # The region's output (its ReLU's, on its batch norm) is saved outside it, by the max pool: a rebuild
+    # candidate whose norm saved its input through the region's checkpoint. The rebuild's peek ran the
+    # checkpoint's unpack in the forward and crashed (Note [Whose saved input]); it must decline, and the
+    # second block, outside any region, still rebuilds.
+    kw = dict(build=conv_bn_relu_model, batch_fn=image_batch)  # the standard pattern: cross entropy
+    ref = run("cbr", 4, meter=swap.LiveBytesMeter("cpu"), **kw)
+    budget = int(unswapped_peak(ref) * 0.9)
+
+    def choose(ev):
+        plan = RecomputePlan((Region("0"),), rebuild=True)
+        return JointResult(ev.evaluate(Strategy("region 0, rebuilds", plan, "window")), {}, ev.evaluations)
+
+    got = run("cbr", 4, manager=lambda: manager(budget, choose), **kw)
+    assert_bitwise_equal(ref, got)
+    sm = got["manager"]
+    assert sm.report()["recompute_plan"] == "1 region(s), 0 kept operator(s), rebuilds"
+    assert sm._joint.regions._stats["0"].reruns > 0 and sm._recompute.rebuilt > 0
