@@ -126,6 +126,10 @@ def _batch_norm_rule(node: Any) -> Optional[Rule]:
 # threads could take one node for another, which the peek then catches as before (no handle of ours: declined).
 
 
+# The thread's autograd sequence counter (torch's profiler binding, present since torch 1.x).
+_sequence_nr: Optional[Callable[[], int]] = getattr(torch._C._autograd, "_get_sequence_nr", None)
+
+
 class SavedThrough:
     """Which autograd nodes saved tensors through our hooks (Note [Whose saved input]): call ``saving()`` in
     the pack hook for every tensor it saves; ``self(node)`` says whether ``node`` saved any."""
@@ -136,12 +140,16 @@ class SavedThrough:
         self._seqs: set[int] = set()
 
     def saving(self) -> None:
-        seq = torch._C._autograd._get_sequence_nr()
+        if _sequence_nr is None:
+            return
+        seq = _sequence_nr()
         self._seqs.add(seq)
         if len(self._seqs) > self.REMEMBERED:
             self._seqs = {s for s in self._seqs if s > seq - self.REMEMBERED // 2}
 
     def __call__(self, node: Any) -> bool:
+        if _sequence_nr is None:  # a torch without the counter's getter: no rebuilds rather than a wrong one
+            return False
         return node._sequence_nr() + 1 in self._seqs
 
 
