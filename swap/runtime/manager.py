@@ -563,6 +563,8 @@ class SwapManager:
             "memory_source": self.memory.name,
             "peak_measured_inside_ops": self.memory.sees_inside_ops,
             **(self._joint.snapshot(seq, ex.schedule if ex.mode == PLANNED else None) if self._joint else {}),
+            **({"rebuilds": self._recompute.rebuilt, "rebuilt_bytes": self._recompute.rebuilt_bytes}
+               if self._recompute is not None else {}),  # fmt: skip
         }
 
     def report(self) -> SwapReport:

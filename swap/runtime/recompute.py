@@ -32,7 +32,8 @@ class RecomputeHooks:
         self._peeking = False
         self._peeked: Any = None
         self._ours = SavedThrough()  # Note [Whose saved input]
-        self.rebuilt = 0
+        self.rebuilt = 0  # rebuilds run (one per backward use)
+        self.rebuilt_bytes = 0  # bytes they produced: made on the device instead of moved over the link
 
     def saving(self) -> None:
         """Our pack hook is saving a tensor (``pack`` calls it; Note [Whose saved input])."""
@@ -68,6 +69,7 @@ class RecomputeHooks:
         with torch.no_grad():
             out = packed.rule(x)
         self.rebuilt += 1
+        self.rebuilt_bytes += out.untyped_storage().nbytes()
         return torch.empty(0, dtype=packed.dtype, device=out.device).set_(
             out.untyped_storage(), packed.offset, packed.size, packed.stride
         )

@@ -14,7 +14,9 @@ class SwapReport(dict):
     recompute_seconds, simulated_step_seconds, ``modules``: per module, bytes kept on the device, swapped
     and recomputed per iteration, and the seconds spent recomputing it, ``not_recomputable``: the operators
     that cannot be recomputed (module, operator, why, count per iteration) and ``not_checkpointed``: candidate
-    modules that are never checkpointed, and why (swap.runtime.joint)."""
+    modules that are never checkpointed, and why (swap.runtime.joint). With rebuilds on (``recompute=True``, or
+    chosen by "auto"): ``rebuilds`` run over the whole run (one per backward use of a rebuilt tensor) and
+    ``rebuilt_bytes``, what they made on the device instead of moving it (Note [Recompute or swap])."""
 
     ROWS = [
         ("status", "status", str),
@@ -37,6 +39,8 @@ class SwapReport(dict):
         ("declined", "declined to swap", str),
         ("recompute_plan", "recompute", str),
         ("recompute_seconds", "recompute time", lambda s: f"{s:.3f} s"),
+        ("rebuilds", "rebuilds run", str),
+        ("rebuilt_bytes", "rebuilt, not moved", _bytes),
     ]
 
     def __str__(self) -> str:
