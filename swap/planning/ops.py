@@ -28,15 +28,6 @@ The paths with their indices replaced by ``*`` form *levels* (``resnet.encoder.s
 inside another checkpointed one. Which level is "the block" is not guessed: the baselines try each level
 and the planner keeps the fastest (HF's ``gradient_checkpointing_enable`` wraps the outermost, a ResNet's
 bottlenecks are the inner one).
-
-Note [Cached levels]
-``levels`` and ``level_sets`` depend on ``calls`` alone (paths, steps, blockers), and each scan of them asks
-every path's calls (``blocked``): quadratic in the calls, while the joint search asks for them in every
-baseline, level and refinement. So each is computed once per table. The table is a plain dataclass, which
-nothing changes after it is built, but a later change of ``calls`` (replaced, or edited in place) must not
-read stale levels: the cache keeps the tuple of calls it was computed from and starts over when they differ
-(the check is one pass of identity comparisons, linear where the scan is quadratic). Callers get copies, so
-editing an answer cannot change the cache.
 """
 
 from __future__ import annotations
@@ -44,7 +35,7 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Optional
 
 # Operators whose outputs are worth keeping in "selective" checkpointing (torchtitan, Megatron): the costly
 # ones per byte. Matched on the operator's name.
@@ -91,9 +82,6 @@ class OpTable:
 
     ops: list[Op] = field(default_factory=list)
     calls: list[RegionCall] = field(default_factory=list)
-    # Note [Cached levels]: the calls they were computed from, and key -> value
-    _cached: Optional[tuple[tuple[RegionCall, ...], dict]] = field(default=None, init=False, repr=False,
-                                                                    compare=False)  # fmt: skip
 
     def __post_init__(self) -> None:
         for c in self.calls:
@@ -124,22 +112,9 @@ class OpTable:
             return "it did not run in the profiled iteration"
         return next((c.blocker for c in calls if c.blocker), "")
 
-    def _memo(self, key: object, compute: Callable[[], dict[str, list[str]]]) -> dict[str, list[str]]:
-        """``compute()``, computed once for the table's current ``calls`` (Note [Cached levels]); a copy."""
-        calls = tuple(self.calls)
-        if self._cached is None or self._cached[0] != calls:
-            self._cached = (calls, {})
-        memo = self._cached[1]
-        if key not in memo:
-            memo[key] = compute()
-        return {k: list(v) for k, v in memo[key].items()}
-
     def levels(self) -> dict[str, list[str]]:
         """Candidate regions by level (Note [Candidate regions]): pattern -> paths in first-call order, only
         modules that can be checkpointed and whose calls saved something."""
-        return self._memo("levels", self._levels)
-
-    def _levels(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
         for c in self.calls:
             parts = c.path.split(".")
@@ -156,9 +131,6 @@ class OpTable:
         levels (T5: its encoder's and its decoder's blocks, or their layers), by name ("a+b") -> paths. Past
         ``limit`` combinations, only the all-outermost and all-innermost ones and those differing from the
         all-outermost in one family."""
-        return self._memo(("level_sets", limit), lambda: self._level_sets(limit))
-
-    def _level_sets(self, limit: int) -> dict[str, list[str]]:
         levels = self.levels()
         families: list[list[str]] = []
         for p in sorted(levels, key=len):

@@ -119,20 +119,6 @@ def test_candidate_levels_and_level_sets_come_from_paths():
     assert is_selective("aten.convolution.default") and not is_selective("aten.native_batch_norm.default")
 
 
-def test_cached_levels_follow_the_calls_and_answers_are_copies():
-    """Note [Cached levels]: computed once, recomputed when ``calls`` changes, never changed by a caller."""
-    table = OpTable([], [RegionCall(f"blocks.{i}", (0, 0), (0, 1)) for i in range(2)])
-    first = table.levels()
-    first["blocks.*"].append("not a block")
-    table.level_sets()["blocks.*"].clear()
-    assert table.levels() == {"blocks.*": ["blocks.0", "blocks.1"]}
-    assert table.level_sets() == {"blocks.*": ["blocks.0", "blocks.1"]}
-    table.calls.append(RegionCall("blocks.2", (0, 0), (0, 1)))  # edited in place
-    assert table.levels()["blocks.*"] == ["blocks.0", "blocks.1", "blocks.2"]
-    table.calls = [RegionCall("blocks.0", (0, 0), (0, 1), blocker="writes its input")]  # replaced
-    assert table.levels() == {} and "blocks.*" not in table.level_sets()
-
-
 def test_keep_chain_orders_by_seconds_per_byte_and_selective_keeps_matmuls():
     seq, table = blocks(1, 4, [1000, 1000, 1000, 1000], [0.01, 0.04, 0.02, 0.03])
     chain = keep_chain(Evaluator(seq, table, 10**9, 1e9, 1e9), "layers.0")
