@@ -22,9 +22,10 @@ recomputing where its seconds cost less than the stall it removes; both where th
 
 Note [Rebuilds in the search]
 Rebuilds change what the best regions are: a ResNet's batch norm rebuilds (Note [Batch norm rebuilds]) take a
-sixth of every bottleneck off the link, so past the batch where whole blocks stop fitting, "no regions,
-rebuilds, window" beats the best plan found without rebuilds (at 5x on the H100 profile: 631 vs 498
-samples/s). Flipping rebuilds on the refined best alone misses that, and doubling every uniform plan with
+sixth of every bottleneck off the link, so past the batch where whole blocks stop fitting, the best plan with
+rebuilds is not the best plan without them with rebuilds switched on (ResNet-50 at 5x on the H100 profile:
+498.4 samples/s without, 552.5 from the second refine below, `python -m bench.strategies`). Flipping rebuilds
+on the refined best alone misses that, and doubling every uniform plan with
 rebuilds halves the local search's share of the evaluations (worse plans at 2x and 7x when tried). So the
 search refines twice: from the best plan without rebuilds, as before, then from the better of "window with
 rebuilds" and that plan with rebuilds, with a quarter of the evaluations more. Models without rebuild
@@ -186,6 +187,11 @@ def selective_keep(ev: Evaluator, path: str) -> frozenset:
 
 def _plan(paths: list[str], keep: Optional[Callable[[str], frozenset]] = None, rebuild: bool = False) -> RecomputePlan:
     return RecomputePlan(tuple(Region(p, keep(p) if keep else frozenset()) for p in paths), rebuild)
+
+
+def _order(o: Outcome) -> tuple[bool, tuple[float, float, int, int]]:
+    """Feasible outcomes first, then by rank (fastest first)."""
+    return not o.feasible, o.rank()
 
 
 def _best(outcomes: list[Outcome], name: str) -> Outcome:
@@ -350,14 +356,14 @@ def search(ev: Evaluator, max_evaluations: int = 400) -> JointResult:
                     if ev.evaluations >= max_evaluations:
                         break
                     pool.append(ev.evaluate(Strategy("auto", _plan(list(chosen), keep), swap, level)))
-    best = min(pool, key=lambda o: (not o.feasible, o.rank()))
+    best = min(pool, key=_order)
     if best.feasible:
         best = _refine(ev, best, max_evaluations)
         if rebuild_recipes(ev.seq, ev.table)[0]:  # Note [Rebuilds in the search]
             starts = [ev.evaluate(Strategy("auto", RecomputePlan((), True), "window")),
                       ev.evaluate(Strategy("auto", RecomputePlan(best.strategy.plan.regions, True), best.strategy.swap,
                                            best.strategy.detail))]  # fmt: skip
-            start = min(starts, key=lambda o: (not o.feasible, o.rank()))
+            start = min(starts, key=_order)
             if start.feasible:
                 trial = _refine(ev, start, ev.evaluations + max_evaluations // 4)
                 best = trial if trial.rank() < best.rank() else best

@@ -46,6 +46,12 @@ SELECTIVE = re.compile(r"\b(aten\.)?(mm|addmm|bmm|baddbmm|matmul|linear|convolut
 _INDEX = re.compile(r"^\d+$")
 
 
+def in_place_name(name: str) -> bool:
+    """Whether an operator's name is an in-place ATen overload's (``aten.add_.Tensor``): it writes an argument."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[1].endswith("_")
+
+
 @dataclass(frozen=True)
 class Op:
     """One forward operator (Note [Operator table])."""

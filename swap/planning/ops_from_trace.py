@@ -38,7 +38,7 @@ import numpy as np
 from ..capture.trace import ALLOC, OP, PHASE, SAVE, USE, Trace
 from .autograd_saves import saves_first_output
 from .devices import DeviceProfile
-from .ops import Op, OpTable, RegionCall, is_index
+from .ops import Op, OpTable, RegionCall, in_place_name, is_index
 from .pricing import event_seconds
 
 # What a name alone says cannot be rerun (Note [Operators that cannot be rerun] in swap.runtime.op_facts).
@@ -54,7 +54,7 @@ def facts_of(name: str) -> tuple[bool, bool]:
     """(writes or aliases an argument, draws random numbers) for an operator name such as
     ``aten.add_.Tensor``, from its schema and tags when torch knows it, else from the name."""
     parts = name.split(".")
-    inplace = len(parts) >= 2 and parts[1].endswith("_")
+    inplace = in_place_name(name)
     try:
         import torch
 

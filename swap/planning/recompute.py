@@ -167,7 +167,8 @@ class Rebuild:
 
 def rebuild_of(node: Any, ours: Callable[[Any], bool] = lambda node: True) -> Optional[Rebuild]:
     """The rebuild of the tensor ``node`` produced, if it is eligible (Notes [Recompute or swap], [Batch norm
-    rebuilds]); None otherwise. Reads the node's non-tensor fields and parameters, never its saved input.
+    rebuilds]); None otherwise. Reads the node's non-tensor fields, and a batch norm's weight and running
+    statistics, never its saved input.
     ``ours(n)``: whether node ``n`` saved its tensors through the caller's hooks; a node that did not is
     declined before any of its saved tensors is read, since reading one runs another's unpack hook (Note
     [Whose saved input])."""

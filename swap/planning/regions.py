@@ -24,11 +24,12 @@ saved inside the call (``OpTable.keep_candidates``): otherwise the rerun never r
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from .ops import OpTable, RegionCall, check_regions
+from .ops import Op, OpTable, RegionCall, check_regions, in_place_name
 from .recompute import Recipe, with_recompute
 from .sequence import SAVE, USE, Sequence
 
@@ -180,7 +181,7 @@ def rebuild_recipes(seq: Sequence, table: OpTable, exclude: set[int] = frozenset
             relu = nxt is not None and nxt.name in RELU_OPS
             if relu and nxt.outputs:
                 o = nxt.outputs[0]
-            if o not in first_save or any(_in_place(q.name) for q in ops[j + 1 + relu:] if q.step <= first_save[o]):
+            if o not in first_save or _written_before(ops, j + 1 + relu, first_save[o]):
                 continue
             flops = op.flops + (nxt.flops if relu else 0.0)
             nbytes = (op.nbytes or 3.0 * seq.sizes[o]) + (nxt.nbytes if relu else 0.0)
@@ -188,10 +189,15 @@ def rebuild_recipes(seq: Sequence, table: OpTable, exclude: set[int] = frozenset
     return found, seconds
 
 
-def _in_place(name: str) -> bool:
-    """Whether an operator's name is an in-place ATen one (``aten.add_.Tensor``)."""
-    parts = name.split(".")
-    return len(parts) > 1 and parts[1].endswith("_")
+def _written_before(ops: list[Op], start: int, step: int) -> bool:
+    """Whether an in-place operator runs from ``ops[start]`` until sequence step ``step`` (ops are in step
+    order, so the scan stops there)."""
+    for q in itertools.islice(ops, start, None):
+        if q.step > step:
+            return False
+        if in_place_name(q.name):
+            return True
+    return False
 
 
 def _valid_recipes(seq: Sequence, found: dict[int, Recipe]) -> dict[int, Recipe]:
