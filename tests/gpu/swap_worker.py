@@ -133,6 +133,7 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
     for attempt in range(2):
         if global_mode:
             vmalloc.global_arena(0).set_capacity(budget)  # physical memory itself is capped at the budget
+            budget = vmalloc.global_arena(0).stats()["capacity"]  # rounded down to whole chunks
             vmalloc.global_arena(0).reset_peak_stats()
         else:
             torch.cuda.reset_peak_memory_stats(0)
