@@ -3,7 +3,7 @@
     python -m bench.cpu_profile        # ~2 minutes; writes bench/results/cpu_profile.json
 
 Note [The CPU as a device]
-The planner prices each operator on a roofline (Note [Per-operator roofline] in swap/planning/pricing.py)
+The planner prices each operator on a roofline (Note [Per-operator roofline] in swap/forecast/pricing.py)
 with a device's peak FLOP/s, memory bandwidth and per-operator overhead. On a GPU these come from the
 datasheet (and ``--profile`` corrects them from a run); here every figure is measured, once, on the machine
 that trains, with PyTorch's own kernels and thread count:
@@ -33,7 +33,7 @@ that trains, with PyTorch's own kernels and thread count:
   byte once, as the runtime's swapped-bytes counters do). A swapped step is predicted as its compute plus
   every copied byte at this bandwidth, serially (bench/plan_vs_reality_time.py), not as copies hidden
   behind compute.
-- ``class_rates``: the achieved rates of each operator class of Note [Operator classes] (swap/planning/pricing.py),
+- ``class_rates``: the achieved rates of each operator class of Note [Operator classes] (swap/forecast/pricing.py),
   where the roofline's two numbers are not enough on a CPU (``fit_rates``): bytes/s (as the capture counts
   them: tensors read and written) of each pointwise class's forward and backward kernels on 1, 4 and 16 MiB
   inputs, total bytes over total time; FLOP/s (the capture's formulas) and bytes/s of convolutions forward
@@ -111,8 +111,8 @@ import swap
 from swap.capture import capture
 from swap.capture.flops import operator_flops
 from swap.capture.traffic import moved_bytes
-from swap.planning.devices import DeviceProfile
-from swap.planning.pricing import CLASS_OF, FRESH_PAGES_MIN, OP_CLASSES, iteration_seconds, packet
+from swap.forecast.devices import DeviceProfile
+from swap.forecast.pricing import CLASS_OF, FRESH_PAGES_MIN, OP_CLASSES, iteration_seconds, packet
 
 ROOT = Path(__file__).resolve().parents[1]
 PATH = ROOT / "bench" / "results" / "cpu_profile.json"
@@ -232,7 +232,7 @@ def class_rates(m: CpuMeasurements) -> tuple[dict[str, tuple[float, float]], tup
             raise ValueError(f"{what}: measured times must be positive and work not negative, got {timed}")
     unknown = set(m.classes) - set(OP_CLASSES)
     if unknown:
-        raise ValueError(f"no operator class {sorted(unknown)} in swap.planning.pricing.OP_CLASSES")
+        raise ValueError(f"no operator class {sorted(unknown)} in swap.forecast.pricing.OP_CLASSES")
     rates = {cls: fit_rates(calls) for cls, calls in m.classes.items()}
     return rates, tuple((h, flops / seconds) for h, (flops, seconds) in sorted(m.attention.items()))
 

@@ -4,10 +4,10 @@
     python -m bench.fragmentation --quick    # a smoke run (< 3 minutes)
 
 Each workload's training steps are captured on the meta device (bench.traces, swap.capture) and, for the
-swapped variant, rewritten with the swap runtime's schedule for a budget (swap.planning.from_trace.swapped).
+swapped variant, rewritten with the swap runtime's schedule for a budget (swap.forecast.from_trace.swapped).
 Every trace is then replayed on vmalloc (sim backend, 2 MiB chunks), PyTorch's native caching allocator and
-its expandable_segments mode (swap.planning.replay.torch_policy), with unlimited capacity, and measured
-(swap.planning.replay); vmalloc's maps per steady iteration come from bench.vmm_work. Also:
+its expandable_segments mode (swap.forecast.replay.torch_policy), with unlimited capacity, and measured
+(swap.forecast.replay); vmalloc's maps per steady iteration come from bench.vmm_work. Also:
 a chunk-size sweep for vmalloc, the largest ResNet-50 batch that fits 16 GiB per allocator with and without
 swapping, and a host-backend replay that must give the sim backend's figures.
 
@@ -28,11 +28,11 @@ import torch
 
 import vmalloc
 from bench.plotting import pyplot, save
-from bench.replay import ALLOCATORS, measure
-from bench.swap_trace import sequence_from_trace, swapped
 from bench.traces import Trace, cached_capture, live_peak
-from swap.planning.replay import fitting_budget
-from swap.planning.vmm_costs import for_device
+from bench.vmm_costs import for_device
+from swap.forecast.from_trace import sequence_from_trace, swapped
+from swap.forecast.replay import fitting_budget
+from swap.forecast.replay.replay import ALLOCATORS, measure
 
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,8 +45,8 @@ FULL = {
     "gpt2-bf16": (8, 32),
 }
 QUICK = {"resnet50": (32,), "unet": (2,)}
-SWAP_BUDGET = 16 * GiB  # seed 001's V100
-VMM_DEVICE = "v100-16gb"  # whose driver-call costs price the maps (swap.planning.vmm_costs)
+SWAP_BUDGET = 16 * GiB  # the V100 of the window-scheduling paper (arXiv 2010.14109)
+VMM_DEVICE = "v100-16gb"  # whose driver-call costs price the maps (bench.vmm_costs)
 
 
 def log(msg: str) -> None:
@@ -67,7 +67,7 @@ BLOCK_SWEEP = ("2MiB", "16MiB", "32MiB", "64MiB", "256MiB")
 
 def steady_vmm(trace: Trace, chunk: str | int = "2MiB") -> dict[str, Any]:
     """vmalloc's map and unmap calls in the last (steady) iteration, the chunks they mapped, and their modelled
-    host time: swap.planning.vmm_costs prices map (with its share of set_access), unmap and release per call, and
+    host time: bench.vmm_costs prices map (with its share of set_access), unmap and release per call, and
     creating per chunk (creating clears the pages it hands out: its cost grows with bytes)."""
     c = steady_calls(trace, chunk)
     costs = for_device(VMM_DEVICE, vmalloc.parse_size(chunk))
@@ -177,7 +177,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "Maps / unmaps: driver calls (cuMemMap / cuMemUnmap; one per run of a physical block's chunks, Note [Blocks "
         "and slices]) over the whole trace (all iterations); per steady iteration: in the last one, with the chunks "
-        f"they mapped and their modelled host time (per-call costs of swap.planning.vmm_costs, {VMM_DEVICE}).",
+        f"they mapped and their modelled host time (per-call costs of bench.vmm_costs, {VMM_DEVICE}).",
         "",
         "| trace | requested | allocator | reserved | utilization | efficiency | steady | maps / unmaps "
         "| maps / unmaps per steady iteration (chunks mapped) | modelled ms |",

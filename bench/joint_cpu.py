@@ -1,4 +1,4 @@
-"""The joint policy measured for real on CPU (issue 17, item 5): HF GPT-2 (4 layers) and a ResNet at a budget of
+"""The joint strategy measured for real on CPU: HF GPT-2 (4 layers) and a ResNet at a budget of
 40 % of the unswapped peak, against full checkpointing by hand.
 
     python -m bench.joint_cpu            # both models, 7 rounds (about ten minutes on 2 shared cores)
@@ -7,7 +7,7 @@
 Per model, four arms (``ARMS``), each a fresh model trained alike:
 1. ``plain``: no manager nor checkpointing, under a LiveBytesMeter: the reference losses, parameters and
    buffers, and the unswapped peak; the budget is 40 % of it.
-2. ``auto``: ``SwapManager(budget)`` (policy "auto", the default);
+2. ``auto``: ``SwapManager(budget)`` (strategy "auto", the default);
    ``checkpoint``: every transformer layer / bottleneck in ``torch.utils.checkpoint`` by hand, no manager;
    ``checkpoint_window``: the manager held to checkpointing the same blocks, swapping what they still save
    with the window policy (hand checkpointing alone may not meet the budget).
@@ -41,11 +41,11 @@ from typing import Any, Callable, Optional
 import torch
 
 import swap
-from bench import models
 from bench.checkpointing import blocks_at, checkpoint_blocks
 from bench.plotting import pyplot, save
-from swap.planning.joint import JointResult, Strategy
-from swap.planning.regions import RecomputePlan, Region
+from swap.forecast import zoo as models
+from swap.joint.regions import RecomputePlan, Region
+from swap.joint.search import JointResult, Strategy
 
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("bench.joint_cpu")
@@ -94,7 +94,7 @@ WORKLOADS = {
         lambda m, x: m(input_ids=x, labels=x).loss, [f"transformer.h.{i}" for i in range(4)],
         lambda p: torch.optim.AdamW(p, lr=1e-4)),
     "resnet": Workload(
-        "ResNet-50 layout at width 8 (bench.models, bottlenecks 3-4-6-3, 96x96, batch 16), SGD", resnet, _images,
+        "ResNet-50 layout at width 8 (swap.forecast.zoo, bottlenecks 3-4-6-3, 96x96, batch 16), SGD", resnet, _images,
         lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]), [f"blocks.{i}" for i in range(16)],
         lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
 }  # fmt: skip
@@ -140,7 +140,7 @@ def bitwise(a: dict[str, Any], b: dict[str, Any], tensors: Optional[int] = None)
 
 
 def manager(budget: int, blocks: Optional[list[str]] = None) -> swap.SwapManager:
-    """``policy="auto"``; with ``blocks``, held to checkpointing exactly those modules (what the hand-written
+    """``strategy="auto"``; with ``blocks``, held to checkpointing exactly those modules (what the hand-written
     arm checkpoints) and swapping what they still save with the window policy, instead of the search."""
     sm = swap.SwapManager(budget=budget, device="cpu", min_bytes="16KiB")
     if blocks is not None:
@@ -272,7 +272,7 @@ def _row(label: str, cell: Callable[[str], Any]) -> str:
 
 
 def markdown(results: dict[str, Any], command: str, meta: dict[str, Any]) -> str:
-    lines = ["# The joint policy on CPU against full checkpointing", "",
+    lines = ["# The joint strategy on CPU against full checkpointing", "",
              f"`{command}` on {meta['machine']}, torch {meta['torch']}, {meta['threads']} compute thread(s); "
              f"{meta['rounds']} interleaved rounds of {meta['iterations']} iterations per run, the last "
              f"{meta['timed']} of each timed. Budget: {int(FRACTION * 100)} % of the unswapped peak. Peaks: live "
@@ -299,8 +299,8 @@ def section(r: dict[str, Any]) -> list[str]:
              "",
              f"**Step time ratio auto / full checkpointing by hand: {r['ratio_wall']:.3f} (wall), "
              f"{r['ratio_cpu']:.3f} (CPU)**; per round (wall): {', '.join(f'{x:.3f}' for x in r['round_ratios'])}; "
-             f"auto / checkpointing + window: {r['ratio_wall_vs_checkpoint_window']:.3f} (wall). Target (issue 17, "
-             "item 5) auto <= hand checkpointing: " + ("met." if r["ratio_wall"] <= 1 else
+             f"auto / checkpointing + window: {r['ratio_wall_vs_checkpoint_window']:.3f} (wall). Target: "
+             "auto <= hand checkpointing: " + ("met." if r["ratio_wall"] <= 1 else
                                                         f"missed by {(r['ratio_wall'] - 1) * 100:.0f} % (wall)."), "",
              f"auto's plan in the checked run: {a['plan']}; status {a['status']}, steps over budget {a['overruns']}. "
              f"Its plans in the timed runs (each profiles its own): {_counts(r['timed_runs']['auto'])}.", "",

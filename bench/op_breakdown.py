@@ -19,8 +19,8 @@ import numpy as np
 from torch.profiler import ProfilerActivity, profile
 
 from swap.capture import OP, Trace
-from swap.planning.devices import DeviceProfile
-from swap.planning.pricing import event_seconds
+from swap.forecast.devices import DeviceProfile
+from swap.forecast.pricing import event_seconds
 
 KINDS = ("matmul/conv", "attention", "other", "per-operator overhead")
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear")

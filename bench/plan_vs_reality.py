@@ -12,7 +12,7 @@ Models (third-party code, small configurations so CPU training takes seconds):
   noise-prediction loss.
 
 For each, the training step is captured on the meta device mirroring the CPU's kernels
-(``swap.planning.predict_peak(target="cpu")``), and the model is trained for real on the CPU twice: without
+(``swap.forecast.predict_peak(target="cpu")``), and the model is trained for real on the CPU twice: without
 swapping, and under ``swap.SwapManager`` with a budget halfway between the least any schedule needs and the
 peak without swapping. An independent ``swap.LiveBytesMeter`` measures live tensor bytes in both runs. The
 errors are (predicted - measured) / measured: the no-swap peak, and the peak under the budget, over the
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import swap
-from swap.planning import predict_peak
+from swap.forecast import predict_peak
 
 ROOT = Path(__file__).resolve().parents[1]
 KiB, MiB = 1 << 10, 1 << 20
@@ -178,7 +178,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"Command: `{m['command']}` ({m['date']}, torch {m['torch']}, {m['machine']}).",
         "",
         "Peak live tensor bytes of real CPU training (an independent `swap.LiveBytesMeter`) against the planner's "
-        "prediction from a meta-device capture (`swap.planning.predict_peak(target=\"cpu\")`). Under the budget: "
+        "prediction from a meta-device capture (`swap.forecast.predict_peak(target=\"cpu\")`). Under the budget: "
         "`swap.SwapManager(budget, min_bytes=64KiB)`, window policy; 'planned' is the iterations after the "
         "runtime's two profiling iterations, 'all' includes them. Error = (predicted - measured) / measured.",
         "",

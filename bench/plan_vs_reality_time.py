@@ -28,7 +28,7 @@ records it. Reported: medians over all timed steps; wall-clock medians in the JS
 Writes bench/results/plan_vs_reality_time.{json,md}.
 
 Note [Copies on a CPU]
-A GPU copies on its own engines while it computes; the simulator (swap.planning.simulator) models that. A
+A GPU copies on its own engines while it computes; the simulator (swap.schedule.simulator) models that. A
 CPU has no copy engine: the runtime's ``HostEngine`` copies on worker threads that take cores from the
 compute threads, and on this 2-core machine compute already uses both. So a swapped CPU step is predicted
 as compute + copies x seconds per copy + (bytes out + bytes in) / the runtime's copy bandwidth, every copy on
@@ -55,12 +55,12 @@ from bench import cpu_profile, op_breakdown
 from bench.checkpointing import checkpoint_blocks
 from bench.plan_vs_reality import MIN_BYTES, gpt2, optimizer, resnet, unet
 from bench.write import write_results
-from swap import zoo
 from swap.capture import capture
-from swap.planning.devices import DeviceProfile
-from swap.planning.from_trace import sequence_from_trace
-from swap.planning.pricing import iteration_seconds
-from swap.planning.simulator import choose_window
+from swap.forecast import zoo
+from swap.forecast.devices import DeviceProfile
+from swap.forecast.from_trace import sequence_from_trace
+from swap.forecast.pricing import iteration_seconds
+from swap.schedule.simulator import choose_window
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -70,7 +70,7 @@ GOAL_ERROR, GOAL_RATIO = 0.15, 0.10
 WHY = (
     "Where the goals are missed (compare the columns above; the CPU profile prices pointwise kernels, "
     "normalization, pooling, convolutions and CPU flash attention at rates measured on microbenchmarks, Note "
-    "[Operator classes] in swap/planning/pricing.py): ResNet's convolutions still run slower than the rates fitted "
+    "[Operator classes] in swap/forecast/pricing.py): ResNet's convolutions still run slower than the rates fitted "
     "on the calibration's shapes say ('matmul/conv'; its feature maps shrink to 6 and 3 pixels, below the "
     "calibration's smallest, 8), and what the capture does not record (making the batch's random inputs) adds to "
     "its short step, so the checkpointed run, with the same gap, misses by more. Its swapped run carries the plain "
@@ -88,7 +88,7 @@ def log(msg: str) -> None:
 # -- checkpointing by hand ----------------------------------------------------------------------------------
 def blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """(parent, attribute) of each block to checkpoint in the three models, and in the built-in ResNet and
-    GPT (swap.zoo: bottlenecks, transformer blocks)."""
+    GPT (swap.forecast.zoo: bottlenecks, transformer blocks)."""
     if isinstance(model, (zoo.ResNet, zoo.GPT)):
         return [(model.blocks, str(i)) for i in range(len(model.blocks))]
     if hasattr(model, "transformer"):  # GPT2LMHeadModel

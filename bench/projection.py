@@ -3,12 +3,12 @@
     python -m bench.projection              # ResNet-50 fp32 224^2 and GPT-2-medium bf16 seq 1024 on H100
     python -m bench.projection --quick      # a smoke run (small batches)
 
-An H100 computes many times faster than seed 001's V100 while the host link grew only from NVLink2 (50 GB/s
-per direction, POWER9) to PCIe Gen5 (~55 GB/s): swapping that hid behind compute on a V100 becomes link-bound.
-For each workload: the largest batch B0 that trains without swapping (the sequence's peak within the device
-memory and vmalloc holding the run), then 5x and 10x B0 with the window schedule, three ways: with an ideal
-allocator, with vmalloc (its driver calls charged, swap.planning.vmm_costs), and with recompute-instead-of-swap for the
-tensors swap.planning.recompute can rebuild (ideal allocator). Reported: throughput retained against B0 without
+An H100 computes many times faster than the window-scheduling paper's V100 while the host link grew only from NVLink2
+(50 GB/s per direction, POWER9) to PCIe Gen5 (~55 GB/s): swapping that hid behind compute on a V100 becomes link-bound.
+For each workload: the largest batch B0 that trains without swapping (the sequence's peak within the device memory and
+vmalloc holding the run), then 5x and 10x B0 with the window schedule, three ways: with an ideal
+allocator, with vmalloc (its driver calls charged, bench.vmm_costs), and with recompute-instead-of-swap for the
+tensors swap.joint.recompute can rebuild (ideal allocator). Reported: throughput retained against B0 without
 swapping, the stall, its link-bound fraction (the part copies spent queued behind other copies), the
 forward/backward split of the stall, and the bytes moved.
 
@@ -27,16 +27,16 @@ from typing import Any, Optional
 
 import torch
 
-from bench import models
 from bench.plotting import pyplot, save
-from bench.replay import measure
 from bench.swap_schedule import STEPS, run_policy, sequence, window_with_allocator
 from bench.traces import MODELS, cached_capture
+from bench.vmm_costs import for_device
 from swap import InfeasibleBudget, Sequence, choose_window
 from swap.capture.target import target_kernels
-from swap.planning.devices import DeviceProfile, profile
-from swap.planning.recompute import choose, recipes, with_recompute
-from swap.planning.vmm_costs import for_device
+from swap.forecast import zoo as models
+from swap.forecast.devices import DeviceProfile, profile
+from swap.forecast.replay.replay import measure
+from swap.joint.recompute import choose, recipes, with_recompute
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
@@ -215,7 +215,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.projection", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--device", default="h100-sxm", help="device profile (swap.planning.devices.PROFILES)")
+    ap.add_argument("--device", default="h100-sxm", help="device profile (swap.forecast.devices.PROFILES)")
     ap.add_argument("--memory", default=None, help="device memory (default: the profile's; --quick: 1GiB)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args(argv)

@@ -1,13 +1,13 @@
-"""What checkpointing costs on the planner's clock: issue 21's table, re-measured.
+"""What checkpointing costs on the planner's clock, priced per operator against per segment.
 
     python -m bench.recompute_price     # ~1 minute: four captures
 
 ResNet-50 (fp32, 224^2, batch 984) and GPT-2 medium (bf16, 1024 tokens, batch 37), the built-in models
-(swap.zoo), captured plain and with every bottleneck / transformer block under
+(swap.forecast.zoo), captured plain and with every bottleneck / transformer block under
 ``torch.utils.checkpoint(use_reentrant=False)`` (bench.plan_vs_reality_time.checkpointed), and priced on the
 H100-SXM profile two ways: per operator (what the planner does, Note [Per-operator roofline]) and per
-segment (one roofline over all the operators between two saved-tensor events, as before issue 21). The
-step is the compute of the last captured iteration, no swapping.
+segment (one roofline over all the operators between two saved-tensor events, as the planner priced before Note
+[Per-operator roofline]). The step is the compute of the last captured iteration, no swapping.
 
 Writes bench/results/recompute_price.{json,md}.
 """
@@ -25,12 +25,12 @@ import torch
 from bench.plan_vs_reality_time import checkpointed
 from bench.write import write_results
 from swap.capture import OP, SAVE, USE, Trace, capture
-from swap.planning.devices import DeviceProfile, profile
-from swap.planning.pricing import iteration_seconds, low_precision_model
-from swap.zoo import ZOO
+from swap.forecast.devices import DeviceProfile, profile
+from swap.forecast.pricing import iteration_seconds, low_precision_model
+from swap.forecast.zoo import ZOO
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = (("resnet50", 984), ("gpt2-medium-bf16", 37))  # issue 21's batches
+CASES = (("resnet50", 984), ("gpt2-medium-bf16", 37))  # the largest no-swap batches on h100-sxm
 DEVICE = "h100-sxm"
 
 
@@ -40,7 +40,7 @@ def log(msg: str) -> None:
 
 def segment_seconds(trace: Trace, dev: DeviceProfile) -> float:
     """The last iteration priced per segment: the roofline over the summed FLOPs and bytes of the operators
-    between two saved-tensor events (issue 21's 'before'), at the model's precision."""
+    between two saved-tensor events (the per-segment pricing), at the model's precision."""
     b, e = trace.iterations()[-1]
     op, flops, nbytes = trace.op[b : e + 1], trace.flops[b : e + 1], trace.bytes[b : e + 1]
     cut = np.cumsum((op == SAVE) | (op == USE))  # segment number of each event
@@ -71,7 +71,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [f"Command: `{m['command']}` ({m['date']}, torch {m['torch']}); device profile: {m['device']}.", "",
              "Compute of one training step, no swapping; checkpointed = every bottleneck / transformer block under "
              "`torch.utils.checkpoint(use_reentrant=False)`. Per operator: the planner's clock; per segment: one "
-             "roofline per run of operators between saved-tensor events (before issue 21).", "",
+             "roofline per run of operators between saved-tensor events (the per-segment pricing).", "",
              "| model | batch | FLOPs checkpointed / plain | per operator: plain / checkpointed ms (ratio) "
              "| per segment: plain / checkpointed ms (ratio) | per operator / per segment: plain, checkpointed |",
              "|---|---|---|---|---|---|"]  # fmt: skip

@@ -1,12 +1,13 @@
-"""Every keep / swap / recompute strategy side by side, simulated on H100 and on seed 001's V100 (issue 17, item 5).
+"""Every keep / swap / recompute strategy side by side, simulated on H100 and on the window-scheduling
+paper's V100.
 
     python -m bench.strategies                 # writes bench/results/strategies.{md,json,png}
     python -m bench.strategies --only resnet50-v100
 
 Per workload, ``swap.plan`` captures the training step on the meta device and compares every baseline of
-``swap.planning.joint`` and the joint policy ("auto") on the device profile (Note [Strategies from one
+``swap.joint.search`` and the joint strategy ("auto") on the device profile (Note [Strategies from one
 capture]): samples/s at 1x, 2x, 3x, 5x and 10x the largest batch that fits without swapping, and each
-strategy's largest batch. Then the targets of issue 17 are checked (``bench.strategy_targets``); a missed one
+strategy's largest batch. Then the strategy targets are checked (``bench.strategy_targets``); a missed one
 says by how much and why: the wall's largest tensors (which operator, which module), what the link and the
 recompute cost there. Simulated, not measured: the figures are the planner's, on the datasheet roofline.
 """
@@ -24,8 +25,8 @@ from typing import Any
 import torch
 
 import swap
-from swap import zoo
-from swap.planning.strategies import MULTIPLES
+from swap.forecast import zoo
+from swap.forecast.strategies import MULTIPLES
 
 from .plotting import pyplot, save
 from .strategy_targets import WORKLOADS, Workload, check, kept, largest_tensors
@@ -84,7 +85,7 @@ def _speed(r: Any, n: int) -> str:
 
 def markdown(runs: list[dict[str, Any]], command: str) -> str:
     out = ["# Every strategy side by side (simulated)", "",
-           "Issue 17, item 5. Simulated by `swap.plan` on the device profiles' datasheet figures (roofline per "
+           "Simulated by `swap.plan` on the device profiles' datasheet figures (roofline per "
            "operator, host link, ideal allocator), from captures on the meta device: no GPU ran these. "
            "`kept` is samples/s over the no-swap samples/s at its largest batch (1x).", "",
            f"Command: `{command}`", ""]  # fmt: skip
@@ -108,7 +109,7 @@ def markdown(runs: list[dict[str, Any]], command: str) -> str:
         out += ["", "Targets:", ""]
         out += [f"- {'met' if c['met'] else '**missed**'}: {c['target']}: {c['detail']}" for c in run_["checks"]]
         auto = s["auto"]
-        out += ["", f"Past the joint policy's largest batch ({auto.max_batch}): {auto.blocker}"]
+        out += ["", f"Past the joint strategy's largest batch ({auto.max_batch}): {auto.blocker}"]
         if run_["wall"]:
             out += ["", f"Largest tensors of one step at batch {auto.max_batch + 1}:", ""]
             out += [f"- {t['bytes'] / 2**30:.2f} GiB: {t['op']} in {t['module'] or '(outside modules: the loss)'}"
@@ -118,7 +119,7 @@ def markdown(runs: list[dict[str, Any]], command: str) -> str:
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> Path:
-    from swap.planning.strategy_report import draw
+    from swap.forecast.strategy_report import draw
 
     plt = pyplot()
     cols = min(2, len(runs))

@@ -3,7 +3,7 @@
     python -m bench.swap_overhead            # two models, 5 rounds each (a few minutes on 2 cores)
     python -m bench.swap_overhead --quick    # a smoke run
 
-For each model (a GPT-2-style transformer and a residual CNN, both from bench.models), every round builds the
+For each model (a GPT-2-style transformer and a residual CNN, both from swap.forecast.zoo), every round builds the
 model afresh and times training iterations (forward, backward, SGD step) under:
 
 - ``plain``: no manager, no meter;
@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import swap
 import swap.runtime.manager
-from bench import models
+from swap.forecast import zoo as models
 
 ROOT = Path(__file__).resolve().parents[1]
 

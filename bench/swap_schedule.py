@@ -1,12 +1,13 @@
-"""Swap schedules side by side, simulated on paper-scale workloads: seed 001's ResNet-50 table and more.
+"""Swap schedules side by side, simulated on paper-scale workloads: the ResNet-50 table of
+the window-scheduling paper (arXiv 2010.14109) and more.
 
     python -m bench.swap_schedule             # ResNet-50 batch 64..1440 on V100-16GB, plus DenseNet-121,
                                               # U-Net and GPT-2 sweeps
     python -m bench.swap_schedule --quick     # a smoke run
 
 For each workload and batch: the training steps are captured on the meta device (bench.traces), each
-step's compute time comes from its FLOPs and bytes on a device profile's roofline (swap.planning.devices), and every
-policy's schedule is replayed on the event simulator (swap.planning.simulator: a compute stream and independent H2D
+step's compute time comes from its FLOPs and bytes on a device profile's roofline (swap.forecast.devices), and every
+policy's schedule is replayed on the event simulator (swap.schedule.simulator: a compute stream and independent H2D
 and D2H engines). Columns: no swap (OOM when PyTorch's native allocator cannot hold the run), fixed_distance
 with TFLMS's defaults and with its best setting from a small sweep, all (vDNN), window (auto window), window
 whose budget was lowered until vmalloc / PyTorch's best-fit policy holds the swapped trace within the device
@@ -29,21 +30,22 @@ from typing import Any, Optional
 import torch
 
 from bench.plotting import pyplot, save
-from bench.replay import measure
-from bench.swap_trace import sequence_from_trace, swapped
 from bench.traces import Trace, cached_capture
+from bench.vmm_costs import VmmCosts, for_device
 from bench.vmm_work import StepWork, step_work
-from swap import InfeasibleBudget, Schedule, Sequence, choose_window, make_schedule, simulate
-from swap.planning.devices import DeviceProfile, profile
-from swap.planning.planner import largest_fitting
-from swap.planning.replay import BUDGET_FRACTIONS
-from swap.planning.simulator import SimResult
-from swap.planning.vmm_costs import VmmCosts, for_device
+from swap import InfeasibleBudget, Schedule, Sequence, choose_window, simulate
+from swap.forecast.devices import DeviceProfile, profile
+from swap.forecast.from_trace import sequence_from_trace, swapped
+from swap.forecast.planner import largest_fitting
+from swap.forecast.replay import BUDGET_FRACTIONS
+from swap.forecast.replay.replay import measure
+from swap.schedule.simulator import SimResult, schedule_for
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
 
-# Seed 001 Table 1 (images/s, ResNet-50 224x224 fp32, V100 16 GB; LMS on P100). None: OOM or not reported.
+# The window-scheduling paper's Table 1 (images/s, ResNet-50 224x224 fp32, V100 16 GB; LMS on P100). None: OOM or not
+# reported.
 PAPER = {
     "batches": [64, 128, 190, 256, 512, 928, 1120, 1248, 1440],
     "baseline": [336, 492, 381, None, None, None, None, None, None],
@@ -86,11 +88,7 @@ def summary(sim: SimResult, sched: Schedule) -> dict[str, Any]:
 def run_policy(seq: Sequence, dev: DeviceProfile, budget: int, policy: str, **opts: Any) -> Optional[dict]:
     """Plans and simulates; None when no schedule fits."""
     try:
-        if policy == "window" and opts.get("window") is None:
-            window, sched, sim = choose_window(seq, budget, dev.h2d_bandwidth, dev.d2h_bandwidth)
-        else:
-            sched = make_schedule(seq, budget, opts.pop("window", None), policy, **opts)
-            sim = simulate(seq, sched, dev.h2d_bandwidth, dev.d2h_bandwidth)
+        _, sched, sim = schedule_for(seq, budget, policy, dev.h2d_bandwidth, dev.d2h_bandwidth, **opts)
     except InfeasibleBudget:
         return None
     return summary(sim, sched)
@@ -169,8 +167,8 @@ MAX_BATCH = {
     "unet": [32, 40, 44, 48, 56, 64, 80, 96, 128, 160, 192, 256],
 }
 QUICK_MAX_BATCH = {"resnet50": [64, 128, 190, 256, 384]}
-# Seed 001 Fig. 5 / Section 5.2: batch multipliers over the no-swap baseline. Pix2PixHD is the paper's U-Net-like
-# model; "with VA" is "1.5x to 2x larger than scheduling alone".
+# The window-scheduling paper's Fig. 5 / Section 5.2: batch multipliers over the no-swap baseline. Pix2PixHD is the
+# paper's U-Net-like model; "with VA" is "1.5x to 2x larger than scheduling alone".
 PAPER_MULTIPLIERS = {
     "resnet50": {"schedule": 928 / 190, "schedule+VA": 1440 / 190},
     "densenet121": {"schedule": 1.5, "schedule+VA": (2.25, 3.0)},
@@ -266,7 +264,7 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {pm(paper.get('schedule'))} | {pm(paper.get('schedule+VA'))} |"
             )
         lines.append("")
-    lines += ["Seed 001 Table 1 (V100 16 GB; LMS on P100), images/s:", "",
+    lines += ["The window-scheduling paper's Table 1 (V100 16 GB; LMS on P100), images/s:", "",
               "| batch | " + " | ".join(str(b) for b in PAPER["batches"]) + " |",
               "|---|" + "---|" * len(PAPER["batches"])]  # fmt: skip
     for k in ("baseline", "schedule", "schedule+VA", "LMS"):
@@ -278,7 +276,8 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def targets(rows: list[dict], mb: Optional[dict] = None) -> dict[str, str]:
-    """Issue 11's targets on the ResNet-50 rows: the bounds include the allocator's mapping time, which the
+    """The schedule's targets on the ResNet-50 rows (step time within 1.10x of its lower bound up to batch 928,
+    and the paper's 7.5x batch): the bounds include the allocator's mapping time, which the
     simulator charges to window+vmalloc (Note [Where VMM work is charged])."""
     out: dict[str, str] = {}
     for col in ("window", "window+vmalloc"):
@@ -342,7 +341,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.swap_schedule", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--device", default="v100-16gb", help="device profile (swap.planning.devices.PROFILES)")
+    ap.add_argument("--device", default="v100-16gb", help="device profile (swap.forecast.devices.PROFILES)")
     ap.add_argument("--budget", default=None, help="device memory for the run (default: the profile's)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument(

@@ -7,7 +7,7 @@ without it, under a swap policy given as a parameter.
 
 At a 50k vocabulary the logits (batch × 1024 tokens × 50257 in bf16), their fp32 copy for the loss and the
 loss's buffers are the largest tensors of the step (Note [Tiled head and loss] in
-swap/planning/tiling/head.py). Both runs are planned by ``swap.plan`` from a capture of the training step on
+swap/tiling/plan/head.py). Both runs are planned by ``swap.plan`` from a capture of the training step on
 the meta device: the baseline is the built-in ``gpt2-medium-bf16``; the tiled run is the same model whose
 forward stops at the final LayerNorm, and whose loss is ``swap.tiled_cross_entropy`` in ``--tiles`` tiles of
 tokens, so the capture records what the tiled head really allocates and frees. (A fixed number of tiles, not
@@ -32,7 +32,7 @@ from torch import nn
 
 import swap
 from swap.capture import OP, PHASE, SAVE, Trace, capture
-from swap.zoo import GPT, ZOO
+from swap.forecast.zoo import GPT, ZOO
 
 OUT = Path(__file__).parent / "results"
 
@@ -57,7 +57,8 @@ def adamw(params: Any) -> torch.optim.Optimizer:
 
 
 def optimizer_of(name: str) -> Callable[[Any], torch.optim.Optimizer]:
-    """``adamw`` (issue 17's setting), or else the built-in workload's optimizer (SGD with momentum)."""
+    """``adamw`` (the setting of ``bench.strategies``), or else the built-in workload's optimizer (SGD with
+    momentum)."""
     return adamw if name == "adamw" else ZOO["gpt2-medium-bf16"].optimizer
 
 
@@ -100,7 +101,8 @@ def head_accounting(tiles: int, batch: int = 2, optimizer: str = "adamw") -> dic
 def run(budget: str, device: str, policies: tuple[str, ...], tiles: int, strategies: tuple[str, ...] = (),
         optimizer: str = "adamw") -> dict:  # fmt: skip
     """Plan the built-in GPT-2 medium with and without the tiled head; each swap policy's and each strategy's
-    largest batch, and the strategies' samples/s at 5x the untiled model's no-swap batch (issue 17's target)."""
+    largest batch, and the strategies' samples/s at 5x the untiled model's no-swap batch (where
+    the strategies are held to keep most of the no-swap speed)."""
     w = ZOO["gpt2-medium-bf16"]
     common: dict[str, Any] = dict(budget=budget, device=device, policies=policies, optimizer=optimizer_of(optimizer),
                                   dtype=w.dtype, progress=True, strategies=strategies)  # fmt: skip
@@ -146,7 +148,7 @@ def markdown(res: dict, cmd: str) -> str:
                      f"{t['samples_per_s'] or 0:.1f} |")  # fmt: skip
     if res.get("strategies"):
         one, five = res["one_x"], res["five_x"]
-        lines += ["", f"Strategies (issue 17), 1x = the untiled model's no-swap batch ({one}); kept = samples/s over "
+        lines += ["", f"Strategies, 1x = the untiled model's no-swap batch ({one}); kept = samples/s over "
                   "its no-swap samples/s:", "",
                   f"| strategy | largest batch, untiled head | tiled head | samples/s at 5x ({five}), tiled head "
                   "(kept) |", "|---|---|---|---|"]  # fmt: skip
@@ -164,7 +166,7 @@ def markdown(res: dict, cmd: str) -> str:
         u, t = c["untiled_head"], c["tiled_head"]
         lines += ["", f"What the capture records at batch {c['batch']} ({c['tokens']} tokens; the head's two gradient "
                   f"products are {c['head_products_gflop']:.1f} GFLOP): the tiled head takes its gradients in the "
-                  "forward (Note [Gradients in the forward] in swap/planning/tiling/head.py) and recomputes nothing.",
+                  "forward (Note [Gradients in the forward] in swap/tiling/plan/head.py) and recomputes nothing.",
                   "", "| head | forward GFLOP | backward GFLOP | saved for backward |", "|---|---|---|---|",
                   f"| untiled | {u['forward_gflop']:.1f} | {u['backward_gflop']:.1f} | {u['saved_mib']:.1f} MiB |",
                   f"| tiled | {t['forward_gflop']:.1f} | {t['backward_gflop']:.1f} | {t['saved_mib']:.1f} MiB |", "",
@@ -182,7 +184,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--strategies", default="",
                     help="keep / swap / recompute strategies of swap.plan to compare too, comma-separated (e.g. auto)")
     ap.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"),
-                    help="sgd: the built-in workload's (SGD with momentum); adamw: issue 17's setting")
+                    help="sgd: the built-in workload's (SGD with momentum); adamw: bench.strategies' setting")
     ap.add_argument("--device", default="h100-sxm")
     ap.add_argument("--budget", default=None, help="default 80GiB (16GiB with --quick)")
     ap.add_argument("--tiles", type=int, default=16, help="tiles of tokens of the head and loss per step")

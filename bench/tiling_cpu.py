@@ -37,8 +37,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 import swap
-from swap.planning.budget import fmt_bytes
-from swap.planning.tiling.largest import largest_side
+from swap.tiling.plan.largest import largest_side
+from swap.units import fmt_bytes, parse_size
 
 from .plotting import pyplot, save
 
@@ -190,7 +190,7 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 
 def markdown(res: dict, cmd: str) -> str:
-    lines = ["# Tiled execution on CPU (seed 000), real runs", "", f"Command: `{cmd}`", "",
+    lines = ["# Tiled execution on CPU (segmented fused tiling), real runs", "", f"Command: `{cmd}`", "",
              f"Model: VGG-style, {res['channels']} channels in the first block, blocks (2, 2, 3), batch 1, float32. "
              "Peaks are live tensor bytes between operators (swap.LiveBytesMeter); times are CPU seconds of the "
              "process (medians; ratio = median of interleaved tiled/untiled pairs).", "",
@@ -225,7 +225,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rounds = 1 if args.quick else 2
     res = {"channels": c, "sweep": sweep(sides, rounds, c)}
     budget = args.budget or ("4MiB" if args.quick else "8MiB")
-    res["compare"] = compare(swap.runtime.manager.parse_size(budget, "--budget"), c, 3 if args.quick else 8)
+    res["compare"] = compare(parse_size(budget, "--budget"), c, 3 if args.quick else 8)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = "python -m bench.tiling_cpu" + (" --quick" if args.quick else "")

@@ -1,5 +1,5 @@
-"""Seed 000's setting, simulated: VGG-16 at batch 1 on an 11 GiB RTX 2080 Ti and on an A100 40 GB, the
-largest image per strategy and the step time against image size.
+"""The setting of SFT (segmented fused-tiled execution, CC'22), simulated: VGG-16 at batch 1 on an 11 GiB RTX 2080 Ti
+and on an A100 40 GB, the largest image per strategy and the step time against image size.
 
     python -m bench.tiling_sim            # both devices (about 5 minutes on 2 shared cores)
     python -m bench.tiling_sim --quick    # one device, three sizes
@@ -7,9 +7,9 @@ largest image per strategy and the step time against image size.
 The training step is captured on the meta device (no memory used, whatever the image) and priced per
 operator on the device's roofline (``DeviceProfile.step_seconds``), tiles and their halo recompute
 included; the strategies are those of Note [Strategies for one large image] in
-swap/planning/tiling/largest.py (PyTorch-Base, checkpointed segments, the swap runtime alone, swap.tiled,
+swap/tiling/plan/largest.py (PyTorch-Base, checkpointed segments, the swap runtime alone, swap.tiled,
 swap.tiled with the segment boundaries swapped to the host). Float32, SGD without momentum (no optimizer
-state), the whole device memory as the budget, as seed 000 ran it.
+state), the whole device memory as the budget, as SFT ran it.
 
 Writes <out>/tiling_sim.json, tiling_sim.md and tiling_sim.png.
 """
@@ -24,10 +24,10 @@ from typing import Optional
 
 import torch
 
-from swap.planning.budget import fmt_bytes
-from swap.planning.devices import profile
-from swap.planning.tiling.largest import STRATEGIES, image_graph, largest_images, plan_image
-from swap.zoo import vgg16
+from swap.forecast.devices import profile
+from swap.forecast.zoo import vgg16
+from swap.tiling.plan.largest import IMAGE_STRATEGIES, image_graph, largest_images, plan_image
+from swap.units import fmt_bytes
 
 from .plotting import pyplot, save
 
@@ -51,11 +51,11 @@ def run(devices: tuple[str, ...], sides: tuple[int, ...]) -> dict:
         for side in sides:
             graph = image_graph(model, side)
             row = {"side": side}
-            for s in STRATEGIES:
+            for s in IMAGE_STRATEGIES:
                 p = plan_image(graph, side, s, budget, dev)
                 row[s] = {"fits": p.fits, "peak": p.peak, "seconds": p.seconds if p.fits else None, "plan": p.describe}
             log(f"{name} {side}x{side}: " + ", ".join(
-                f"{s} {row[s]['seconds']:.2f}s" if row[s]["fits"] else f"{s} -" for s in STRATEGIES))  # fmt: skip
+                f"{s} {row[s]['seconds']:.2f}s" if row[s]["fits"] else f"{s} -" for s in IMAGE_STRATEGIES))  # fmt: skip
             curve.append(row)
         found = largest_images(model, budget, dev, progress=lambda m, n=name: log(f"{n}: {m}"))
         largest = {s: (None if p is None else {"side": p.side, "peak": p.peak, "seconds": p.seconds,
@@ -71,7 +71,7 @@ def plot(res: dict, path: Path) -> Path:
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.2), squeeze=False)
     for ax, name in zip(axes[0], names):
         d = res["devices"][name]
-        for s, marker in zip(STRATEGIES, "osD^v"):
+        for s, marker in zip(IMAGE_STRATEGIES, "osD^v"):
             pts = [(r["side"], r[s]["seconds"]) for r in d["curve"] if r[s]["fits"]]
             big = d["largest"][s]
             if big is not None:
@@ -86,10 +86,10 @@ def plot(res: dict, path: Path) -> Path:
 
 
 def markdown(res: dict, cmd: str) -> str:
-    lines = ["# Tiled execution, simulated: seed 000's setting (VGG-16, batch 1, float32)", "", f"Command: `{cmd}`",
-             "", "Predicted on the device roofline from a meta-device capture (swap.planning.tiling); the budget "
+    lines = ["# Tiled execution, simulated: SFT's setting (VGG-16, batch 1, float32)", "", f"Command: `{cmd}`",
+             "", "Predicted on the device roofline from a meta-device capture (swap.tiling.plan); the budget "
              "is the device's memory. Strategies: Note [Strategies for one large image] "
-             "(swap/planning/tiling/largest.py).", ""]  # fmt: skip
+             "(swap/tiling/plan/largest.py).", ""]  # fmt: skip
     for d in res["devices"].values():
         lines += [f"## {d['profile']}", "", f"Figures: {d['source']}.", "", "| strategy | largest image | peak | step "
                   "time at that size | plan |", "|---|---|---|---|---|"]  # fmt: skip
@@ -100,9 +100,10 @@ def markdown(res: dict, cmd: str) -> str:
                 lines.append(f"| {s} | {big['side']}² | {fmt_bytes(big['peak'])} | {big['seconds']:.2f} s | "
                              f"{big['plan']} |")  # fmt: skip
         lines += ["", "Step time (s) against image side; - where the strategy does not fit:", "",
-                  "| side | " + " | ".join(STRATEGIES) + " |", "|---|" + "---|" * len(STRATEGIES)]  # fmt: skip
+                  "| side | " + " | ".join(IMAGE_STRATEGIES) + " |",
+                  "|---|" + "---|" * len(IMAGE_STRATEGIES)]  # fmt: skip
         for r in d["curve"]:
-            cells = [f"{r[s]['seconds']:.2f}" if r[s]["fits"] else "-" for s in STRATEGIES]
+            cells = [f"{r[s]['seconds']:.2f}" if r[s]["fits"] else "-" for s in IMAGE_STRATEGIES]
             lines.append(f"| {r['side']}² | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)

@@ -7,7 +7,7 @@ PyTorch snapshots.
     python -m bench.traces info FILE
 
 Capture itself is the library's (``swap.capture``: full training steps on the meta device, any model;
-Note [Trace file format] there); this module names the built-in workloads (``swap.zoo.ZOO``), caches their
+Note [Trace file format] there); this module names the built-in workloads (``swap.forecast.zoo.ZOO``), caches their
 traces under build/trace-cache, and imports traces from memory snapshots.
 """
 
@@ -37,8 +37,8 @@ from swap.capture import (  # noqa: F401 - the names the benchmarks and tests im
     summary,
 )
 from swap.capture import capture as capture_step
-from swap.planning.from_trace import swapped  # noqa: F401 - re-exported
-from swap.zoo import ZOO
+from swap.forecast.from_trace import swapped  # noqa: F401 - re-exported
+from swap.forecast.zoo import ZOO
 
 # name -> (builder, default input size), as before the zoo.
 MODELS = {name: (w.build, w.size) for name, w in ZOO.items()}

@@ -1,11 +1,11 @@
 """Which driver calls vmalloc makes in each step of a training iteration, and what they cost.
 
-``step_work`` replays a trace (usually a swapped one, swap.planning.from_trace.swapped) through vmalloc's real
+``step_work`` replays a trace (usually a swapped one, swap.forecast.from_trace.swapped) through vmalloc's real
 allocator core on the sim backend and attributes every chunk map, unmap, create and release to the step in
 which the allocator made it: the calls made between access i and access i+1 of the iteration belong to
 step i (the allocations of step i's operators, and the swap-ins and releases issued before access i+1).
 Calls before the iteration's first access go to step 0, calls after its last access to the last step.
-``seconds`` prices them with swap.planning.vmm_costs; swap.planning.simulator charges them on the compute stream.
+``seconds`` prices them with bench.vmm_costs; swap.schedule.simulator charges them on the compute stream.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import vmalloc
+from bench.vmm_costs import VmmCosts
 from swap.capture import ALLOC, FREE, SAVE, USE, Trace
-from swap.planning.vmm_costs import VmmCosts
 
 # Driver calls, except creation, counted in chunks: its cost grows with bytes (Note [VMM cost figures]).
 KEYS = ("num_maps", "num_unmaps", "num_created_chunks", "num_device_free")

@@ -9,12 +9,43 @@ allocator that splits cudaMalloc'ed segments has the memory, but not in one piec
 
 from __future__ import annotations
 
+import random
+from typing import Any, Callable, Optional
+
 import vmalloc
-from swap.planning.replay import NativeCachingModel
-from swap.planning.replay.workloads import fragmentation_workload
+from swap.forecast.replay import NativeCachingModel
 
 MiB = 1024 * 1024
 CAPACITY = 512 * MiB
+
+
+def fragment(arena: Any, seed: int, on_alloc: Optional[Callable[[int, int], None]] = None) -> dict:
+    """Allocate activation-like sizes (1.5 to 24 MiB, 512 B multiples) until CAPACITY is full, free every
+    other allocation, then ask for all the free memory in one piece (rounded down to 2 MiB)."""
+    rng = random.Random(seed)
+    live, used = [], 0
+    while True:
+        size = rng.randrange(3 * MiB // 2, 24 * MiB) // 512 * 512
+        if used + size > CAPACITY:
+            break
+        try:
+            live.append((arena.malloc(size), size))
+        except vmalloc.OutOfMemoryError:
+            break
+        used += size
+        if on_alloc:
+            on_alloc(*live[-1])
+    for addr, _ in live[::2]:
+        arena.free(addr)
+    free = CAPACITY - arena.stats()["allocated_bytes.all.current"]
+    r = {"allocations": len(live), "kept": live[1::2], "free_bytes": free, "request": free // (2 * MiB) * (2 * MiB)}
+    try:
+        arena.malloc(r["request"])
+        r["ok"] = True
+    except vmalloc.OutOfMemoryError:
+        r["ok"] = False
+    r["stats"] = arena.stats()
+    return r
 
 
 def show(name: str, r: dict) -> None:
@@ -39,7 +70,7 @@ def main() -> None:
         patterns[addr] = bytes([addr // MiB % 251]) * 64
         arena.buffer(addr, size)[:64] = patterns[addr]
 
-    r = fragmentation_workload(arena, CAPACITY, seed=1, on_alloc=write)
+    r = fragment(arena, seed=1, on_alloc=write)
     intact = all(bytes(arena.buffer(a, 64)) == patterns[a] for a, _ in r["kept"])
     arena.check_invariants()
     show("vmalloc (host backend, 2 MiB chunks)", r)
@@ -47,7 +78,7 @@ def main() -> None:
 
     show(
         "PyTorch native caching allocator (policy model)",
-        fragmentation_workload(NativeCachingModel(CAPACITY), CAPACITY, seed=1),
+        fragment(NativeCachingModel(CAPACITY), seed=1),
     )
 
 

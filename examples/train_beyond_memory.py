@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import swap  # noqa: E402
 import vmalloc  # noqa: E402
-from swap import zoo as models  # noqa: E402
+from swap.forecast import zoo as models  # noqa: E402
 
 
 def train(args: argparse.Namespace, device: torch.device, manager: swap.SwapManager | None) -> dict:

@@ -6,35 +6,55 @@
     print(sm.report())
 
 Saved activations go to pinned host memory once the forward pass is done with them and come back ahead
-of their backward use, following seed 001's window schedule. Before buying memory, ``swap.plan(model_fn,
-batch_fn, budget="24GiB", device="h100-pcie")`` (or ``python -m swap.plan``) predicts the largest batch of
-your model that fits, per policy, and its speed, from a capture of its training step on the meta device.
+of their backward use, under a window schedule: a look-ahead measured in bytes says what to fetch back, and
+swap-outs are chosen so the budget always holds. Before buying memory, ``swap.plan(model_fn, batch_fn,
+budget="24GiB", device="h100-pcie")`` (or ``python -m swap``) predicts the largest batch of your model that
+fits, per policy and per strategy, and its speed, from a capture of its training step on the meta device.
 When one activation alone is larger than the device, ``swap.tiled(model, budget=...)`` runs its
-convolution chains (or a causal LM's head and loss) tile by tile (seed 000). The scheduler
-(``make_schedule``) and the simulator (``simulate``) are pure functions, usable without a GPU.
+convolution chains (or a causal LM's head and loss) tile by tile. The scheduler (``make_schedule``,
+``schedule_for``) and the simulator (``simulate``) are pure functions, usable without a GPU. ARCHITECTURE.md
+at the repository's root maps the package.
+
+Note [Policy and strategy]
+Two words, two things:
+- A **policy** is how the runtime moves saved tensors between the device and the host: ``window`` (a
+  look-ahead in bytes; ``window="auto"`` chooses its size by simulation, and is still the window policy),
+  ``fixed_distance`` (TFLMS's step distances), ``all`` (vDNN: everything out, back one step ahead) and
+  ``none``. ``swap.POLICIES``; the scheduler's ``plan(seq, budget, window, policy)`` makes a policy's schedule.
+- A **strategy** is a whole keep / swap / recompute plan for a model: which tensors stay, which are recomputed
+  (checkpointed regions, rebuilds) and which policy swaps the rest. The baselines are named strategies
+  (``checkpoint``, ``selective``, ``checkpoint_window``, ...; the swap-only ones are named after their policy:
+  ``window``, ``fixed_distance``, ``all``, and ``none`` keeps everything), and ``auto`` is the joint search,
+  never slower than any baseline. ``swap.STRATEGIES``; ``swap.joint`` holds them.
+So "auto" is a strategy and never a policy: ``SwapManager(strategy="auto")`` (the default) searches, and
+``SwapManager(policy="window")`` swaps only, by the window policy; ``SwapManager(policy="auto")``, the old
+spelling, still means ``strategy="auto"`` and warns. ``swap.plan`` compares the policies (``policies=``,
+``--policies``) and the strategies (``strategies=``, ``--strategies``) side by side.
 """
 
 from __future__ import annotations
 
-from .planning import Plan, plan  # Note [swap.plan is a function]
-from .planning.scheduler import POLICIES, InfeasibleBudget, Schedule
-from .planning.scheduler import plan as make_schedule
-from .planning.sequence import Sequence
-from .planning.simulator import SimResult, choose_window, simulate
-from .planning.tiling.choose import TilePlan, TilingInfeasible
-from .planning.tiling.head import HeadInfeasible
+from .forecast import Plan, plan  # Note [swap.plan is a function]
+from .joint.search import STRATEGIES
 from .runtime.executor import WholeModelCompiled
 from .runtime.host_pool import PinningUnavailable
 from .runtime.manager import SwapManager
 from .runtime.meter import LiveBytesMeter
 from .runtime.report import SwapReport
 from .runtime.signals import BudgetWarning
-from .runtime.tiling.entry import tiled
-from .runtime.tiling.head import TiledCausalLM, tiled_cross_entropy
-from .runtime.tiling.model import TiledModel
+from .schedule.scheduler import POLICIES, InfeasibleBudget, Schedule
+from .schedule.scheduler import plan as make_schedule
+from .schedule.sequence import Sequence
+from .schedule.simulator import Scheduled, SimResult, choose_window, schedule_for, simulate
+from .tiling.plan.choose import TilePlan, TilingInfeasible
+from .tiling.plan.head import HeadInfeasible
+from .tiling.run.entry import tiled
+from .tiling.run.head import TiledCausalLM, tiled_cross_entropy
+from .tiling.run.model import TiledModel
 
 __all__ = [
     "POLICIES",
+    "STRATEGIES",
     "BudgetWarning",
     "HeadInfeasible",
     "InfeasibleBudget",
@@ -42,6 +62,7 @@ __all__ = [
     "PinningUnavailable",
     "Plan",
     "Schedule",
+    "Scheduled",
     "Sequence",
     "SimResult",
     "SwapManager",
@@ -54,6 +75,7 @@ __all__ = [
     "choose_window",
     "make_schedule",
     "plan",
+    "schedule_for",
     "simulate",
     "tiled",
     "tiled_cross_entropy",

@@ -1,4 +1,4 @@
-"""``python -m swap.plan``: the command line of ``swap.plan`` (``swap.planning.cli``).
+"""``python -m swap.plan``: the command line of ``swap.plan`` (``swap.cli``).
 
 Note [swap.plan is a function]
 ``swap.plan(model_fn, batch_fn, ...)`` is the planning function, and ``python -m swap.plan`` must run its
@@ -6,7 +6,7 @@ command line. A submodule named ``swap.plan`` would replace the package attribut
 anything imported it (``import swap.plan`` sets ``swap.plan = <module>``), so this file is only ever run as a
 script: ``python -m`` executes it as ``__main__`` without importing it as ``swap.plan``, and importing it
 fails loudly instead of silently taking the function's place. The command line lives in
-``swap.planning.cli`` (``main(argv)``), the function in ``swap.planning``.
+``swap.cli`` (``main(argv)``), the function in ``swap.forecast``.
 """
 
 import sys
@@ -14,9 +14,9 @@ import sys
 if __name__ != "__main__":
     raise ImportError(
         "swap.plan is the planning function (swap.plan(model_fn, batch_fn, budget=...)), not a module to import; "
-        "the command line is `python -m swap.plan`, or swap.planning.cli.main(argv) from Python"
+        "the command line is `python -m swap.plan`, or swap.cli.main(argv) from Python"
     )
 
-from swap.planning.cli import main  # noqa: E402 - after the guard
+from swap.cli import main  # noqa: E402 - after the guard
 
 sys.exit(main())

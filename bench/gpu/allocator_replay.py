@@ -5,8 +5,8 @@ as torch's allocator, with measured peaks; and the error of bench/torch_policy.p
 
 Every allocation of the trace is a ``torch.empty`` of its size on the GPU, every free drops it. Each
 allocator runs in its own process (``PYTORCH_CUDA_ALLOC_CONF`` and the allocator are process-wide). The
-policy models replay the same trace on the CPU (bench.replay); their error is (model - measured) / measured
-peak reserved bytes.
+policy models replay the same trace on the CPU (swap.forecast.replay.replay); their error is (model - measured) /
+measured peak reserved bytes.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def parse_trace_spec(spec: str) -> tuple[str, int, bool]:
 
 
 def make_trace(spec: str) -> Any:
-    from bench.swap_trace import swapped
     from bench.traces import cached_capture, live_peak
+    from swap.forecast.from_trace import swapped
 
     model, batch, swap = parse_trace_spec(spec)
     trace = cached_capture(model, batch, steps=3)
@@ -108,7 +108,7 @@ def run_child(trace_path: Path, allocator: str, timeout: float) -> dict[str, Any
 
 def model_error(trace: Any, allocator: str, measured: int) -> Optional[float]:
     """(model's peak reserved - measured) / measured, for the policy model of ``allocator``."""
-    from bench.replay import measure
+    from swap.forecast.replay.replay import measure
 
     predicted = measure(trace, MODEL_OF[allocator])["peak_reserved"]
     return (predicted - measured) / measured if measured else None

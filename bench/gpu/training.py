@@ -1,5 +1,5 @@
 """Training throughput and peak memory at growing batch sizes under a device-memory limit, for ResNet-50
-(torchvision) and a GPT-2-style model (bench.models), comparing: no swap; swap (window / fixed_distance / all)
+(torchvision) and a GPT-2-style model (swap.forecast.zoo), comparing: no swap; swap (window / fixed_distance / all)
 with vmalloc and with torch's allocator; ``torch.autograd.graph.save_on_cpu(pin_memory=True)``; activation
 checkpointing. Beside each measurement, the simulator's prediction from the profile that run measured.
 
@@ -42,7 +42,7 @@ WARMUP, MEASURED = 2, 3  # iterations: the swap runtime profiles during the firs
 
 def predictions(seq: Any, h2d_bw: float, d2h_bw: float, budget: int) -> dict[str, float]:
     """Predicted seconds per iteration of each mode from one profiled sequence (see the module docstring)."""
-    from swap import choose_window, make_schedule, simulate
+    from swap.schedule import schedule_for
 
     compute = sum(seq.compute)
     forward = sum(c for c, k in zip(seq.compute, seq.kind) if k == "save")
@@ -51,10 +51,8 @@ def predictions(seq: Any, h2d_bw: float, d2h_bw: float, budget: int) -> dict[str
            "save_on_cpu": compute + all_bytes / d2h_bw + all_bytes / h2d_bw}  # fmt: skip
     for policy in ("window", "fixed_distance", "all"):
         try:
-            if policy == "window":  # window="auto", as the runs use it
-                out[policy] = choose_window(seq, budget, h2d_bw, d2h_bw)[2].step_time
-            else:
-                out[policy] = simulate(seq, make_schedule(seq, budget, None, policy), h2d_bw, d2h_bw).step_time
+            # window="auto", as the runs use it
+            out[policy] = schedule_for(seq, budget, policy, h2d_bw, d2h_bw).sim.step_time
         except Exception:  # noqa: BLE001 - infeasible under this budget: no prediction
             continue
     return out
@@ -70,7 +68,7 @@ def throughput(model: str, batch: int, seconds_per_iter: float) -> float:
 def build(model: str) -> tuple[Any, Any]:
     import torch
 
-    from bench import models
+    from swap.forecast import zoo as models
 
     if model == "resnet50":
         try:
@@ -121,7 +119,7 @@ def run_config(model: str, allocator: str, batch: int, mode: str, limit: int) ->
         if hasattr(net, "layer1"):  # torchvision's ResNet
             stages = [torch.nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool), net.layer1, net.layer2,
                       net.layer3, net.layer4]  # fmt: skip
-        else:  # bench.models.ResNet
+        else:  # swap.forecast.zoo.ResNet
             stages = [net.stem, *net.blocks]
         h = x
         for s in stages:

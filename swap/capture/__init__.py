@@ -1,6 +1,6 @@
 """Training steps of any model, captured on the meta device as allocation traces (what ``swap.plan`` plans
 with): ``capture`` records them, ``LinearTrace`` scales one to any batch size. The scheduler's view of a trace,
-and a trace as the swap runtime would run it, are planning's (swap.planning.from_trace)."""
+and a trace as the swap runtime would run it, are the forecast's (swap.forecast.from_trace)."""
 
 from __future__ import annotations
 

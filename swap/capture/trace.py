@@ -17,7 +17,7 @@ A trace is one ``.npz`` (numpy, compressed) with parallel arrays, one entry per 
   and what in-place foreach kernels write without returning). These are authoritative: every other event
   of a format-6 trace carries 0. Older traces (format 5) and imported snapshots have no operator events;
   there the save/use events carry the sums over the operators since the previous save/use, and iteration
-  end those after the last one, and a consumer prices those sums instead (``swap.planning.pricing``).
+  end those after the last one, and a consumer prices those sums instead (``swap.forecast.pricing``).
 - ``module`` (int32): on an operator, the innermost module running it, an index into ``meta["modules"]``
   (module paths, the root model by its class name); -1 outside any module (the loss, the optimizer, the
   engine's gradient sums). In the backward, an operator is attributed to the module whose forward created

@@ -6,7 +6,7 @@ only at indexed positions moves far less: ``gather`` reads as many source elemen
 in-place ``scatter_`` / ``scatter_add_`` writes (or reads, adds and writes) as many elements of ``self`` as
 ``index`` holds. Counted whole, gathering one column of a tokens × vocab tile would cost a full pass over
 the tile (the tiled LM head gathers three columns a tile and scatters one: Note [Fewest passes over the
-logits] in swap/runtime/tiling/linear_ce.py).
+logits] in swap/tiling/run/linear_ce.py).
 """
 
 from __future__ import annotations

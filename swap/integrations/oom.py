@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..planning.scheduler import InfeasibleBudget
+from ..schedule.scheduler import InfeasibleBudget
 
 PREFIX = "CUDA out of memory. "
 

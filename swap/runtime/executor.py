@@ -14,7 +14,7 @@ Note [Budget-aware profiling]
 The conservative plan holds as little as any plan can: a variable's copy to host starts when it is saved,
 and its device copy is dropped at the next step; a use fetches its variable, or re-attaches the forward's
 storage when someone still holds it (a second copy would only add memory). So a profiling step needs no
-more than its floor (swap.planning.budget.step_floors). The one optional extra is a prefetch: the second
+more than its floor (swap.schedule.budget.step_floors). The one optional extra is a prefetch: the second
 profiling iteration fetches the next use of the first one ahead of time, and only when what is live, the
 variable, and what the step allocated last time fit the budget. The first iteration fetches on demand. Whatever
 our own copies, everything is released when a backward pass ends, so nothing of ours is held across the
@@ -35,8 +35,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..planning.scheduler import Schedule
-from ..planning.sequence import SAVE, USE, Sequence
+from ..schedule.scheduler import Schedule
+from ..schedule.sequence import SAVE, USE, Sequence
 from .host_pool import HostPool
 from .lifecycle import DECLINED, FALLBACK, PLANNED, PROFILE, Lifecycle, Profiled
 from .memory import DeviceMemory

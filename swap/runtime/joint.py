@@ -1,11 +1,11 @@
-"""``policy="auto"`` inside the manager: profile the operators, choose keep / swap / recompute, apply the
+"""``strategy="auto"`` inside the manager: profile the operators, choose keep / swap / recompute, apply the
 choice to the model, and say what was done per module.
 
 Note [Applying a joint plan]
 1. The profiling iterations also run the operator profiler (swap.runtime.op_profiler): the planner's operator
    table, and the candidate modules with the tensors a checkpoint of them would save.
 2. After the last one, if the run fits the budget the manager declines as with any policy (no swap, no
-   recompute). Otherwise the joint policy (swap.planning.joint, Note [Joint policy]) picks a plan on the
+   recompute). Otherwise the joint strategy (swap.joint.search, Note [Joint strategy]) picks a plan on the
    profiled sequence, the measured link and step times.
 3. If the plan checkpoints modules or rebuilds activations, what the model saves changes: the manager wraps
    the modules' forward (swap.runtime.regions, paths resolved in the root module the profiler saw), turns
@@ -25,9 +25,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..planning.joint import Evaluator, JointResult, checkpoint, checkpoint_window, search
-from ..planning.ops import OpTable, calibrated
-from ..planning.sequence import USE, Sequence
+from ..joint.ops import OpTable, calibrated
+from ..joint.search import Evaluator, JointResult, checkpoint, checkpoint_window, search
+from ..schedule.sequence import USE, Sequence
 from .lifecycle import Reprofile
 from .op_profiler import OpProfiler, remove_mode
 from .recompute import RecomputeHooks
@@ -39,7 +39,7 @@ DEFAULT_LINK = 10e9  # bytes/s: feasibility does not depend on it
 
 
 class JointRuntime:
-    """The manager's side of ``policy="auto"`` (Note [Applying a joint plan])."""
+    """The manager's side of ``strategy="auto"`` (Note [Applying a joint plan])."""
 
     def __init__(self, manager: Any) -> None:
         self.m = manager
@@ -147,7 +147,7 @@ class JointRuntime:
 
     # -- report -----------------------------------------------------------------------------------------
     def snapshot(self, seq: Optional[Sequence], schedule: Any) -> dict[str, Any]:
-        """The report's keys for ``policy="auto"``: the plan, its simulated step, and the per-module rows."""
+        """The report's keys for ``strategy="auto"``: the plan, its simulated step, and the per-module rows."""
         best = self.result.best if self.result is not None else None
         swapped = {v for step in schedule.swap_out for v in step} if schedule is not None else set()
         rows = self.rows(seq, swapped) if seq is not None or best is not None else []

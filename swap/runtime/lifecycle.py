@@ -34,9 +34,9 @@ from typing import Optional
 
 import torch
 
-from ..planning.budget import fmt_bytes
-from ..planning.scheduler import InfeasibleBudget, Schedule
-from ..planning.sequence import SAVE, Sequence
+from ..schedule.scheduler import InfeasibleBudget, Schedule
+from ..schedule.sequence import SAVE, Sequence
+from ..units import fmt_bytes
 from .recorder import Recorder
 from .tracer import Variable
 

@@ -25,10 +25,11 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..planning.budget import InfeasibleBudget, diagnose, fmt_bytes, min_budget, refuse_over_memory, size_arg
-from ..planning.scheduler import POLICIES, Schedule, plan, validate
-from ..planning.sequence import Sequence
-from ..planning.simulator import choose_window
+from ..schedule.budget import InfeasibleBudget, diagnose, min_budget, refuse_over_memory
+from ..schedule.scheduler import POLICIES, Schedule, validate
+from ..schedule.sequence import Sequence
+from ..schedule.simulator import schedule_for
+from ..units import Size, fmt_bytes, parse_size, size_arg
 from .engines import CudaEngine, HostEngine
 from .executor import DECLINED, PLANNED, PROFILE, Counters, Executor, Profiled
 from .host_pool import HostPool
@@ -41,40 +42,34 @@ from .signals import BudgetWarning
 from .tracer import Exclusions, is_parameter_like, passthrough
 
 log = logging.getLogger("swap")
-Size = Union[int, str, None]
 
 DEFAULT_BANDWIDTH = 10e9  # bytes/s, until copies have been measured
-SIZE_FORMS = "a number of bytes or a size string such as '12GiB', '512MiB', '1.5GiB'"
-MANAGER_POLICIES = ("auto",) + POLICIES  # "auto": swap.runtime.joint (Note [Applying a joint plan])
 
 _active_lock = threading.Lock()
 _active: list[SwapManager] = []  # entered and not exited, process-wide
 
 
-def parse_size(value: Size, what: str, *, minimum: int = 0, none: str = "") -> Optional[int]:
-    """An int or a size string as bytes (None stays None). ``none`` says what None means, for messages."""
-    forms = SIZE_FORMS + (f", or None ({none})" if none else "")
-    if value is None:
-        if none:
-            return None
-        raise TypeError(f"{what} must be {forms}, not None")
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"{what} must be {forms}, not {value!r} ({type(value).__name__})")
-    if isinstance(value, int):
-        n = value
-    else:
-        from vmalloc import parse_size as vparse
-
-        try:
-            n = vparse(value)
-        except ValueError:
-            raise ValueError(f"{what} must be {forms}, not {value!r} (invalid size)") from None
-    if n < 0:
-        raise ValueError(f"{what} must not be negative (got {value!r})")
-    if n < minimum:
-        raise ValueError(f"{what} must be at least {minimum} byte{'s' if minimum != 1 else ''} (got {value!r})"
-                         + (f"; None means {none}" if none else ""))  # fmt: skip
-    return n
+def _strategy(strategy: Optional[str], policy: Optional[str]) -> str:
+    """What the manager runs: "auto" (``strategy="auto"``, the default) or a policy (``policy=`` alone: swap
+    only). ``policy="auto"`` is the old spelling of ``strategy="auto"`` and warns (Note [Policy and strategy]
+    in swap/__init__.py)."""
+    if policy == "auto":
+        warnings.warn("SwapManager(policy='auto') is spelled SwapManager(strategy='auto') now: 'auto' is a strategy "
+                      "(keep, swap or recompute), a policy is how saved tensors are swapped", DeprecationWarning,
+                      stacklevel=3)  # fmt: skip
+        policy, strategy = None, strategy or "auto"
+    if strategy is not None and strategy != "auto":
+        raise ValueError(f"unknown strategy {strategy!r}: SwapManager runs strategy='auto' (keep, swap or recompute "
+                         f"each saved tensor), or swaps only with policy= one of {', '.join(map(repr, POLICIES))}")
+    if strategy == "auto" and policy is not None:
+        raise ValueError(f"strategy='auto' chooses how to swap itself: pass strategy='auto' or policy={policy!r}, "
+                         "not both")  # fmt: skip
+    if policy is None:
+        return "auto"
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(map(repr, POLICIES))}, or "
+                         "strategy='auto' to keep, swap or recompute")  # fmt: skip
+    return policy
 
 
 def _steps(value: Any, what: str) -> int:
@@ -119,12 +114,14 @@ class SwapManager:
     Args:
         budget: device bytes the run may use (int or "12GiB"). None: vmalloc's capacity when vmalloc is the
             CUDA allocator, else the device's free memory less 10% (CPU runs: available host memory less 10%).
-        window: seed 001's look-ahead in bytes, or "auto" (chosen by simulating the profiled iteration on the
+        window: the window policy's look-ahead in bytes, or "auto" (chosen by simulating the profiled iteration on the
             measured link bandwidth and step times).
-        policy: "auto" (the default: keep, swap or recompute each saved tensor, checkpointing modules of the
-            model where that is faster than swapping them; Note [Applying a joint plan] in swap.runtime.joint),
-            "window" (swap only, seed 001), "fixed_distance" (TFLMS: ``swapout_threshold``, ``swapin_ahead``),
-            "all" (vDNN) or "none" (swap nothing).
+        policy: swap only, by this policy: "window" (the look-ahead window), "fixed_distance" (TFLMS:
+            ``swapout_threshold``, ``swapin_ahead``), "all" (vDNN) or "none" (swap nothing). None (the default):
+            the strategy decides (Note [Policy and strategy] in swap/__init__.py).
+        strategy: "auto" (what runs when no policy is given): keep, swap or recompute each saved tensor,
+            checkpointing modules of the model where that is faster than swapping them (Note [Applying a joint
+            plan] in swap.runtime.joint). ``policy="auto"`` still means this, with a DeprecationWarning.
         min_bytes: saved storages smaller than this stay on the device.
         device: the compute device; None: the current CUDA device if CUDA is available, else "cpu".
         host_pool_limit: cap on host memory for swapped variables; None: no cap.
@@ -134,7 +131,7 @@ class SwapManager:
             the global CUDA allocator).
         recompute: rebuild saved outputs of GELU/SiLU/leaky ReLU from their saved inputs, and those of
             training-mode batch norm (and a ReLU on it) from the norm's saved input, at backward instead of
-            swapping them (bitwise exact; fewer bytes over the link; swap.planning.recompute).
+            swapping them (bitwise exact; fewer bytes over the link; swap.joint.recompute).
 
     Raises ``InfeasibleBudget`` (at the first saved tensor of the iteration after the one that showed it)
     when no schedule can keep the budget; warns once with ``BudgetWarning`` per cause when it cannot help
@@ -146,7 +143,7 @@ class SwapManager:
         self,
         budget: Size = None,
         window: Union[int, str] = "auto",
-        policy: str = "auto",
+        policy: Optional[str] = None,
         min_bytes: Size = "1MiB",
         device: Any = None,
         host_pool_limit: Size = None,
@@ -156,10 +153,9 @@ class SwapManager:
         swapin_ahead: int = 1,
         arena: Any = None,
         recompute: bool = False,
+        strategy: Optional[str] = None,
     ) -> None:
-        if not isinstance(policy, str) or policy not in MANAGER_POLICIES:
-            raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(repr(p) for p in MANAGER_POLICIES)}")
-        self.policy = policy
+        policy = self.policy = _strategy(strategy, policy)  # "auto" or a policy
         self.device = _device(device)
         if arena is not None and not (hasattr(arena, "set_oom_handler") and hasattr(arena, "capacity")):
             raise TypeError(
@@ -219,7 +215,7 @@ class SwapManager:
         return int(_available_host_memory() * 0.9)
 
     def _refuse_budget_above_memory(self) -> None:
-        """Note [A budget above the device's memory] (swap/planning/budget.py): on a CUDA device, vmalloc's
+        """Note [A budget above the device's memory] (swap/schedule/budget.py): on a CUDA device, vmalloc's
         capacity (when it is the allocator) or else the device's total memory; nothing on the CPU."""
         if self.device.type != "cuda":
             return
@@ -299,14 +295,10 @@ class SwapManager:
         h2d = engine.h2d_bw.rate(DEFAULT_BANDWIDTH)
         d2h = engine.d2h_bw.rate(DEFAULT_BANDWIDTH)
         policy = self._joint.swap_policy if self._joint is not None else self.policy
-        if policy == "window" and self.window is None:
-            window, schedule, _ = choose_window(seq, self.budget, h2d, d2h)
-        else:
-            window = self.window
-            schedule = plan(
-                seq, self.budget, window, policy,
-                swapout_threshold=self.swapout_threshold, swapin_ahead=self.swapin_ahead,
-            )  # fmt: skip
+        window, schedule, _ = schedule_for(
+            seq, self.budget, policy, h2d, d2h, window=self.window,
+            swapout_threshold=self.swapout_threshold, swapin_ahead=self.swapin_ahead,
+        )  # fmt: skip
         self._window_used = window
         no_swap = seq.no_swap_peak() if no_swap is None else no_swap
         log.info(

@@ -1,5 +1,5 @@
 """The operator profiler: in profiling iterations, what each forward operator costs and makes, and where
-candidate modules start and end, as the planner's operator table (swap.planning.ops, Note [Operator table]).
+candidate modules start and end, as the planner's operator table (swap.joint.ops, Note [Operator table]).
 
 Note [Operator profiler]
 A TorchDispatchMode sees every operator below autograd. While active it records, per forward operator: its
@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
-from ..planning.ops import Op, OpTable, RegionCall, is_index
+from ..joint.ops import Op, OpTable, RegionCall, is_index
 from .op_facts import (
     aliases_output,
     blocker,

@@ -1,4 +1,4 @@
-"""The runtime side of rebuilds (Notes [Recompute or swap], [Batch norm rebuilds], swap.planning.recompute):
+"""The runtime side of rebuilds (Notes [Recompute or swap], [Batch norm rebuilds], swap.joint.recompute):
 saved outputs of GELU/SiLU/leaky ReLU, and of training-mode batch norm (and a ReLU on it), are not packed;
 autograd keeps a ``Recomputed`` handle, and the output is rebuilt from the packed input at its backward use."""
 
@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..planning.recompute import Rule, SavedThrough, producer, rebuild_of
+from ..joint.recompute import Rule, SavedThrough, producer, rebuild_of
 
 
 @dataclass

@@ -9,7 +9,7 @@ released (``held_until``).
 Note [A fetched copy held past its node]
 A use's tensor is normally held by the backward node that unpacked it, until the node has run (``node_last``
 from node groups). Something else may hold it longer: a checkpoint's frame keeps the region inputs it
-unpacked for its rerun until the nodes that saved them have run (swap.planning.regions, Note [Recompute
+unpacked for its rerun until the nodes that saved them have run (swap.joint.regions, Note [Recompute
 regions]). Releasing our copy earlier frees nothing, so the profile records when the copy fetched for a use
 actually died and extends that use's ``node_last`` to it: the scheduler then keeps the bytes counted (and
 plans no release) until then.
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..planning.sequence import Sequence
+from ..schedule.sequence import Sequence
 
 
 class Recorder:

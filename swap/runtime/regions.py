@@ -1,11 +1,11 @@
 """Recompute regions at run time: the chosen modules' forward under non-reentrant ``torch.utils.checkpoint``,
 with our own selective contexts, applied to a model the manager did not write (Note [Recompute regions] in
-swap.planning.regions says what the sequence then looks like).
+swap.joint.regions says what the sequence then looks like).
 
 Note [Selective recompute that stays swappable]
 torch's own selective checkpointing (``create_selective_checkpoint_contexts``) keeps the outputs it saves in
 its own cache, which the swap runtime never sees: they could not be swapped, and they count against the
-budget as memory nobody may move (/work/shared/notes/anchors-recompute.md measured it). So the contexts here
+budget as memory nobody may move (a survey of other recompute tools measured it). So the contexts here
 hand those outputs to the swap manager instead:
 - ``KeepContext`` (the checkpoint's forward context) runs every operator; for an operator the plan keeps
   (or one that cannot be rerun, Note [Operators that cannot be rerun]) it gives the outputs to the manager,
@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS, checkpoint
 
-from ..planning.regions import RecomputePlan, Region
+from ..joint.regions import RecomputePlan, Region
 from .op_facts import blocker, replace_written, stateful_argument, tensors_of
 from .timers import CudaStepTimer, HostStepTimer
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..planning.budget import fmt_size as _bytes
+from ..units import fmt_size as _bytes
 
 
 class SwapReport(dict):
@@ -10,7 +10,7 @@ class SwapReport(dict):
     iterations, swapped_out_bytes, swapped_in_bytes, demand_fetches, stall_seconds, peak_device_bytes,
     budget_bytes, window_bytes, replans, overruns (steps measured above the budget), min_budget_bytes,
     policy, memory_source and peak_measured_inside_ops (False on CPU: the peak is of live tensor bytes
-    between operators, see swap.runtime.meter), and notes. With ``policy="auto"`` also recompute_plan,
+    between operators, see swap.runtime.meter), and notes. With ``strategy="auto"`` also recompute_plan,
     recompute_seconds, simulated_step_seconds, ``modules``: per module, bytes kept on the device, swapped
     and recomputed per iteration, and the seconds spent recomputing it, ``not_recomputable``: the operators
     that cannot be recomputed (module, operator, why, count per iteration) and ``not_checkpointed``: candidate

@@ -9,7 +9,7 @@ import pytest
 
 from bench.cpu_profile import CpuMeasurements, CpuProfile, fit_copy_costs, load, median_of, profile_from
 from bench.plan_vs_reality_time import compare, predict, swapped_seconds
-from swap import zoo
+from swap.forecast import zoo
 
 MiB = 1 << 20
 

@@ -4,7 +4,7 @@ figures themselves are checked by the committed full results, not here)."""
 import json
 
 from bench import fragmentation
-from bench.replay import ALLOCATORS
+from swap.forecast.replay.replay import ALLOCATORS
 
 
 def test_quick_mode_writes_the_schema(tmp_path):

@@ -1,8 +1,8 @@
-"""Issue 17's targets as bench.strategies checks them, on hand-made strategy results: met, missed by how much,
-and a joint policy slower than a baseline named as such."""
+"""The strategy targets as bench.strategies checks them, on hand-made strategy results: met, missed by how much,
+and a joint strategy slower than a baseline named as such."""
 
 from bench.strategy_targets import WORKLOADS, check, kept
-from swap.planning.strategies import Point, StrategyResult
+from swap.forecast.strategies import Point, StrategyResult
 
 GPT, RESNET, V100 = (next(w for w in WORKLOADS if w.key == k) for k in ("gpt2-medium-h100", "resnet50-h100",
                                                                          "resnet50-v100"))  # fmt: skip

@@ -4,9 +4,9 @@ import pickle
 
 import pytest
 
-from bench.replay import measure
-from bench.swap_trace import sequence_from_trace, swapped
 from bench.traces import ALLOC, FREE, SAVE, TAG, TAGS, USE, Trace, capture, import_snapshot, live_peak
+from swap.forecast.from_trace import sequence_from_trace, swapped
+from swap.forecast.replay.replay import measure
 
 MiB = 1 << 20
 

@@ -42,7 +42,7 @@ def train(
 
     import torch
 
-    from bench import models
+    from swap.forecast import zoo as models
 
     build, batch, size = MODELS[name]
     torch.manual_seed(0)

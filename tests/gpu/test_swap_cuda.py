@@ -74,7 +74,7 @@ def test_vmalloc_and_native_runs_agree():
 
 
 def test_a_budget_above_the_device_memory_is_refused():
-    # Issue 20, item 1 (Note [A budget above the device's memory]): the device's total memory is the limit
+    # Note [A budget above the device's memory]: the device's total memory is the limit
     # with torch's allocator; all of it is allowed. In a child, like the runs above: torch's allocator stays
     # unconfigured in this process.
     code = (

@@ -1,5 +1,6 @@
 """vmalloc installed as torch's allocator, globally and as a MemPool: training is bitwise unchanged, and
-torch's memory API works (issue 8's parity points). Each mode runs in its own process (torch_worker.py)."""
+torch's memory API works (the parity points: OutOfMemoryError, memory_stats, cacheInfo, graph pools). Each mode runs in
+its own process (torch_worker.py)."""
 
 import json
 import os

@@ -38,7 +38,7 @@ def build_model(name: str) -> Any:
     import torch
     from torch import nn
 
-    from bench.models import gpt
+    from swap.forecast.zoo import gpt
 
     GlobalMean = _global_mean_class()
     if name == "cnn":

@@ -7,10 +7,10 @@ import torch
 from torch.profiler import profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench import models
-from bench.swap_trace import sequence_from_trace
 from bench.traces import capture
 from swap.capture.grad_accumulation import EngineAccumulation
+from swap.forecast import zoo as models
+from swap.forecast.from_trace import sequence_from_trace
 
 
 class _Predict(TorchDispatchMode):

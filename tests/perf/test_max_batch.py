@@ -4,9 +4,9 @@ import pytest
 
 import swap
 from bench.swap_schedule import fits, max_batch
-from swap.planning.devices import profile
-from swap.planning.vmm_costs import for_device
-from swap.zoo import ZOO
+from bench.vmm_costs import for_device
+from swap.forecast.devices import profile
+from swap.forecast.zoo import ZOO
 
 MODEL, SIZE, BUDGET = "unet", 64, 640 << 20  # weights, gradients and momentum take 357 MiB of it
 CANDIDATES = [8, 16, 32, 64, 128, 256]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import swap
-from bench import models
-from swap.planning.recompute import recipes, with_recompute
+from swap.forecast import zoo as models
+from swap.joint.recompute import recipes, with_recompute
 from swap.runtime.recompute import RecomputeHooks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "swap"))
@@ -82,7 +82,7 @@ def test_sequence_model_of_the_rebuild():
     assert len(found) == 2 and all(r.source < v for v, r in found.items())
     seq = swap.Sequence([0, 1, 2, 2, 1, 0], ["save", "save", "save", "use", "use", "use"], [10, 20, 20],
                         [1, 1, 1, 1, 1, 1], [0.1] * 6, held_until=[6, 6, 3])  # fmt: skip
-    from swap.planning.recompute import Recipe
+    from swap.joint.recompute import Recipe
 
     out = with_recompute(seq, {2: Recipe(1, 100.0, 40.0)}, lambda r: 0.5)
     assert out.var == [0, 1, 1, 1, 0] and out.kind == ["save", "save", "use", "use", "use"]
@@ -285,9 +285,9 @@ def test_the_trace_plans_the_batch_norm_rebuilds_the_runtime_makes():
     # or an in-place add wrote; it must find exactly the candidates the runtime's rules find on a live forward
     # (conv -> bn -> relu, never the last norm of a bottleneck, whose ReLU reads the residual add).
     from swap.capture import capture
-    from swap.planning.from_trace import sequence_from_trace
-    from swap.planning.ops_from_trace import table_from_trace
-    from swap.planning.regions import rebuild_recipes
+    from swap.forecast.from_trace import sequence_from_trace
+    from swap.forecast.ops_from_trace import table_from_trace
+    from swap.joint.regions import rebuild_recipes
 
     def build():
         return models.resnet((1, 1, 1, 1), width=8, num_classes=10)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from bench.swap_trace import plan_for, swapped
 from bench.traces import ALLOC, FREE, capture, live_peak
+from swap.forecast.from_trace import plan_for, swapped
 
 
 @pytest.mark.parametrize("model,batch,size", [("resnet50", 4, 64), ("unet", 2, 64), ("gpt2", 1, 64)])

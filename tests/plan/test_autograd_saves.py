@@ -1,11 +1,11 @@
-"""Which operators save their output (swap.planning.autograd_saves), against the autograd nodes torch builds."""
+"""Which operators save their output (swap.joint.autograd_saves), against the autograd nodes torch builds."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from swap.planning import autograd_saves
-from swap.planning.autograd_saves import saves_first_output
+from swap.joint import autograd_saves
+from swap.joint.autograd_saves import saves_first_output
 
 # An operator name and a call that dispatches exactly it on a leaf that requires grad (in place: on a clone).
 CALLS = {

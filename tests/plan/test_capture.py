@@ -29,7 +29,7 @@ from swap.capture import (
     default_loss,
     live_peak,
 )
-from swap.planning.from_trace import sequence_from_trace, swapped
+from swap.forecast.from_trace import sequence_from_trace, swapped
 
 
 def test_a_training_step_is_balanced_and_tagged():

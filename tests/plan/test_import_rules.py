@@ -1,7 +1,7 @@
 """DESIGN.md's import rules, checked on the source tree (every import statement, also those inside
 functions): vmalloc imports neither swap nor bench; swap reaches vmalloc only through its public names and
 never imports bench; nothing outside bench/ and tests/ imports bench; no import cycles among the project's
-modules."""
+modules; and swap's rooms (ARCHITECTURE.md) stand in layers: a room imports only rooms below it."""
 
 from __future__ import annotations
 
@@ -80,8 +80,8 @@ def top(module: str) -> str:
 
 def test_the_scan_sees_the_tree(graph):
     # The rules below are only as good as the scan: it must find the packages and their imports.
-    assert {"swap", "swap.planning.planner", "vmalloc.arena", "bench.traces", "examples.plan_my_model"} <= set(graph)
-    assert "swap.capture" in graph["swap.planning.planner"] and "vmalloc._C" in graph["vmalloc.arena"]
+    assert {"swap", "swap.forecast.planner", "vmalloc.arena", "bench.traces", "examples.plan_my_model"} <= set(graph)
+    assert "swap.capture" in graph["swap.forecast.planner"] and "vmalloc._C" in graph["vmalloc.arena"]
 
 
 def test_vmalloc_imports_neither_swap_nor_bench(graph):
@@ -142,7 +142,7 @@ def find_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_the_cycle_check_finds_cycles():
-    # bench.traces and bench.swap_trace imported each other before capture moved into swap.
+    # bench.traces and swap.forecast.from_trace imported each other before capture moved into swap.
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}) == [["a", "b", "c"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
 
@@ -150,3 +150,75 @@ def test_the_cycle_check_finds_cycles():
 def test_no_import_cycles(graph):
     edges = {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
     assert not find_cycles(edges), f"import cycles: {find_cycles(edges)}"
+
+
+# swap's rooms, lowest layer first (ARCHITECTURE.md, "Rooms"), and the modules or packages each holds: a
+# module belongs to the room of its longest prefix here, and imports only its own room and rooms below it.
+LAYERS = {"units": 0, "schedule": 1, "capture": 1, "joint": 2, "forecast": 3, "runtime": 3, "tiling": 4, "front": 5}
+ROOMS = {
+    "swap.units": "units",
+    "swap.schedule": "schedule",
+    "swap.capture": "capture",
+    "swap.joint": "joint",
+    "swap.forecast": "forecast",
+    "swap.runtime": "runtime",
+    "swap.tiling": "tiling",
+    # the front: public names, the command line, trainer glue
+    "swap": "front",
+    "swap.__main__": "front",
+    "swap.plan": "front",
+    "swap.cli": "front",
+    "swap.integrations": "front",
+}
+FRONT = {"swap", "swap.__main__", "swap.plan", "swap.cli"}  # the front's modules directly in swap/
+
+
+def room_of(module: str) -> str | None:
+    """The room of a module of swap; None for a module directly in swap/ that no room names."""
+    if module in FRONT:
+        return "front"
+    parts = module.split(".")
+    for n in range(len(parts), 1, -1):
+        if ".".join(parts[:n]) in ROOMS:
+            return ROOMS[".".join(parts[:n])]
+    return None
+
+
+def upward_imports(edges: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(module, import) pairs of swap where a room imports another room of its own layer or above."""
+    bad = set()
+    for m, deps in edges.items():
+        if top(m) != "swap":
+            continue
+        for i in deps:
+            a, b = room_of(m), room_of(i)
+            if top(i) == "swap" and None not in (a, b) and a != b and LAYERS[b] >= LAYERS[a]:
+                bad.add((m, i))
+    return bad
+
+
+def test_the_room_check_finds_upward_imports():
+    assert upward_imports({"swap.schedule.budget": {"swap.joint.ops"}}) == {("swap.schedule.budget", "swap.joint.ops")}
+    assert upward_imports({"swap.runtime.manager": {"swap.forecast.devices"}})  # same layer: neither above
+    assert not upward_imports({"swap.forecast.planner": {"swap.schedule.scheduler", "swap.forecast.devices"}})
+
+
+def test_every_swap_module_is_in_a_room(graph):
+    homeless = sorted(m for m in graph if top(m) == "swap" and room_of(m) is None)
+    assert not homeless, f"not in any room of ROOMS (ARCHITECTURE.md says where each kind of code goes): {homeless}"
+
+
+def test_rooms_import_only_lower_rooms(graph):
+    known = {m for m in graph if top(m) == "swap"}
+    edges = {}
+    for m, deps in graph.items():
+        out = set()
+        for d in deps:  # ``from swap.x import name`` names swap.x.name; the module is its longest known prefix
+            while d and d not in known:
+                d = d.rpartition(".")[0]
+            if d and d != m:
+                out.add(d)
+        edges[m] = out
+    bad = upward_imports(edges)
+    assert not bad, f"imports from a room to one not below it: {sorted(bad)}"
+    assert len(set(LAYERS.values())) <= 6 and set(ROOMS.values()) == set(LAYERS)

@@ -1,5 +1,5 @@
 """The pure side of keep / swap / recompute: the operator table's regions, ``with_regions`` (the sequence the
-runtime records with modules checkpointed), the baselines by name, and the joint policy, which is never slower
+runtime records with modules checkpointed), the baselines by name, and the joint strategy, which is never slower
 than any baseline on the same data."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from swap.planning.joint import BASELINES, Evaluator, Strategy, auto, keep_chain, search, selective_keep
-from swap.planning.ops import Op, OpTable, RegionCall, calibrated, check_regions, is_selective
-from swap.planning.regions import RecomputePlan, Region, apply_regions, with_regions
-from swap.planning.sequence import SAVE, USE, Sequence
+from swap.joint.ops import Op, OpTable, RegionCall, calibrated, check_regions, is_selective
+from swap.joint.regions import RecomputePlan, Region, apply_regions, with_regions
+from swap.joint.search import BASELINES, Evaluator, Strategy, auto, keep_chain, search, selective_keep
+from swap.schedule.sequence import SAVE, USE, Sequence
 
 
 def blocks(n: int, k: int, sizes: list[int], seconds: list[float], base: int = 4000) -> tuple[Sequence, OpTable]:

@@ -1,4 +1,4 @@
-"""Pricing at measured operator-class rates (Note [Operator classes] in swap/planning/pricing.py): an operator of
+"""Pricing at measured operator-class rates (Note [Operator classes] in swap/forecast/pricing.py): an operator of
 each class at its class's rate, CPU flash attention at its head dim's rate, everything else and every GPU
 profile on the roofline exactly as before. No timing."""
 
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from swap.capture import ALLOC, OP, TraceBuilder, capture
-from swap.planning.devices import PROFILES, DeviceProfile
-from swap.planning.pricing import (
+from swap.forecast.devices import PROFILES, DeviceProfile
+from swap.forecast.pricing import (
     ATTENTION,
     FRESH_PAGES_MIN,
     OP_CLASSES,

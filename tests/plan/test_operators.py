@@ -13,9 +13,9 @@ from torch import nn
 
 from swap.capture import ALLOC, FREE, ITER_BEGIN, ITER_END, OP, PHASE, SAVE, USE, LinearTrace, Trace, capture
 from swap.capture.trace import LOW_PRECISION
-from swap.planning.devices import DeviceProfile
-from swap.planning.from_trace import sequence_from_trace
-from swap.planning.pricing import event_seconds, iteration_seconds
+from swap.forecast.devices import DeviceProfile
+from swap.forecast.from_trace import sequence_from_trace
+from swap.forecast.pricing import event_seconds, iteration_seconds
 
 # A device with round numbers: 1 TFLOP/s on fp32, 4 on bf16, 100 GB/s, full efficiency.
 DEV = DeviceProfile("test", 1e12, 4e12, 100e9, 10e9, 10e9, 1 << 30, efficiency=1.0)

@@ -1,4 +1,4 @@
-"""The operator table from a captured trace (swap.planning.ops_from_trace) against the one the runtime's operator
+"""The operator table from a captured trace (swap.forecast.ops_from_trace) against the one the runtime's operator
 profiler records from a real run of the same model: same regions, same saved variables per operator."""
 
 import numpy as np
@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import swap
-from swap import zoo
 from swap.capture import OP, UNREF, capture
-from swap.planning.devices import profile
-from swap.planning.from_trace import sequence_from_trace
-from swap.planning.joint import Evaluator, checkpoint, search
-from swap.planning.ops_from_trace import table_from_trace
+from swap.forecast import zoo
+from swap.forecast.devices import profile
+from swap.forecast.from_trace import sequence_from_trace
+from swap.forecast.ops_from_trace import table_from_trace
+from swap.joint.search import Evaluator, checkpoint, search
 
 MIN_BYTES = 16 * 1024
 BATCH = 8
@@ -37,7 +37,7 @@ def sgd(params):
 
 
 def runtime_profile(iterations: int = 4, model_fn=small_gpt, batches=batch_fn, loss=loss_fn, budget="3500KiB"):
-    """The runtime's sequence and operator table of ``model_fn()`` (policy "auto" under a budget that needs it)."""
+    """The runtime's sequence and operator table of ``model_fn()`` (strategy "auto" under a budget that needs it)."""
     torch.manual_seed(0)
     model = model_fn()
     opt = sgd(model.parameters())

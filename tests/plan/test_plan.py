@@ -13,9 +13,9 @@ from tiny_models import TinyCNN, cnn_batch
 
 import swap
 from swap.capture import capture
-from swap.planning.cli import main
-from swap.planning.devices import ALIASES, PROFILES, profile
-from swap.planning.from_trace import sequence_from_trace
+from swap.cli import main
+from swap.forecast.devices import ALIASES, PROFILES, profile
+from swap.forecast.from_trace import sequence_from_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 KiB = 1024
@@ -40,7 +40,7 @@ def planned(allocator=None):
 
 
 def test_swap_plan_is_the_function_and_python_m_swap_plan_the_command_line():
-    assert callable(swap.plan) and swap.plan.__module__ == "swap.planning.planner"
+    assert callable(swap.plan) and swap.plan.__module__ == "swap.forecast.planner"
     with pytest.raises(ImportError, match="swap.plan is the planning function"):
         importlib.import_module("swap.plan")
     assert callable(swap.plan)  # the failed import did not replace it
@@ -100,7 +100,7 @@ def test_device_profiles():
     assert profile("v100") is PROFILES["v100-16gb"] and profile("H100") is PROFILES["h100-sxm"]
     assert PROFILES["p100"] is PROFILES["p100-16gb"] and "p100" not in PROFILES  # old names index, not listed
     assert set(ALIASES) == {"v100", "p100", "h100"}
-    assert profile("v100-16gb").h2d_bandwidth == 50e9  # seed 001's NVLink to the POWER9
+    assert profile("v100-16gb").h2d_bandwidth == 50e9  # the window-scheduling paper's NVLink to the POWER9
     with pytest.raises(ValueError, match="unknown device profile"):
         profile("tpu")
 
@@ -165,8 +165,9 @@ def test_the_command_line_keeps_the_built_in_models(capsys):
 
 
 def test_a_budget_above_the_device_memory_is_refused_before_any_capture(capsys):
-    # Issue 20: `--model resnet50 --budget 500GiB --device v100-16gb` planned batch 45,307 with a planned
-    # peak of 499.94 GiB on a 16 GB V100 (Note [A budget above the device's memory] in budget.py).
+    # A budget above the device's memory is refused: `--model resnet50 --budget 500GiB --device v100-16gb` planned
+    # batch 45,307 with a planned peak of 499.94 GiB on a 16 GB V100 (Note [A budget above the device's memory] in
+    # budget.py).
     with pytest.raises(SystemExit) as e:
         main(["--model", "resnet50", "--budget", "500GiB", "--device", "v100-16gb", "--quiet"])
     assert e.value.code == 2

@@ -1,4 +1,4 @@
-"""Every strategy side by side in swap.plan (issue 17, items 1 and 4): the baselines and the joint policy from one
+"""Every strategy side by side in swap.plan: the baselines and the joint strategy from one
 capture, their largest batches and speeds, the table, the JSON keyed by name, and the plot."""
 
 import json
@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import swap
-from swap import zoo
 from swap.capture import capture
-from swap.planning.cli import main
-from swap.planning.devices import profile
-from swap.planning.from_trace import sequence_from_trace
-from swap.planning.joint import BASELINES
-from swap.planning.strategies import MULTIPLES, STRATEGIES, StrategyBook
+from swap.cli import main
+from swap.forecast import zoo
+from swap.forecast.devices import profile
+from swap.forecast.from_trace import sequence_from_trace
+from swap.forecast.strategies import MULTIPLES, STRATEGIES, StrategyBook
+from swap.joint.search import BASELINES
 
 BUDGET = "24MiB"
 
@@ -61,7 +61,7 @@ def test_every_baseline_and_the_joint_policy_from_one_capture():
                 assert pt.samples_per_s == pytest.approx(n / pt.step_time)
                 assert pt.peak <= 24 << 20
         assert r.blocker  # why one more sample does not fit
-    # The joint policy is never slower than a baseline where that baseline fits, and is "none" where it fits.
+    # The joint strategy is never slower than a baseline where that baseline fits, and is "none" where it fits.
     for n in batches:
         mine = s["auto"].at(n)
         for name in BASELINES:

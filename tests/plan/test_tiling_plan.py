@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from swap.planning.cli import main
-from swap.planning.devices import profile
-from swap.planning.tiling.largest import STRATEGIES, image_graph, largest_image, plan_image
+from swap.cli import main
+from swap.forecast.devices import profile
+from swap.tiling.plan.largest import IMAGE_STRATEGIES, image_graph, largest_image, plan_image
 
 DEV = profile("rtx2080ti-11gb")
 
@@ -22,7 +22,7 @@ def small_vgg() -> nn.Module:
 def test_tiled_plan_fits_where_untiled_does_not_and_costs_its_recompute() -> None:
     model = small_vgg()
     graph = image_graph(model, 256)
-    plans = {s: plan_image(graph, 256, s, 2 << 20, DEV) for s in STRATEGIES}
+    plans = {s: plan_image(graph, 256, s, 2 << 20, DEV) for s in IMAGE_STRATEGIES}
     untiled = plan_image(graph, 256, "untiled", 1 << 40, DEV)
     assert not plans["untiled"].fits and untiled.peak > 2 << 20
     assert plans["tiled"].fits and plans["tiled"].peak <= 2 << 20 < untiled.peak
@@ -54,14 +54,14 @@ def test_cli_answers_the_largest_image(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert rc == 0, out
     rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[2:]}
-    assert set(rows) == set(STRATEGIES)
+    assert set(rows) == set(IMAGE_STRATEGIES)
     side = {k: int(v.split("x")[0]) for k, v in rows.items()}
     assert side["tiled"] > side["untiled"] > 0
 
 
 def test_with_a_device_profile_the_plan_is_no_slower_and_still_fits() -> None:
-    from swap.planning.tiling.choose import plan_tiles
-    from swap.planning.tiling.cost import estimate
+    from swap.tiling.plan.choose import plan_tiles
+    from swap.tiling.plan.cost import estimate
 
     graph = image_graph(small_vgg(), 256)
     budget = 2 << 20
@@ -73,7 +73,7 @@ def test_with_a_device_profile_the_plan_is_no_slower_and_still_fits() -> None:
 
 
 def test_border_tiles_count_their_input_at_its_real_size() -> None:
-    from swap.planning.tiling.cost import Segment, tile_chain, tile_shapes
+    from swap.tiling.plan.cost import Segment, tile_chain, tile_shapes
 
     # 10 positions in 3 tiles: outputs [0, 4), [4, 8), [8, 10); a 3x3 convolution with padding 1 reads
     # inputs [0, 5), [3, 9), [7, 10) of the image (5, 6 and 3 real positions; the borders' padding is a copy)

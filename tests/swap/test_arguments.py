@@ -18,8 +18,10 @@ import swap
         ({"window": "abc"}, ValueError, r"window must be 'auto' or a number of bytes or a size string"),
         ({"window": 2.5}, TypeError, r"window must be 'auto' or a number of bytes"),
         ({"window": 0}, ValueError, r"window must be at least 1 byte"),
-        ({"policy": "lru"}, ValueError, r"unknown policy 'lru': choose one of 'auto', 'window', 'fixed_distance'"),
-        ({"policy": None}, ValueError, r"unknown policy None: choose one of"),
+        ({"policy": "lru"}, ValueError, r"unknown policy 'lru': choose one of 'window', 'fixed_distance'.*'auto'"),
+        ({"policy": 3}, ValueError, r"unknown policy 3: choose one of"),
+        ({"strategy": "checkpoint"}, ValueError, r"unknown strategy 'checkpoint': SwapManager runs strategy='auto'"),
+        ({"strategy": "auto", "policy": "all"}, ValueError, r"pass strategy='auto' or policy='all', not both"),
         ({"min_bytes": "small"}, ValueError, r"min_bytes must be .*size string.*or None"),
         ({"min_bytes": -1}, ValueError, r"min_bytes must not be negative"),
         ({"device": "gpu0"}, ValueError, r"device must be 'cpu', 'cuda', 'cuda:N', an int or a torch.device"),
@@ -47,6 +49,21 @@ def test_accepted_forms():
                    {"min_bytes": None}, {"min_bytes": 0}, {"host_pool_limit": "64MiB"},
                    {"device": torch.device("cpu")}, {"swapout_threshold": 3, "swapin_ahead": 2}):  # fmt: skip
         swap.SwapManager(**{"device": "cpu", "budget": "1GiB", **kwargs})
+
+
+def test_auto_is_a_strategy_and_policy_auto_still_means_it_with_a_warning():
+    # Note [Policy and strategy]: "auto" is the joint keep / swap / recompute strategy, the default; policy= alone
+    # swaps only; policy="auto", the old spelling, keeps working and says the new one.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert swap.SwapManager(device="cpu", budget="1GiB").policy == "auto"
+        assert swap.SwapManager(device="cpu", budget="1GiB", strategy="auto").policy == "auto"
+        assert swap.SwapManager(device="cpu", budget="1GiB", policy="all").policy == "all"
+    with pytest.warns(DeprecationWarning, match=r"SwapManager\(strategy='auto'\)"):
+        old = swap.SwapManager(device="cpu", budget="1GiB", policy="auto")
+    assert old.policy == "auto"
 
 
 def test_exclude_takes_one_module_even_a_container_and_its_parameters_stay():
@@ -80,8 +97,8 @@ class FakeDeviceProperties:
 
 
 def test_a_budget_above_the_device_memory_is_refused_naming_what_fits(monkeypatch):
-    # Issue 20: a budget above the device's memory was planned without a word (Note [A budget above the
-    # device's memory] in swap/planning/budget.py).
+    # A budget above the device's memory was once planned without a word (Note [A budget above the
+    # device's memory] in swap/schedule/budget.py).
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: FakeDeviceProperties())
     with pytest.raises(ValueError, match=r"a budget of 500.00 GiB is more than the memory of cuda:0 \(16.00 GiB\): "
                                          r"pass budget='16GiB' or less, or budget=None"):  # fmt: skip

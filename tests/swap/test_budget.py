@@ -9,7 +9,7 @@ import torch
 from training import KiB, assert_bitwise_equal, assert_within, run
 
 import swap
-from bench import models
+from swap.forecast import zoo as models
 
 
 @functools.cache
@@ -105,7 +105,7 @@ def test_infeasible_budget_figures_are_consistent_and_exact():
     assert f"({budget} bytes)" in text and f"({budget + 1} bytes)" in text and "1 B over" in text
     assert f"min_budget={budget + 1}" in text
     assert err["not_swappable"] + err["held_by_forward"] + err["working_set"] == err["min_budget"]
-    assert err["lever"] in swap.planning.budget.LEVERS and err["advice"] in text
+    assert err["lever"] in swap.schedule.budget.LEVERS and err["advice"] in text
     assert "variable" not in text  # names the module, not internal indices
 
 

@@ -6,9 +6,9 @@ import json
 import pytest
 
 from bench import swap_schedule
-from bench.swap_trace import sequence_from_trace
 from bench.traces import capture
-from swap.planning.devices import PROFILES, profile
+from swap.forecast.devices import PROFILES, profile
+from swap.forecast.from_trace import sequence_from_trace
 
 
 def test_v100_profile_reproduces_the_papers_no_swap_baseline():
@@ -16,7 +16,7 @@ def test_v100_profile_reproduces_the_papers_no_swap_baseline():
     dev = profile("v100")
     seq = sequence_from_trace(trace, cost=dev)
     images_per_s = 64 / sum(seq.compute)
-    assert images_per_s == pytest.approx(336, rel=0.03)  # seed 001 Table 1, V100 baseline, batch 64
+    assert images_per_s == pytest.approx(336, rel=0.03)  # window-scheduling paper, Table 1: V100, batch 64
 
 
 def test_profiles_are_documented_data():

@@ -1,4 +1,4 @@
-"""policy="auto" in the runtime: the manager checkpoints modules it chose, keeps and swaps what the plan says,
+"""strategy="auto" in the runtime: the manager checkpoints modules it chose, keeps and swaps what the plan says,
 and training stays bitwise equal (losses, gradients, BatchNorm statistics) and within the budget."""
 
 import sys
@@ -10,8 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import swap
-from swap.planning.joint import BASELINES, JointResult, Strategy, search
-from swap.planning.regions import RecomputePlan, Region
+from swap.joint.regions import RecomputePlan, Region
+from swap.joint.search import BASELINES, JointResult, Strategy, search
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from third_party import run_kwargs  # noqa: E402
@@ -190,7 +190,7 @@ def test_a_users_own_checkpoint_keeps_working_and_is_not_wrapped_again():
 
 def test_modules_are_unwrapped_on_exit_and_after_an_exception():
     torch.manual_seed(0)
-    from bench import models
+    from swap.forecast import zoo as models
 
     model = models.gpt(n_layer=2, n_head=4, d_model=64, vocab=256, seq_len=64)
     x, y = models.example_batch(model, 8, 64, torch.Generator().manual_seed(0))
@@ -209,7 +209,7 @@ def test_modules_are_unwrapped_on_exit_and_after_an_exception():
 def test_the_sequence_model_matches_what_the_runtime_records_and_auto_wins_on_it():
     # A forced plan (full checkpointing, and selective) on the zoo GPT: the sequence with_regions predicts from
     # the profile is the one the re-profiled iteration records, step for step; its memory within 20 %.
-    from swap.planning.regions import with_regions
+    from swap.joint.regions import with_regions
 
     ref = run("gpt", 4, meter=swap.LiveBytesMeter("cpu"))
     budget = int(unswapped_peak(ref) * 0.7)
@@ -228,14 +228,14 @@ def test_the_sequence_model_matches_what_the_runtime_records_and_auto_wins_on_it
         assert (model.var, model.kind, model.sizes) == (real.var, real.kind, real.sizes), name
         assert (model.freed, model.node_last) == (real.freed, real.node_last), name
         assert abs(model.no_swap_peak() - real.no_swap_peak()) <= 0.2 * real.no_swap_peak(), name
-        # The joint policy on this real profile: never slower than a baseline.
+        # The joint strategy on this real profile: never slower than a baseline.
         result = search(ev)
         for b, o in result.baselines.items():
             assert not o.feasible or result.best.step_time <= o.step_time, b
 
 
 def test_a_plan_that_does_not_fit_is_reported_and_the_manager_swaps_only():
-    from swap.planning.joint import Outcome
+    from swap.joint.search import Outcome
 
     def infeasible(ev):
         return JointResult(Outcome(Strategy("checkpoint_window"), False, float("inf"), "the rerun of blocks.0 is over"),

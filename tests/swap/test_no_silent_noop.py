@@ -47,7 +47,7 @@ def test_nothing_to_manage_warns_once_naming_the_cause(kwargs, cause):
 
 
 class PreNormMLP(torch.nn.Module):
-    """One block of issue 20's MLP-Mixer: x + fc2(gelu(fc1(layer_norm(x))))."""
+    """One block of an MLP-Mixer: x + fc2(gelu(fc1(layer_norm(x))))."""
 
     def __init__(self, d: int = 256, hidden: int = 512) -> None:
         super().__init__()
@@ -87,7 +87,7 @@ def train_accumulating(name: str, manager=None, meter=None, iterations: int = 4,
 
 @pytest.mark.parametrize("name", ["mixer", "mlp"])
 def test_memory_grown_after_profiling_with_nothing_to_move_warns(name):
-    # Issue 20: with gradient accumulation the two profiled iterations are micro-batches that run before
+    # With gradient accumulation the two profiled iterations are micro-batches that run before
     # AdamW has made its state; the run goes over the budget only after them. The warning was judged at the
     # profiles alone, so the run went over the budget without a word (Note [Nothing to move, over the budget]).
     meter = swap.LiveBytesMeter("cpu")

@@ -10,7 +10,7 @@ from torch import nn
 from training import assert_bitwise_equal, assert_within, run
 
 import swap
-from bench import models
+from swap.forecast import zoo as models
 
 
 def retain_graph(model, x, y, it):

@@ -205,7 +205,7 @@ def test_infeasible_budget_names_the_module_and_the_lever(kept, held_until, tran
                    [0, 100, 0, 0, 0, 0], [1.0] * 6, held_until=held_until, kept=kept,
                    transient=[0, transient, 0, 0, 0, 0],
                    modules=["enc.layer.0", "enc.layer.1.attention", "head"])  # fmt: skip
-    need = swap.planning.budget.min_budget(seq)
+    need = swap.schedule.budget.min_budget(seq)
     with pytest.raises(InfeasibleBudget) as e:
         make_schedule(seq, need - 50, 100, "window")
     err = e.value
@@ -220,7 +220,7 @@ def test_a_backward_node_holds_what_it_unpacked_until_it_has_run():
     # A compiled region's backward unpacks v0, v1, v2 at once (node_last): releasing v0 at step 4 frees nothing.
     seq = Sequence([0, 1, 2, 0, 1, 2], ["save"] * 3 + ["use"] * 3, [100, 100, 100], [0] * 6, [1.0] * 6,
                    node_last=[0, 1, 2, 5, 5, 5], freed=[6, 6, 6])  # fmt: skip
-    assert swap.planning.budget.step_floors(seq)[5] == 300
+    assert swap.schedule.budget.step_floors(seq)[5] == 300
     with pytest.raises(InfeasibleBudget):
         make_schedule(seq, 299, policy="all")
     s = make_schedule(seq, 300, policy="all")

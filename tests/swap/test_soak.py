@@ -19,7 +19,7 @@ import torch
 from training import assert_within
 
 import swap
-from bench import models
+from swap.forecast import zoo as models
 
 ITERATIONS = 300
 BLOCK = 25  # iterations per sequence length

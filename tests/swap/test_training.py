@@ -21,7 +21,7 @@ def budget_for(name: str) -> tuple[int, int]:
     """A budget between the least any schedule needs and the no-swap peak (profiled by a run that fits)."""
     probe = run(name, 3, manager=lambda: swap.SwapManager(budget="64GiB", device="cpu", min_bytes=16 * KiB))
     seq = probe["manager"].sequence
-    floor = swap.planning.budget.min_budget(seq)
+    floor = swap.schedule.budget.min_budget(seq)
     _, no_swap_peak = reference(name)
     budget = floor + (no_swap_peak - floor) // 3
     assert budget < no_swap_peak, "the test model must not fit the budget without swapping"
@@ -63,7 +63,7 @@ def test_host_pool_stops_growing_after_the_second_iteration():
 
     import torch
 
-    from bench import models
+    from swap.forecast import zoo as models
 
     torch.manual_seed(0)
     model = models.resnet((1, 1, 1, 1), width=8, num_classes=10)

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from bench import models
+from swap.forecast import zoo as models
 
 SEQ, VOCAB = 64, 128
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from bench import models
+from swap.forecast import zoo as models
 
 KiB = 1024
 

@@ -27,7 +27,7 @@ def run_python(code: str, env_conf: str = "backend=host,capacity=8MiB,chunk_size
     return r.stdout
 
 
-# -- finding the CUDA headers (issue 8 item 7) ---------------------------------------------------------------
+# -- finding the CUDA headers the adapter compiles against ------------------------------------------------------------
 
 
 def make_header(d: Path, name: str = "cuda.h") -> Path:
@@ -242,7 +242,7 @@ def test_mem_pool_malloc_keeps_the_cause_of_a_null_and_prints_what_is_not_out_of
     assert len(printed) == 1 and "not for lack of memory" in printed[0] and "device" in printed[0], r.stderr
 
 
-# -- swap finds vmalloc before its first allocation (issue 8 item 3) -----------------------------------------
+# -- swap finds vmalloc before its first allocation ------------------------------------------------------
 
 
 def test_swap_uses_vmalloc_when_installed_even_before_the_arena_exists():

@@ -208,7 +208,7 @@ def test_free_never_creates_an_arena_and_never_throws():
 
 
 def test_init_hook_takes_the_device_count_and_makes_no_arena():
-    """Issue 8 item 1: torch calls init_fn(device_count); on a one-device view, device 1 must not be tried."""
+    """torch calls init_fn(device_count); on a one-device view, device 1 must not be tried."""
     r = run(
         """
         lib.vmalloc_init(1)              # torch: one device

@@ -51,7 +51,7 @@ def test_free_on_one_stream_reuse_on_another_waits_for_the_first(mem):
 
 
 def test_record_stream_delays_reuse_and_adds_no_wait_to_the_allocation_stream(mem):
-    """Issue 8 item 5: record_stream is not folded into the allocation stream at free."""
+    """record_stream is not folded into the allocation stream at free."""
     fc, (a, b) = mem.fc, mem.own
     ar = arena()
     p = ar.malloc(2 * CHUNK, a)
@@ -121,7 +121,7 @@ def test_destroying_the_arena_waits_for_work_on_freed_memory(mem):
 
 
 def test_capture_serves_the_cache_defers_frees_and_refuses_the_rest(mem):
-    """Issue 8 item 6, core side: during capture nothing is mapped, unmapped or synchronized on the
+    """CUDA-graph capture, core side: during capture nothing is mapped, unmapped or synchronized on the
     capturing stream; what needs it fails with CaptureError; frees are deferred until the capture ends."""
     fc, (a, _) = mem.fc, mem.own
     ar = arena()

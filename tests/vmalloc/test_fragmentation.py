@@ -4,8 +4,8 @@ allocation as large as all free memory must succeed (and, on a best-fit caching 
 import pytest
 
 import vmalloc
-from bench.torch_policy import ExpandableSegmentsModel, NativeCachingModel
 from bench.workloads import fragmentation_workload
+from swap.forecast.replay.torch_policy import ExpandableSegmentsModel, NativeCachingModel
 
 MiB = 1024 * 1024
 CAPACITY = 256 * MiB

@@ -1,8 +1,9 @@
-"""Seed 000's σ·T + δ rule and the tile grid (pure integer arithmetic, swap.planning.tiling.geometry)."""
+"""Fused tiling's σ·T + δ rule (an output slice of extent T needs σ·T + δ of the input) and the tile grid (pure
+integer arithmetic, swap.tiling.plan.geometry)."""
 
 from __future__ import annotations
 
-from swap.planning.tiling.geometry import Window, grid, halo, receptive_extent, spans
+from swap.tiling.plan.geometry import Window, grid, halo, receptive_extent, spans
 
 
 def test_an_output_slice_needs_sigma_t_plus_delta_inputs_with_border_padding_apart() -> None:

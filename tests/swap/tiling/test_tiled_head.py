@@ -24,7 +24,7 @@ from tiling_models import TOLERANCE, assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import swap
-from swap.planning.tiling.head import HeadShape, tokens_per_tile
+from swap.tiling.plan.head import HeadShape, tokens_per_tile
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from tiling_models import Residual, vgg
 
 import swap
-from swap.planning.tiling.analyze import analyze, trace
+from swap.tiling.plan.analyze import analyze, trace
 
 
 def graph_of(model: torch.nn.Module, shape: tuple[int, ...]):

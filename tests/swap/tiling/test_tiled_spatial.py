@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tiling_models import Mixed2d, assert_close, chain1d, chain3d, vgg
 
 import swap
-from swap.runtime.tiling.model import TiledModel
+from swap.tiling.run.model import TiledModel
 
 
 def compare(model: torch.nn.Module, shape: tuple[int, ...], dtype: torch.dtype, **tiling) -> TiledModel:
@@ -171,7 +171,7 @@ def test_backward_recomputes_under_the_forward_autocast() -> None:
 @pytest.mark.parametrize("name", ["resnet-train", "unet-eval"])
 def test_residual_and_skip_networks_tile_between_their_joins(name: str) -> None:
     """Residual adds and U-Net concatenations end segments; training-mode BatchNorm runs untiled between them."""
-    from swap import zoo
+    from swap.forecast import zoo
 
     if name == "resnet-train":
         model, shape = zoo.resnet((1, 1, 1, 1), width=8, num_classes=10), (2, 3, 48, 48)
@@ -184,7 +184,7 @@ def test_residual_and_skip_networks_tile_between_their_joins(name: str) -> None:
 def test_tiles_copied_from_another_device_compute_the_same(monkeypatch) -> None:
     """Note [Host inputs]: the path where each tile's slice is copied to the compute device and its input
     gradient copied back (forced here: on CPU the two devices are one)."""
-    from swap.runtime.tiling.function import Tiling
+    from swap.tiling.run.function import Tiling
 
     monkeypatch.setattr(Tiling, "moves", lambda self, x: True)
     compare(chain1d(), (2, 2, 67), torch.float64, tiles=4, swapped=True)

@@ -1,0 +1,209 @@
+"""Device profiles for the cost model: peak compute, memory bandwidth, host link, memory size.
+
+Note [Device profiles]
+Numbers are the vendors' datasheet peaks (dense, i.e. without 2:4 sparsity); ``efficiency`` scales them to
+what training kernels reach. It is calibrated once, on V100, to the no-swap baseline of the window-scheduling
+paper (arXiv 2010.14109): with 0.74, the per-operator roofline (Note [Per-operator roofline]) over the captured
+ResNet-50 batch-64 step (24.3 GFLOP and 0.80 GB moved per image) gives 338 images/s, the paper's V100 figure being 336
+(tests/swap/test_cost_model.py checks it; with one roofline per segment instead, 0.71 gave 336). The same fraction is
+used for the other devices, an assumption until a measured profile replaces it (``measured``:
+the link bandwidths and per-step times ``SwapManager.save_profile`` writes on the GPU itself).
+``op_overhead`` (seconds per operator beyond its roofline: launches, the framework) is 0 for the datasheet
+profiles, which have nothing measured to set it from; the CPU profile measures it, and also the rates of the
+operator classes the roofline misprices there and the first touch of large allocations (``class_rates``,
+``attention_flops``, ``fresh_page_bandwidth``: Note [Operator classes] in pricing.py), which the datasheet
+profiles leave unset.
+
+fp32 operators run on the fp32 peak (PyTorch's default keeps TF32 off for matmuls); bf16/fp16 operators on
+the tensor-core peak. Host links are per direction: PCIe Gen4 x16 is 32 GB/s nominal and pinned copies reach
+about 25; Gen5 x16 is 64 nominal, about 55 reached.
+
+- v100-16gb: fp32 15.7 TF, fp16 tensor 125 TF; 900 GB/s HBM2, 16 GB; NVLink 2.0 to an IBM POWER9, 50 GB/s
+  each way (the window-scheduling paper's "2x50 GB/s"). Sources: NVIDIA Tesla V100 datasheet; that paper's
+  Section 5.
+- p100-16gb: fp32 10.6 TF, fp16 21.2 TF; 732 GB/s HBM2, 16 GB; NVLink 1.0 to POWER8, 40 GB/s (TFLMS's
+  Minsky). Sources: NVIDIA Tesla P100 datasheet; the TFLMS paper's Section 5.
+- a100-40gb / a100-80gb (PCIe): fp32 19.5 TF, TF32 156 TF, bf16 312 TF; 1555 / 1935 GB/s HBM2(e), 40 / 80 GB;
+  PCIe Gen4 x16. Source: NVIDIA A100 Tensor Core GPU datasheet.
+- h100-sxm: fp32 67 TF, TF32 495 TF, bf16 989 TF; 3350 GB/s HBM3, 80 GB; PCIe Gen5 x16 to the host (NVLink
+  joins GPUs, not the CPU). Source: NVIDIA H100 Tensor Core GPU datasheet (SXM5).
+- h100-pcie: fp32 51 TF, TF32 378 TF, bf16 756 TF; 2000 GB/s HBM2e, 80 GB; PCIe Gen5 x16. Source: NVIDIA H100
+  Tensor Core GPU datasheet (PCIe).
+- l4: fp32 30.3 TF, TF32 60 TF, bf16 121 TF; 300 GB/s GDDR6, 24 GB; PCIe Gen4 x16. Source: NVIDIA L4 datasheet.
+- rtx4090: fp32 82.6 TF, TF32 82.6 TF, bf16 165.2 TF (with fp32 accumulate, what PyTorch uses); 1008 GB/s
+  GDDR6X, 24 GB; PCIe Gen4 x16. Source: NVIDIA Ada Lovelace GPU architecture whitepaper, appendix A.
+
+Old short names stay as aliases (``v100``, ``p100``, ``h100`` = h100-sxm: the SXM5 part, whose host link is
+PCIe Gen5 all the same), so earlier commands and results keep their meaning.
+
+Other per-device figures (e.g. the cost of VMM driver calls) belong in tables keyed by these profile names,
+or in fields added here with defaults, so every profile keeps constructing without them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import numpy as np
+
+from ..schedule.budget import refuse_over_memory
+from ..units import size_arg
+
+log = logging.getLogger("swap")
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    fp32_flops: float  # FLOP/s
+    lowp_flops: float  # FLOP/s for bf16/fp16 (tensor cores)
+    mem_bandwidth: float  # bytes/s
+    h2d_bandwidth: float  # bytes/s, host to device
+    d2h_bandwidth: float  # bytes/s, device to host
+    memory: int  # bytes
+    efficiency: float = 0.74  # fraction of peak compute and bandwidth that training kernels reach
+    tf32_flops: float = 0.0  # FLOP/s on tensor cores in TF32 (0: none); informational, see the Note
+    source: str = ""  # where the figures come from
+    op_overhead: float = 0.0  # seconds each operator costs beyond its roofline (launch, framework); 0: unmeasured
+    # Measured rates per operator class, where the roofline's two numbers are not enough (Note [Operator
+    # classes] in pricing.py): class -> (FLOP/s, bytes/s), 0 where the class has no such term; and CPU flash
+    # attention's FLOP/s by head dim, as (head dim, FLOP/s) pairs. None / (): every operator on the roofline
+    # (the datasheet GPU profiles).
+    class_rates: Optional[dict[str, tuple[float, float]]] = None
+    attention_flops: tuple[tuple[int, float], ...] = ()
+    fresh_page_bandwidth: float = 0.0  # bytes/s at which a large allocation's fresh pages fault in; 0: free
+
+    def step_seconds(self, flops: Any, nbytes: Any, low_precision: Any = False) -> Any:
+        """Roofline: an operator takes the longer of its compute and its memory traffic, plus the per-operator
+        overhead. Scalars give a float; numpy arrays are priced elementwise (swap.forecast.pricing)."""
+        peak = np.where(low_precision, self.lowp_flops, self.fp32_flops)
+        seconds = np.maximum(np.divide(flops, peak * self.efficiency),
+                             np.divide(nbytes, self.mem_bandwidth * self.efficiency)) + self.op_overhead  # fmt: skip
+        return seconds if seconds.ndim else float(seconds)
+
+
+class _Profiles(dict):
+    """The profiles by name; an old short name (``ALIASES``) still indexes its profile, without being listed."""
+
+    def __missing__(self, key: str) -> DeviceProfile:
+        if key in ALIASES:
+            return self[ALIASES[key]]
+        raise KeyError(key)
+
+
+PCIE3, PCIE4, PCIE5 = 12 * GB, 25 * GB, 55 * GB
+PROFILES = _Profiles({
+    "v100-16gb": DeviceProfile(
+        "V100-16GB, NVLink 2x50 GB/s to a POWER9", 15.7e12, 125e12, 900 * GB, 50 * GB, 50 * GB, 16 << 30,
+        source="NVIDIA Tesla V100 datasheet; the window-scheduling paper (arXiv 2010.14109) Section 5 (IBM POWER9, "
+               "NVLink 2.0 to the CPU)",
+    ),
+    "p100-16gb": DeviceProfile(
+        "P100-16GB, NVLink 40 GB/s (TFLMS)", 10.6e12, 21.2e12, 732 * GB, 40 * GB, 40 * GB, 16 << 30,
+        source="NVIDIA Tesla P100 datasheet; the TFLMS paper, Section 5 (POWER8 Minsky, NVLink 1.0)",
+    ),
+    "a100-40gb": DeviceProfile(
+        "A100-40GB, PCIe Gen4 x16", 19.5e12, 312e12, 1555 * GB, PCIE4, PCIE4, 40 << 30, tf32_flops=156e12,
+        source="NVIDIA A100 Tensor Core GPU datasheet (A100 40GB PCIe)",
+    ),
+    "a100-80gb": DeviceProfile(
+        "A100-80GB, PCIe Gen4 x16", 19.5e12, 312e12, 1935 * GB, PCIE4, PCIE4, 80 << 30, tf32_flops=156e12,
+        source="NVIDIA A100 Tensor Core GPU datasheet (A100 80GB PCIe)",
+    ),
+    "h100-sxm": DeviceProfile(
+        "H100-SXM5-80GB, PCIe Gen5 x16 to the host", 67e12, 989e12, 3350 * GB, PCIE5, PCIE5, 80 << 30,
+        tf32_flops=495e12, source="NVIDIA H100 Tensor Core GPU datasheet (H100 SXM); PCI-SIG Gen5 x16",
+    ),
+    "h100-pcie": DeviceProfile(
+        "H100-PCIe-80GB, PCIe Gen5 x16", 51e12, 756e12, 2000 * GB, PCIE5, PCIE5, 80 << 30, tf32_flops=378e12,
+        source="NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe); PCI-SIG Gen5 x16",
+    ),
+    "l4": DeviceProfile(
+        "L4-24GB, PCIe Gen4 x16", 30.3e12, 121e12, 300 * GB, PCIE4, PCIE4, 24 << 30, tf32_flops=60e12,
+        source="NVIDIA L4 Tensor Core GPU datasheet",
+    ),
+    "rtx4090": DeviceProfile(
+        "GeForce RTX 4090-24GB, PCIe Gen4 x16", 82.6e12, 165.2e12, 1008 * GB, PCIE4, PCIE4, 24 << 30,
+        tf32_flops=82.6e12, source="NVIDIA Ada Lovelace GPU architecture whitepaper, appendix A (RTX 4090)",
+    ),
+    "rtx2080ti-11gb": DeviceProfile(
+        "GeForce RTX 2080 Ti-11GB, PCIe Gen3 x16", 13.45e12, 53.8e12, 616 * GB, PCIE3, PCIE3, 11 << 30,
+        source="NVIDIA Turing GPU architecture whitepaper, appendix A, table 9 (GeForce RTX 2080 Ti Founders "
+               "Edition: 4352 CUDA cores at 1545 MHz boost, FP16 tensor FLOPS with FP32 accumulate, 616 GB/s "
+               "GDDR6, 11 GB); PCI-SIG Gen3 x16; the device of SFT (segmented fused-tiled execution, CC'22)",
+    ),
+})  # fmt: skip
+ALIASES = {"v100": "v100-16gb", "p100": "p100-16gb", "h100": "h100-sxm"}
+
+
+def profile(name: str) -> DeviceProfile:
+    """The named profile (or an alias of one)."""
+    key = name.lower()
+    key = ALIASES.get(key, key)
+    try:
+        return PROFILES[key]
+    except KeyError:
+        names = ", ".join(list(PROFILES) + list(ALIASES))
+        raise ValueError(f"unknown device profile {name!r}: choose one of {names}") from None
+
+
+def refuse_budget_above(budget: int, dev: DeviceProfile, label: str = "",
+                        spell: Callable[[str, str], str] = lambda option, v: f"{option}={v!r}") -> None:  # fmt: skip
+    """ValueError when ``budget`` is more than the device's memory (Note [A budget above the device's memory]
+    in budget.py), naming the largest budget that fits and the profiles that have that much memory.
+    ``label``: the device as the user named it; ``spell(option, value)`` writes an option as the caller takes
+    it ("budget='16GiB'", "--budget 16GiB")."""
+    instead = f"pass {spell('budget', size_arg(dev.memory))} or less"
+    larger = [name for name, p in PROFILES.items() if p.memory >= budget]
+    if larger:
+        also = f"; also {', '.join(larger[1:])}" if larger[1:] else ""
+        instead += f", or a device with that much memory ({spell('device', larger[0])}{also})"
+    refuse_over_memory(budget, dev.memory, f"the memory of {label or dev.name}", instead)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a measured profile (``SwapManager.save_profile``) says about the device: link bandwidths, and the
+    compute seconds of the iteration it profiled (at ``batch``, when the file records it)."""
+
+    device: str
+    h2d_bandwidth: Optional[float]
+    d2h_bandwidth: Optional[float]
+    compute_seconds: float
+    saved_bytes: int  # bytes of the swappable variables of the profiled iteration
+    batch: Optional[int]
+    path: str
+
+
+def read_measured(path: Union[str, Path]) -> Measured:
+    """Reads a file written by ``SwapManager.save_profile``."""
+    from ..schedule.sequence import Sequence
+
+    seq, meta = Sequence.load(path)
+    return Measured(
+        device=str(meta.get("device", "measured")),
+        h2d_bandwidth=meta.get("h2d_bandwidth"),
+        d2h_bandwidth=meta.get("d2h_bandwidth"),
+        compute_seconds=float(sum(seq.compute)),
+        saved_bytes=int(sum(s for s, ok in zip(seq.sizes, seq.swappable) if ok)),
+        batch=meta.get("batch"),
+        path=str(path),
+    )
+
+
+def with_measured(base: DeviceProfile, m: Measured, roofline_seconds: Optional[float] = None) -> DeviceProfile:
+    """``base`` with the measured link bandwidths, and with ``efficiency`` set so that the roofline gives the
+    measured compute time (``roofline_seconds``: the roofline's time for the same iteration at efficiency 1)."""
+    changes: dict[str, Any] = {"name": f"{base.name}, measured ({m.device}, {Path(m.path).name})"}
+    if m.h2d_bandwidth:
+        changes["h2d_bandwidth"] = float(m.h2d_bandwidth)
+    if m.d2h_bandwidth:
+        changes["d2h_bandwidth"] = float(m.d2h_bandwidth)
+    if roofline_seconds and m.compute_seconds > 0:
+        changes["efficiency"] = roofline_seconds / m.compute_seconds
+    return dataclasses.replace(base, **changes)

@@ -1,2 +1,0 @@
-"""Tiled execution's deciding half (seed 000): which operators tile, the segments, the tile counts from the
-budget, the predicted peak and step time. Pure where it can be; ``analyze`` runs the model on the meta device."""

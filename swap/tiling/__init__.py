@@ -1,0 +1,9 @@
+"""Tiled execution, for activations too large for the device even one at a time: a chain of convolutions, or
+a causal LM's head and loss, runs tile by tile, with only the chain's boundaries kept whole, and the tile counts
+chosen so the step fits the budget (Note [FT-compatible operators] in ``plan/rules.py``).
+
+``plan/`` decides (which operators tile, the segments, the tile counts from the budget, the predicted peak
+and step time, the largest image per strategy); ``run/`` executes (the tiled autograd function, spatial
+segments, the tiled model and LM head, ``swap.tiled``). The room sits above the forecast: ``swap.tiled`` prices
+tiles on the forecast's device profiles (``swap.forecast.devices``).
+"""
