@@ -111,7 +111,7 @@ import swap
 from swap.capture import capture
 from swap.capture.flops import operator_flops
 from swap.capture.traffic import moved_bytes
-from swap.forecast.devices import DeviceProfile
+from swap.devices import DeviceProfile
 from swap.forecast.pricing import CLASS_OF, FRESH_PAGES_MIN, OP_CLASSES, iteration_seconds, packet
 
 ROOT = Path(__file__).resolve().parents[1]

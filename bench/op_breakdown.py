@@ -19,7 +19,7 @@ import numpy as np
 from torch.profiler import ProfilerActivity, profile
 
 from swap.capture import OP, Trace
-from swap.forecast.devices import DeviceProfile
+from swap.devices import DeviceProfile
 from swap.forecast.pricing import event_seconds
 
 KINDS = ("matmul/conv", "attention", "other", "per-operator overhead")

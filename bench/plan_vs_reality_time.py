@@ -56,8 +56,8 @@ from bench.checkpointing import checkpoint_blocks
 from bench.plan_vs_reality import MIN_BYTES, gpt2, optimizer, resnet, unet
 from bench.write import write_results
 from swap.capture import capture
+from swap.devices import DeviceProfile
 from swap.forecast import zoo
-from swap.forecast.devices import DeviceProfile
 from swap.forecast.from_trace import sequence_from_trace
 from swap.forecast.pricing import iteration_seconds
 from swap.schedule.simulator import choose_window

@@ -33,8 +33,8 @@ from bench.traces import MODELS, cached_capture
 from bench.vmm_costs import for_device
 from swap import InfeasibleBudget, Sequence, choose_window
 from swap.capture.target import target_kernels
+from swap.devices import DeviceProfile, profile
 from swap.forecast import zoo as models
-from swap.forecast.devices import DeviceProfile, profile
 from swap.forecast.replay.replay import measure
 from swap.joint.recompute import choose, recipes, with_recompute
 
@@ -215,7 +215,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.projection", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--device", default="h100-sxm", help="device profile (swap.forecast.devices.PROFILES)")
+    ap.add_argument("--device", default="h100-sxm", help="device profile (swap.devices.PROFILES)")
     ap.add_argument("--memory", default=None, help="device memory (default: the profile's; --quick: 1GiB)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args(argv)

@@ -25,7 +25,7 @@ import torch
 from bench.plan_vs_reality_time import checkpointed
 from bench.write import write_results
 from swap.capture import OP, SAVE, USE, Trace, capture
-from swap.forecast.devices import DeviceProfile, profile
+from swap.devices import DeviceProfile, profile
 from swap.forecast.pricing import iteration_seconds, low_precision_model
 from swap.forecast.zoo import ZOO
 

@@ -6,7 +6,7 @@ the window-scheduling paper (arXiv 2010.14109) and more.
     python -m bench.swap_schedule --quick     # a smoke run
 
 For each workload and batch: the training steps are captured on the meta device (bench.traces), each
-step's compute time comes from its FLOPs and bytes on a device profile's roofline (swap.forecast.devices), and every
+step's compute time comes from its FLOPs and bytes on a device profile's roofline (swap.devices), and every
 policy's schedule is replayed on the event simulator (swap.schedule.simulator: a compute stream and independent H2D
 and D2H engines). Columns: no swap (OOM when PyTorch's native allocator cannot hold the run), fixed_distance
 with TFLMS's defaults and with its best setting from a small sweep, all (vDNN), window (auto window), window
@@ -34,7 +34,7 @@ from bench.traces import Trace, cached_capture
 from bench.vmm_costs import VmmCosts, for_device
 from bench.vmm_work import StepWork, step_work
 from swap import InfeasibleBudget, Schedule, Sequence, choose_window, simulate
-from swap.forecast.devices import DeviceProfile, profile
+from swap.devices import DeviceProfile, profile
 from swap.forecast.from_trace import sequence_from_trace, swapped
 from swap.forecast.planner import largest_fitting
 from swap.forecast.replay import BUDGET_FRACTIONS
@@ -341,7 +341,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.swap_schedule", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--device", default="v100-16gb", help="device profile (swap.forecast.devices.PROFILES)")
+    ap.add_argument("--device", default="v100-16gb", help="device profile (swap.devices.PROFILES)")
     ap.add_argument("--budget", default=None, help="device memory for the run (default: the profile's)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument(

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from swap.forecast.devices import profile
+from swap.devices import profile
 from swap.forecast.zoo import vgg16
 from swap.tiling.plan.largest import IMAGE_STRATEGIES, image_graph, largest_images, plan_image
 from swap.units import fmt_bytes

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .capture import CaptureError
-from .forecast.devices import ALIASES, PROFILES, refuse_budget_above
-from .forecast.devices import profile as device_profile
+from .devices import ALIASES, PROFILES, refuse_budget_above
+from .devices import profile as device_profile
 from .forecast.planner import plan
 from .forecast.replay import ALLOCATORS
 from .forecast.strategies import STRATEGIES

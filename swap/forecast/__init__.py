@@ -4,7 +4,7 @@ the model fits a GPU with swapping, and how fast it runs, before anything runs o
 
 ``planner`` (``plan``) and ``predict`` (``predict_peak``) capture the training step (``swap.capture``) and plan
 it: ``from_trace`` and ``ops_from_trace`` turn a trace into the scheduler's sequence and the joint search's
-operator table, ``devices`` holds the device profiles and ``pricing`` prices operators on them, ``strategies``
+operator table, ``pricing`` prices operators on the device profiles (``swap.devices``), ``strategies``
 compares the keep / swap / recompute strategies (``swap.joint``), ``replay/`` replays a trace against an
 allocator, ``result`` is ``swap.Plan``, and ``zoo`` the built-in models of the command line and benchmarks."""
 

@@ -20,10 +20,10 @@ from typing import Optional, Union
 import numpy as np
 
 from ..capture.trace import ALLOC, FREE, ITER_BEGIN, ITER_END, SAVE, TAG, UNREF, USE, Trace
+from ..devices import DeviceProfile
 from ..schedule.scheduler import Schedule
 from ..schedule.sequence import Sequence
 from ..schedule.simulator import schedule_for
-from .devices import DeviceProfile
 from .pricing import event_seconds
 
 Cost = Union[DeviceProfile, np.ndarray]  # a device to price every event on, or seconds per event

@@ -36,9 +36,9 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..capture.trace import ALLOC, OP, PHASE, SAVE, USE, Trace
+from ..devices import DeviceProfile
 from ..joint.autograd_saves import saves_first_output
 from ..joint.ops import Op, OpTable, RegionCall, in_place_name, is_index
-from .devices import DeviceProfile
 from .pricing import event_seconds
 
 # What a name alone says cannot be rerun (Note [Operators that cannot be rerun] in swap.runtime.op_facts).

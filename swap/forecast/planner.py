@@ -18,14 +18,14 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ..capture import CaptureError, LinearTrace, Trace, capture
+from ..devices import DeviceProfile, read_measured, refuse_budget_above, with_measured
+from ..devices import profile as device_profile
 from ..schedule.scheduler import POLICIES, InfeasibleBudget
 from ..schedule.scheduler import plan as make_schedule
 from ..schedule.sequence import Sequence
 from ..schedule.simulator import Scheduled, schedule_for
 from ..units import Size, parse_size
 from ..units import fmt_size as fmt_bytes
-from .devices import DeviceProfile, read_measured, refuse_budget_above, with_measured
-from .devices import profile as device_profile
 from .from_trace import sequence_from_trace
 from .pricing import iteration_seconds
 from .replay import ALLOCATORS, fitting_budget, measure
@@ -243,7 +243,7 @@ def plan(
         loss_fn: ``loss_fn(model, batch) -> loss``. Default: ``model(**batch).loss`` for a dict batch,
             ``cross_entropy(model(x), y)`` for an ``(x, y)`` batch.
         budget: device memory for the run, bytes or a string such as "24GiB".
-        device: a profile name (``swap.forecast.devices.PROFILES``: "h100-pcie", "a100-80gb", "rtx4090", ...) or a
+        device: a profile name (``swap.devices.PROFILES``: "h100-pcie", "a100-80gb", "rtx4090", ...) or a
             ``DeviceProfile``.
         allocator: "vmalloc", "pytorch_native", "pytorch_expandable", or None (ideal: no fragmentation).
         max_batch: the largest batch to consider (default: no limit but the budget).

@@ -12,10 +12,10 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ..capture import capture
+from ..devices import DeviceProfile
+from ..devices import profile as device_profile
 from ..schedule.simulator import schedule_for
 from ..units import Size, parse_size
-from .devices import DeviceProfile
-from .devices import profile as device_profile
 from .from_trace import sequence_from_trace
 
 

@@ -53,7 +53,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..capture.trace import ALLOC, OP, Trace
-from .devices import DeviceProfile
+from ..devices import DeviceProfile
 
 
 def low_precision_model(trace: Trace) -> bool:

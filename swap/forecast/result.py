@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from ..devices import DeviceProfile
 from ..units import fmt_size as fmt_bytes  # one byte formatter for the tables
-from .devices import DeviceProfile
 from .strategies import StrategyResult
 from .strategy_report import plot as plot_strategies
 from .strategy_report import pyplot

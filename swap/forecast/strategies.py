@@ -28,9 +28,9 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from ..capture import Trace, live_peak
+from ..devices import DeviceProfile
 from ..joint.search import BASELINES, STRATEGIES, Evaluator, Outcome, Strategy, search
 from ..schedule.sequence import Sequence
-from .devices import DeviceProfile
 from .ops_from_trace import table_from_trace
 from .pricing import event_seconds, iteration_seconds
 

@@ -2,4 +2,4 @@
 saved-tensor hooks, the tracer and recorder that profile, the copy engines, the host pool, the device-memory
 meters, the runtime side of recompute, and the report. Schedules come from ``swap.schedule`` and recompute plans
 from ``swap.joint`` (both pure, called with what the runtime measured); nothing here decides a schedule itself,
-and nothing here imports the forecast (``swap.forecast``) or tiling (``swap.tiling``), which sit beside and above."""
+and nothing here imports the forecast (``swap.forecast``) or tiling (``swap.tiling``), the rooms beside it."""

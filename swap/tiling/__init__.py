@@ -4,6 +4,6 @@ chosen so the step fits the budget (Note [FT-compatible operators] in ``plan/rul
 
 ``plan/`` decides (which operators tile, the segments, the tile counts from the budget, the predicted peak
 and step time, the largest image per strategy); ``run/`` executes (the tiled autograd function, spatial
-segments, the tiled model and LM head, ``swap.tiled``). The room sits above the forecast: ``swap.tiled`` prices
-tiles on the forecast's device profiles (``swap.forecast.devices``).
+segments, the tiled model and LM head, ``swap.tiled``). It prices tiles on the device profiles (``swap.devices``)
+and imports neither the runtime nor the forecast, the rooms beside it.
 """

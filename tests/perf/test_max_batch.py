@@ -5,7 +5,7 @@ import pytest
 import swap
 from bench.swap_schedule import fits, max_batch
 from bench.vmm_costs import for_device
-from swap.forecast.devices import profile
+from swap.devices import profile
 from swap.forecast.zoo import ZOO
 
 MODEL, SIZE, BUDGET = "unet", 64, 640 << 20  # weights, gradients and momentum take 357 MiB of it

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swap.capture import ALLOC, OP, TraceBuilder, capture
-from swap.forecast.devices import PROFILES, DeviceProfile
+from swap.devices import PROFILES, DeviceProfile
 from swap.forecast.pricing import (
     ATTENTION,
     FRESH_PAGES_MIN,

@@ -13,7 +13,7 @@ from torch import nn
 
 from swap.capture import ALLOC, FREE, ITER_BEGIN, ITER_END, OP, PHASE, SAVE, USE, LinearTrace, Trace, capture
 from swap.capture.trace import LOW_PRECISION
-from swap.forecast.devices import DeviceProfile
+from swap.devices import DeviceProfile
 from swap.forecast.from_trace import sequence_from_trace
 from swap.forecast.pricing import event_seconds, iteration_seconds
 

@@ -7,8 +7,8 @@ import torch
 
 import swap
 from swap.capture import OP, UNREF, capture
+from swap.devices import profile
 from swap.forecast import zoo
-from swap.forecast.devices import profile
 from swap.forecast.from_trace import sequence_from_trace
 from swap.forecast.ops_from_trace import table_from_trace
 from swap.joint.search import Evaluator, checkpoint, search

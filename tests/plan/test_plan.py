@@ -14,7 +14,7 @@ from tiny_models import TinyCNN, cnn_batch
 import swap
 from swap.capture import capture
 from swap.cli import main
-from swap.forecast.devices import ALIASES, PROFILES, profile
+from swap.devices import ALIASES, PROFILES, profile
 from swap.forecast.from_trace import sequence_from_trace
 
 ROOT = Path(__file__).resolve().parents[2]

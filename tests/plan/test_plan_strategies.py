@@ -10,8 +10,8 @@ import torch
 import swap
 from swap.capture import capture
 from swap.cli import main
+from swap.devices import profile
 from swap.forecast import zoo
-from swap.forecast.devices import profile
 from swap.forecast.from_trace import sequence_from_trace
 from swap.forecast.strategies import MULTIPLES, STRATEGIES, StrategyBook
 from swap.joint.search import BASELINES

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from swap.cli import main
-from swap.forecast.devices import profile
+from swap.devices import profile
 from swap.tiling.plan.largest import IMAGE_STRATEGIES, image_graph, largest_image, plan_image
 
 DEV = profile("rtx2080ti-11gb")

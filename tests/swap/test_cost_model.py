@@ -7,7 +7,7 @@ import pytest
 
 from bench import swap_schedule
 from bench.traces import capture
-from swap.forecast.devices import PROFILES, profile
+from swap.devices import PROFILES, profile
 from swap.forecast.from_trace import sequence_from_trace
 
 

@@ -155,7 +155,7 @@ def estimate(graph: OpGraph, segments: list[Segment], dev=None, lowp: bool = Fal
              extra: int = 0) -> Estimate:  # fmt: skip
     """The step's peak and time with ``segments`` tiled (Note [What a tiled segment holds]).
 
-    ``dev`` is a ``swap.forecast.devices.DeviceProfile`` (None: no time); ``extra`` bytes are live throughout
+    ``dev`` is a ``swap.devices.DeviceProfile`` (None: no time); ``extra`` bytes are live throughout
     (optimizer state, the loss's tensors); ``swapped`` puts saved tensors on the host between uses."""
     by_start = {s.start: s for s in segments}
     host = host_inputs(graph, segments) if swapped else set()  # Note [Host inputs]

@@ -7,7 +7,7 @@ from typing import Optional, Union
 
 from torch import nn
 
-from ...forecast.devices import DeviceProfile, profile
+from ...devices import DeviceProfile, profile
 from ...units import Size, parse_size
 from .head import TiledCausalLM, is_causal_lm
 from .model import TiledModel

@@ -50,8 +50,8 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
-from ..schedule.budget import refuse_over_memory
-from ..units import size_arg
+from .schedule.budget import refuse_over_memory
+from .units import size_arg
 
 log = logging.getLogger("swap")
 GB = 1e9
@@ -182,7 +182,7 @@ class Measured:
 
 def read_measured(path: Union[str, Path]) -> Measured:
     """Reads a file written by ``SwapManager.save_profile``."""
-    from ..schedule.sequence import Sequence
+    from .schedule.sequence import Sequence
 
     seq, meta = Sequence.load(path)
     return Measured(
