@@ -28,8 +28,9 @@ import torch
 
 import vmalloc
 from bench.plotting import pyplot, save
-from bench.traces import Trace, cached_capture, live_peak
+from bench.traces import cached_capture
 from bench.vmm_costs import for_device
+from swap.capture import Trace, live_peak
 from swap.forecast.from_trace import sequence_from_trace, swapped
 from swap.forecast.replay import fitting_budget
 from swap.forecast.replay.replay import ALLOCATORS, measure
@@ -86,7 +87,7 @@ def steady_calls(trace: Trace, chunk: str | int = "2MiB", block: str | int = 0) 
     block_size ``block`` (0: the default). A run of a block's chunks maps with one call (Note [Blocks and
     slices] in csrc/allocator_blocks.cpp). Also ``held_after_empty_cache``: the free bytes empty_cache could
     not give back at the end of the trace, because their block holds a chunk still in use."""
-    from bench.traces import ALLOC, FREE
+    from swap.capture import ALLOC, FREE
 
     arena = vmalloc.Arena("sim", capacity=4 << 40, chunk_size=chunk, block_size=block)
     begin, end = trace.iterations()[-1]

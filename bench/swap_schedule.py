@@ -30,10 +30,11 @@ from typing import Any, Optional
 import torch
 
 from bench.plotting import pyplot, save
-from bench.traces import Trace, cached_capture
+from bench.traces import cached_capture
 from bench.vmm_costs import VmmCosts, for_device
 from bench.vmm_work import StepWork, step_work
 from swap import InfeasibleBudget, Schedule, Sequence, choose_window, simulate
+from swap.capture import Trace
 from swap.devices import DeviceProfile, profile
 from swap.forecast.from_trace import sequence_from_trace, swapped
 from swap.forecast.planner import largest_fitting

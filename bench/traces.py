@@ -20,24 +20,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from swap.capture import (  # noqa: F401 - the names the benchmarks and tests import from here
-    ALLOC,
-    FORMAT_VERSION,
-    FREE,
-    ITER_BEGIN,
-    ITER_END,
-    SAVE,
-    TAG,
-    TAGS,
-    UNREF,
-    USE,
-    Trace,
-    TraceBuilder,
-    live_peak,
-    summary,
-)
+from swap.capture import ALLOC, FORMAT_VERSION, FREE, ITER_BEGIN, ITER_END, Trace, TraceBuilder, summary
 from swap.capture import capture as capture_step
-from swap.forecast.from_trace import swapped  # noqa: F401 - re-exported
+from swap.forecast.from_trace import swapped
 from swap.forecast.zoo import ZOO
 
 # name -> (builder, default input size), as before the zoo.

@@ -40,7 +40,8 @@ def parse_trace_spec(spec: str) -> tuple[str, int, bool]:
 
 
 def make_trace(spec: str) -> Any:
-    from bench.traces import cached_capture, live_peak
+    from bench.traces import cached_capture
+    from swap.capture import live_peak
     from swap.forecast.from_trace import swapped
 
     model, batch, swap = parse_trace_spec(spec)
@@ -57,7 +58,7 @@ def replay_on_gpu(trace_path: str, allocator: str) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from bench.traces import ALLOC, FREE, Trace
+    from swap.capture import ALLOC, FREE, Trace
 
     if allocator == "vmalloc":
         import vmalloc
@@ -138,7 +139,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             if box.expired():
                 print(f"allocator_replay: time box reached before {spec}", flush=True)
                 break
-            from bench.traces import live_peak
+            from swap.capture import live_peak
 
             trace = make_trace(spec)
             path = Path(tmp) / (common.slug(spec) + ".npz")

@@ -4,7 +4,8 @@ import pickle
 
 import pytest
 
-from bench.traces import ALLOC, FREE, SAVE, TAG, TAGS, USE, Trace, capture, import_snapshot, live_peak
+from bench.traces import capture, import_snapshot
+from swap.capture import ALLOC, FREE, SAVE, TAG, TAGS, USE, Trace, live_peak
 from swap.forecast.from_trace import sequence_from_trace, swapped
 from swap.forecast.replay.replay import measure
 

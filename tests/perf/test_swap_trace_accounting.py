@@ -2,7 +2,8 @@
 
 import pytest
 
-from bench.traces import ALLOC, FREE, capture, live_peak
+from bench.traces import capture
+from swap.capture import ALLOC, FREE, live_peak
 from swap.forecast.from_trace import plan_for, swapped
 
 

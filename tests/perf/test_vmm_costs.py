@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from bench.traces import ALLOC, FREE, ITER_BEGIN, ITER_END, SAVE, USE, Trace
 from bench.vmm_costs import COSTS, MiB, for_device, load
 from bench.vmm_work import step_work
 from swap import Schedule, Sequence, make_schedule, simulate
+from swap.capture import ALLOC, FREE, ITER_BEGIN, ITER_END, SAVE, USE, Trace
 
 US = 1e-6
 

@@ -97,7 +97,7 @@ def test_trace_specs_and_the_policy_model_error():
     for bad in ("resnet50", "resnet50:x", "gpt2:8:fast"):
         with pytest.raises(ValueError, match="MODEL:BATCH"):
             allocator_replay.parse_trace_spec(bad)
-    from bench.traces import ALLOC, FREE, Trace
+    from swap.capture import ALLOC, FREE, Trace
 
     n = 6
     op = np.array([ALLOC, ALLOC, FREE, ALLOC, FREE, FREE], dtype=np.uint8)
