@@ -122,7 +122,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    try:  # before any capture: Note [A budget above the device's memory] (budget.py)
+    try:  # before any capture: Note [A budget above the device's memory] (swap/schedule/budget.py)
         refuse_budget_above(parse_size(args.budget, "--budget", minimum=1), device_profile(args.device), args.device,
                             spell=lambda option, value: f"--{option} {value}")  # fmt: skip
     except ValueError as e:

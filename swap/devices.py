@@ -11,8 +11,8 @@ the link bandwidths and per-step times ``SwapManager.save_profile`` writes on th
 ``op_overhead`` (seconds per operator beyond its roofline: launches, the framework) is 0 for the datasheet
 profiles, which have nothing measured to set it from; the CPU profile measures it, and also the rates of the
 operator classes the roofline misprices there and the first touch of large allocations (``class_rates``,
-``attention_flops``, ``fresh_page_bandwidth``: Note [Operator classes] in pricing.py), which the datasheet
-profiles leave unset.
+``attention_flops``, ``fresh_page_bandwidth``: Note [Operator classes] in swap/forecast/pricing.py), which the
+datasheet profiles leave unset.
 
 fp32 operators run on the fp32 peak (PyTorch's default keeps TF32 off for matmuls); bf16/fp16 operators on
 the tensor-core peak. Host links are per direction: PCIe Gen4 x16 is 32 GB/s nominal and pinned copies reach
@@ -71,9 +71,9 @@ class DeviceProfile:
     source: str = ""  # where the figures come from
     op_overhead: float = 0.0  # seconds each operator costs beyond its roofline (launch, framework); 0: unmeasured
     # Measured rates per operator class, where the roofline's two numbers are not enough (Note [Operator
-    # classes] in pricing.py): class -> (FLOP/s, bytes/s), 0 where the class has no such term; and CPU flash
-    # attention's FLOP/s by head dim, as (head dim, FLOP/s) pairs. None / (): every operator on the roofline
-    # (the datasheet GPU profiles).
+    # classes] in swap/forecast/pricing.py): class -> (FLOP/s, bytes/s), 0 where the class has no such term; and CPU
+    # flash attention's FLOP/s by head dim, as (head dim, FLOP/s) pairs. None / (): every operator on the roofline (the
+    # datasheet GPU profiles).
     class_rates: Optional[dict[str, tuple[float, float]]] = None
     attention_flops: tuple[tuple[int, float], ...] = ()
     fresh_page_bandwidth: float = 0.0  # bytes/s at which a large allocation's fresh pages fault in; 0: free
@@ -155,7 +155,7 @@ def profile(name: str) -> DeviceProfile:
 def refuse_budget_above(budget: int, dev: DeviceProfile, label: str = "",
                         spell: Callable[[str, str], str] = lambda option, v: f"{option}={v!r}") -> None:  # fmt: skip
     """ValueError when ``budget`` is more than the device's memory (Note [A budget above the device's memory]
-    in budget.py), naming the largest budget that fits and the profiles that have that much memory.
+    in swap/schedule/budget.py), naming the largest budget that fits and the profiles that have that much memory.
     ``label``: the device as the user named it; ``spell(option, value)`` writes an option as the caller takes
     it ("budget='16GiB'", "--budget 16GiB")."""
     instead = f"pass {spell('budget', size_arg(dev.memory))} or less"

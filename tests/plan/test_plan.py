@@ -165,9 +165,9 @@ def test_the_command_line_keeps_the_built_in_models(capsys):
 
 
 def test_a_budget_above_the_device_memory_is_refused_before_any_capture(capsys):
-    # A budget above the device's memory is refused: `--model resnet50 --budget 500GiB --device v100-16gb` planned
-    # batch 45,307 with a planned peak of 499.94 GiB on a 16 GB V100 (Note [A budget above the device's memory] in
-    # budget.py).
+    # `--model resnet50 --budget 500GiB --device v100-16gb` once planned batch 45,307 with a planned peak of
+    # 499.94 GiB on a 16 GB V100; such a budget is refused (Note [A budget above the device's memory] in
+    # swap/schedule/budget.py).
     with pytest.raises(SystemExit) as e:
         main(["--model", "resnet50", "--budget", "500GiB", "--device", "v100-16gb", "--quiet"])
     assert e.value.code == 2
