@@ -75,22 +75,28 @@ def null_memory(lib: Any) -> type:
         return 0
 
     def init(self: Any, device: Any = None) -> None:
-        lib.memory.DeviceMemory.__init__(self)
+        lib.runtime.memory.DeviceMemory.__init__(self)
 
-    return type("NullMemory", (lib.memory.DeviceMemory,), {
+    return type("NullMemory", (lib.runtime.memory.DeviceMemory,), {
         "name": "none (benchmark)", "__init__": init, "_window_peak": nothing, "window_peak": nothing,
         "current": nothing})  # fmt: skip
 
 
 class HookTimer:
-    """Times ``lib.SwapManager``'s pack and unpack hooks (class-level wrappers, removed by ``close``)."""
+    """Times the saved-tensor hooks' pack and unpack of ``lib`` (a swap package; class-level wrappers, removed
+    by ``close``): ``SavedTensorHooks`` (swap.runtime.hooks), or in versions before it the manager's own
+    ``_pack`` and ``_unpack`` (so that ``--before`` can load one)."""
 
     def __init__(self, lib: Any) -> None:
-        self.cls = lib.manager.SwapManager
+        hooks = getattr(lib.runtime, "hooks", None)
+        if hooks is not None:
+            self.cls, self.names = hooks.SavedTensorHooks, ("pack", "unpack")
+        else:
+            self.cls, self.names = lib.runtime.manager.SwapManager, ("_pack", "_unpack")
         self.calls = {"pack": 0, "unpack": 0}
         self.seconds = {"pack": 0.0, "unpack": 0.0}
         self.on = False
-        self._orig = (self.cls._pack, self.cls._unpack)
+        self._orig = tuple(getattr(self.cls, name) for name in self.names)
         timer = self
 
         def wrap(name: str, fn: Callable) -> Callable:
@@ -106,11 +112,12 @@ class HookTimer:
 
             return timed
 
-        self.cls._pack = wrap("pack", self._orig[0])
-        self.cls._unpack = wrap("unpack", self._orig[1])
+        for key, name, fn in zip(("pack", "unpack"), self.names, self._orig):
+            setattr(self.cls, name, wrap(key, fn))
 
     def close(self) -> None:
-        self.cls._pack, self.cls._unpack = self._orig
+        for name, fn in zip(self.names, self._orig):
+            setattr(self.cls, name, fn)
 
     def per_call_us(self, name: str) -> Optional[float]:
         return self.seconds[name] / self.calls[name] * 1e6 if self.calls[name] else None
@@ -124,8 +131,8 @@ def load_version(path: Path) -> Any:
     module = importlib.util.module_from_spec(spec)
     sys.modules["swap_ab"] = module
     spec.loader.exec_module(module)
-    importlib.import_module("swap_ab.manager")
-    importlib.import_module("swap_ab.memory")
+    importlib.import_module("swap_ab.runtime.manager")
+    importlib.import_module("swap_ab.runtime.memory")
     return module
 
 
@@ -219,14 +226,15 @@ def manager_runs(lib: Any, build: Callable, budget: int, warmup: int, timed: int
     # saved tensors, so its budget is half of what they reach at once (it must swap to keep it).
     seq = sm.sequence
     no_meter_budget = max(max(seq.live_bytes()) // 2, max(seq.sizes))
-    real = lib.manager.MeterMemory
-    lib.manager.MeterMemory = null_memory(lib)
+    opens = getattr(lib.runtime, "resources", lib.runtime.manager)  # where the manager's memory source is made
+    real = opens.MeterMemory
+    opens.MeterMemory = null_memory(lib)
     timer = HookTimer(lib)
     try:
         times, sm = train(build, manager(no_meter_budget), warmup, timed, timer)
     finally:
         timer.close()
-        lib.manager.MeterMemory = real
+        opens.MeterMemory = real
     facts[prefix + "no_meter_status"] = sm.report().get("status")
     record(runs, prefix + "planned, no meter", times)
     hooks.setdefault(prefix + "pack, no meter", []).append(timer.per_call_us("pack"))

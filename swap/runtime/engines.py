@@ -14,8 +14,8 @@ holds every such block until the scope ends, so memory grows every iteration. Th
 instead: the caller keeps both operands alive until it has waited for the copy's ticket, on the host
 (``wait_host``) or on the compute stream (``wait_compute``), and drops its reference only then. Any later
 reuse of the memory is then ordered after the copy on the compute stream, the block's allocation stream,
-which is all the allocator needs (the executor keeps to this: swap.runtime.executor's ``_release``,
-``_ensure_resident``, ``_process_dying``; ``drain`` before anything is dropped at exit).
+which is all the allocator needs (the executor keeps to this: swap.runtime.transfers' ``release``,
+``ensure_resident``, ``process_dying``; ``drain`` before anything is dropped at exit).
 """
 
 from __future__ import annotations

@@ -21,16 +21,18 @@ Note [Applying a joint plan]
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 
 from ..joint.ops import OpTable, calibrated
+from ..joint.regions import RecomputePlan
 from ..joint.search import Evaluator, JointResult, checkpoint, checkpoint_window, search
 from ..schedule.sequence import USE, Sequence
-from .lifecycle import Reprofile
+from .executor import Executor
+from .hooks import SavedTensorHooks
 from .op_profiler import OpProfiler, remove_mode
-from .recompute import RecomputeHooks
 from .regions import Regions
 from .tracer import Packed
 
@@ -38,11 +40,24 @@ log = logging.getLogger("swap")
 DEFAULT_LINK = 10e9  # bytes/s: feasibility does not depend on it
 
 
-class JointRuntime:
-    """The manager's side of ``strategy="auto"`` (Note [Applying a joint plan])."""
+@dataclass(frozen=True)
+class JointDecision:
+    """What the joint search chose, for the manager to apply (Note [Applying a joint plan], step 3): ``note``
+    for the report; ``plan`` and ``modules`` (region path -> module), the recompute plan to apply, or None to
+    swap only; ``profile_again``, the iterations to profile with it applied before scheduling."""
 
-    def __init__(self, manager: Any) -> None:
-        self.m = manager
+    note: str = ""
+    plan: Optional[RecomputePlan] = None
+    modules: dict[str, torch.nn.Module] = field(default_factory=dict)
+    profile_again: int = 0
+
+
+class JointRuntime:
+    """The manager's side of ``strategy="auto"`` (Note [Applying a joint plan]) on ``device``, for ``budget``."""
+
+    def __init__(self, device: torch.device, budget: int) -> None:
+        self.device = device
+        self.budget = budget
         self.profiler: Optional[OpProfiler] = None
         self.regions: Optional[Regions] = None
         self.result: Optional[JointResult] = None
@@ -52,12 +67,11 @@ class JointRuntime:
         self.choose: Callable[[Evaluator], JointResult] = search
 
     # -- lifecycle --------------------------------------------------------------------------------------
-    def start(self) -> None:
-        m = self.m
-        self.profiler = OpProfiler(m.executor, lambda t: m._skip_reason(t) is None, m._hook_pair, m.device,
-                                   busy=lambda: m._in_hooks > 0)  # fmt: skip
+    def start(self, executor: Executor, hooks: SavedTensorHooks) -> None:
+        """The manager entered: profile the operators ``executor`` runs through ``hooks``."""
+        self.profiler = OpProfiler(executor, hooks, self.device)
         self.profiler.__enter__()
-        self.regions = Regions(m._keep, m._unpack, m._hook_pair, m.device)
+        self.regions = Regions(hooks, self.device)
 
     def close(self) -> None:
         """Unwraps the modules and lets go of them: a manager kept for its report must not keep the model."""
@@ -75,7 +89,7 @@ class JointRuntime:
             p.stop()
             remove_mode(p)
 
-    # -- hooks ------------------------------------------------------------------------------------------
+    # -- hooks (a SaveListener of swap.runtime.hooks) ---------------------------------------------------
     def boundary(self) -> None:
         """An iteration is about to start (the manager's pack hook saw it)."""
         if self.profiler is not None and self.profiler.active:
@@ -101,42 +115,36 @@ class JointRuntime:
         ev = Evaluator(seq, table, budget, DEFAULT_LINK, DEFAULT_LINK)
         return checkpoint_window(ev).feasible or checkpoint(ev).feasible
 
-    def decide(self, seq: Sequence, h2d: float, d2h: float) -> Optional[Reprofile]:
-        """Chooses the plan (once); a ``Reprofile`` if it changes what the model saves, else None (schedule
-        the swaps on ``seq`` with ``swap_policy``)."""
-        open_paths = {c.path for c in self.profiler._open} if self.profiler is not None else set()
+    def decide(self, seq: Sequence, h2d: float, d2h: float) -> JointDecision:
+        """Chooses the plan (once), for the manager to apply: a plan that changes what the model saves comes
+        with iterations to profile again; else the swaps are scheduled on ``seq`` with ``swap_policy``."""
+        open_paths = self.profiler.open_paths if self.profiler is not None else set()
         self.profiling_done()
         self.decided = True
         table = self.table
         if table is None or not table.ops:
-            self.m._note("policy 'auto': no operator was profiled in the forward; swapping only")
-            return None
-        if self.m.device.type == "cuda":
+            return JointDecision("policy 'auto': no operator was profiled in the forward; swapping only")
+        if self.device.type == "cuda":
             first_use = next((i for i, k in enumerate(seq.kind) if k == USE), len(seq))
             table = self.table = calibrated(table, sum(seq.compute[:first_use]))
-        ev = Evaluator(seq, table, self.m.budget, h2d, d2h)
+        ev = Evaluator(seq, table, self.budget, h2d, d2h)
         self.result = result = self.choose(ev)
         best = result.best
         if not best.feasible:
-            self.m._note(f"policy 'auto': no recompute plan fits the budget ({best.name}: {best.why}); swapping only")
-            return None
+            return JointDecision(f"policy 'auto': no recompute plan fits the budget ({best.name}: {best.why}); "
+                                 "swapping only")  # fmt: skip
         p = best.strategy.plan
         if not p.regions and not p.rebuild:
-            return None
-        if p.rebuild and self.m._recompute is None:
-            self.m._recompute = RecomputeHooks()
-        if p.regions:
-            modules = {r.path: self.profiler.module(r.path) for r in p.regions}
-            self.regions.apply(p, modules)
-        iterations = 2 if open_paths & set(p.paths) else 1
-        self.m._note(f"policy 'auto': {p.describe()}, swap policy {self.swap_policy!r} (simulated "
-                     f"{best.step_time:.4g} s per step; {result.evaluations} plans judged); profiling again")
-        return Reprofile(iterations)
+            return JointDecision()
+        modules = {r.path: self.profiler.module(r.path) for r in p.regions}
+        note = (f"policy 'auto': {p.describe()}, swap policy {self.swap_policy!r} (simulated {best.step_time:.4g} s "
+                f"per step; {result.evaluations} plans judged); profiling again")  # fmt: skip
+        return JointDecision(note, p, modules, 2 if open_paths & set(p.paths) else 1)
 
     @property
     def applied(self) -> bool:
         """Whether modules are checkpointed now."""
-        return self.regions is not None and bool(self.regions._wrapped)
+        return self.regions is not None and self.regions.applied
 
     @property
     def swap_policy(self) -> str:
@@ -215,7 +223,7 @@ class JointRuntime:
                 row(path)["recomputed_bytes"] += b
         if self.regions is not None:
             for path in region_paths:
-                s = self.regions._stats.get(path)
+                s = self.regions.stats_of(path)
                 r = row(path)
                 r["recompute_seconds"] = self.regions.rerun_seconds(path)
                 r["reruns"] = s.reruns if s else 0

@@ -1,5 +1,6 @@
-"""The executor's iteration lifecycle: where an iteration begins and ends, what a profiling iteration hands to
-the planner, and how a planned iteration learns from what it measured.
+"""The executor's plan lifecycle: profiling, planned, fallen back or declined; what a profiling iteration hands
+to the planner, and how a planned iteration learns from what it measured. The executor holds one
+``Lifecycle`` and tells it where iterations end (it finds the boundaries: Note [Iteration boundaries]).
 
 Note [Two profiling iterations]
 The first iteration is not representative: gradients and optimizer state (momentum, Adam moments) are made
@@ -30,19 +31,29 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Optional
-
-import torch
+from typing import Any, Callable, Optional, Union
 
 from ..schedule.scheduler import InfeasibleBudget, Schedule
-from ..schedule.sequence import SAVE, Sequence
+from ..schedule.sequence import Sequence
 from ..units import fmt_bytes
-from .recorder import Recorder
-from .tracer import Variable
 
 log = logging.getLogger("swap")
 
 PROFILE, PLANNED, FALLBACK, DECLINED = "profile", "planned", "fallback", "declined"
+
+
+class Counters:
+    """What the run counted, for the report."""
+
+    def __init__(self) -> None:
+        self.iterations = 0
+        self.swapped_out_bytes = 0
+        self.swapped_in_bytes = 0
+        self.demand_fetches = 0
+        self.stall_seconds = 0.0
+        self.replans = 0
+        self.evictions = 0
+        self.overruns = 0  # steps measured above the budget
 
 
 @dataclass(frozen=True)
@@ -63,193 +74,165 @@ class Profiled:
     unswapped_peak: Optional[int]  # what the run reaches without swapping, where it can be measured
     peak: int  # the highest memory the iteration measured
     overruns: list[tuple[int, int]] = field(default_factory=list)  # (step, measured) above the budget
+    may_decline: bool = True  # False once a declined run went over the budget: swap from now on
+
+
+Planner = Callable[[Profiled], Union[Schedule, Reprofile, None]]
+Warn = Callable[[Any, str], None]
 
 
 class Lifecycle:
-    """The iteration lifecycle of ``Executor`` (a mixin: it runs on the executor's own state)."""
+    """The plan the executor follows and its mode (``PROFILE``, ``PLANNED``, ``FALLBACK``, ``DECLINED``).
 
-    mode: str
-    schedule: Optional[Schedule]
-    sequence: Optional[Sequence]
+    ``planner`` judges a profile and returns the schedule, a ``Reprofile``, or None to decline (or to go on
+    profiling); ``replanner`` remakes the schedule for a changed sequence; ``warn(cause, message)`` gives a
+    ``BudgetWarning``; ``unmanaged(peak)`` is told an iteration's peak when it is over the budget and nothing
+    is managed (Note [Nothing to move, over the budget] in swap.runtime.notices)."""
 
-    def _begin_iteration(self, t: torch.Tensor) -> None:
-        """The first saved tensor after a backward: judge the iteration that ended, start the next."""
-        peak = self.memory.window_peak()
-        shadow = self.memory.shadow_window_peak()
-        if self.iteration > 0 and self.step > 0:
-            self._close_step(peak, tail=True)
-        self._release_leftovers()
-        old_vars, recorder, ended = self.vars, self.recorder, self.mode
-        steps = self.step
-        self.last_actions = self.actions
-        self._backward_done, self._iteration_counted = False, False
-        self.iteration += 1
-        self.recorder = None
-        first_live = self.memory.current()
-        self._reset_iteration()
-        if ended == PROFILE and recorder is not None:
-            self._finish_profile(recorder, old_vars, shadow, first_live, peak)
-        elif ended == PLANNED:
-            self._after_planned(first_live, steps)
-        elif ended == FALLBACK:
-            self.mode, self.profiles_left, self._previous = PROFILE, 1, None
-        if self.mode == PROFILE:
-            self.recorder = Recorder(first_live, t.untyped_storage().nbytes())
+    def __init__(self, budget: int, counters: Counters, planner: Planner, replanner: Callable[[Sequence], Schedule],
+                 warn: Warn, unmanaged: Callable[[int], None], profile_iterations: int = 2) -> None:  # fmt: skip
+        self.budget = budget
+        self.counters = counters
+        self.planner = planner
+        self.replanner = replanner
+        self.warn = warn
+        self.unmanaged = unmanaged
+        self.mode = PROFILE
+        self.profiles_left = profile_iterations
+        self.schedule: Optional[Schedule] = None
+        self.sequence: Optional[Sequence] = None
+        self.previous: Optional[Sequence] = None  # the last profiling iteration's recording
+        self.unswapped_peak: Optional[int] = None
+        self.allow_decline = True
+        self.plan_first_live = 0  # memory live at the start of the iteration the plan was profiled on
+        self.learned: set[int] = set()
+        self.to_learn: dict[int, int] = {}  # step -> measured nonswap, in this planned iteration
 
-    def _finish_profile(
-        self, rec: Recorder, old_vars: list[Variable], shadow: Optional[int], first_live: int, peak: int
-    ) -> None:
-        seq = rec.finish([v.nbytes for v in old_vars], [v.module for v in old_vars], self.timer.resolve)
-        if seq is not None and self._previous is not None and self._previous.signature() == seq.signature():
-            seq = _merge(self._previous, seq)
-        self._previous = seq
+    @property
+    def latest(self) -> Optional[Sequence]:
+        """The sequence planned on, else the last one profiled."""
+        return self.sequence if self.sequence is not None else self.previous
+
+    def reprofile(self, iterations: int = 1) -> None:
+        """Profile ``iterations`` more before planning, from scratch."""
+        self.mode, self.profiles_left, self.previous = PROFILE, iterations, None
+
+    def diverged(self) -> None:
+        """A planned step differs from the plan: the conservative plan until the iteration ends."""
+        self.counters.replans += 1
+        self.mode = FALLBACK
+
+    # -- iteration ends ---------------------------------------------------------------------------------
+    def profiled(self, seq: Optional[Sequence], profiled_first_live: int, first_live: int, shadow: Optional[int],
+                 peak: int, overruns: list[tuple[int, int]]) -> None:  # fmt: skip
+        """A profiling iteration ended with ``seq`` recorded (Note [Two profiling iterations]):
+        ``profiled_first_live``, the memory live at its first access; ``first_live``, at the next one's."""
+        if seq is not None and self.previous is not None and self.previous.signature() == seq.signature():
+            seq = _merge(self.previous, seq)
+        self.previous = seq
         if shadow is not None:
-            self._unswapped_peak = max(self._unswapped_peak or 0, shadow)
+            self.unswapped_peak = max(self.unswapped_peak or 0, shadow)
         self.profiles_left -= 1
         final = self.profiles_left <= 0
-        growth = max(0, first_live - rec.first_live)
-        peak = max([peak] + rec.peak)
+        growth = max(0, first_live - profiled_first_live)
         try:
-            schedule = self.planner(Profiled(seq, final, growth, self._unswapped_peak, peak, rec.overruns))
+            schedule = self.planner(
+                Profiled(seq, final, growth, self.unswapped_peak, peak, overruns, may_decline=self.allow_decline)
+            )
         except InfeasibleBudget:
-            self.mode, self.profiles_left, self._previous = PROFILE, 1, None
+            self.reprofile()
             raise
         if isinstance(schedule, Reprofile):
-            self.mode, self.profiles_left, self._previous = PROFILE, schedule.iterations, None
-            self._unswapped_peak = None  # measured without the change: a run with it has its own
+            self.reprofile(schedule.iterations)
+            self.unswapped_peak = None  # measured without the change: a run with it has its own
             return
         if final:
             self.sequence, self.schedule = seq, schedule
             self.mode = PLANNED if schedule is not None else DECLINED
             if seq is None:
                 self.allow_decline = False  # nothing to manage (the manager warned): nothing to re-profile for
-            self._plan_first_live = rec.first_live
-            self._learned, self._to_learn = set(), {}
+            self.plan_first_live = profiled_first_live
+            self.learned, self.to_learn = set(), {}
             if self.mode == PLANNED:
-                self._grown(first_live)
+                self.grown(first_live)
 
-    def _after_planned(self, first_live: int, steps: int) -> None:
+    def planned(self, first_live: int, steps: int) -> None:
+        """A planned iteration of ``steps`` steps ended (Note [Learning from an overrun])."""
         seq = self.sequence
         if steps != len(seq):  # ended early: the sequence changed
             log.info("swap: the iteration ended after %d steps, the plan has %d: re-profiling", steps, len(seq))
             self.counters.replans += 1
-            self.mode, self.profiles_left, self._previous = PROFILE, 1, None
+            self.reprofile()
             return
-        new = {i: b for i, b in self._to_learn.items() if i not in self._learned}
-        self._to_learn = {}
+        new = {i: b for i, b in self.to_learn.items() if i not in self.learned}
+        self.to_learn = {}
         if new:
             nonswap = list(seq.nonswap)
             for i, b in new.items():
                 nonswap[i] = max(nonswap[i], b)
-            self._learned |= set(new)
-            self._replan(replace(seq, nonswap=nonswap), f"{len(new)} step(s) measured above the plan")
-        self._grown(first_live)
+            self.learned |= set(new)
+            self.replan(replace(seq, nonswap=nonswap), f"{len(new)} step(s) measured above the plan")
+        self.grown(first_live)
 
-    def _grown(self, first_live: int) -> None:
+    def grown(self, first_live: int) -> None:
         """The memory live at the iteration's start grew past what the plan assumed: plan with it."""
-        growth = first_live - self._plan_first_live
+        growth = first_live - self.plan_first_live
         if growth > 0 and self.schedule.peak + growth > self.budget:
-            self._plan_first_live = first_live
+            self.plan_first_live = first_live
             seq = self.sequence
             why = f"{fmt_bytes(growth)} more was live at the iteration's start than when it was profiled"
-            self._replan(replace(seq, nonswap=[b + growth for b in seq.nonswap]), why)
+            self.replan(replace(seq, nonswap=[b + growth for b in seq.nonswap]), why)
 
-    def _replan(self, seq: Sequence, why: str) -> None:
+    def replan(self, seq: Sequence, why: str) -> None:
         self.counters.replans += 1
         log.info("swap: re-planning: %s", why)
         try:
             self.schedule = self.replanner(seq)
         except InfeasibleBudget:
-            self.mode, self.profiles_left, self._previous = PROFILE, 1, None
+            self.reprofile()
             raise
         self.sequence = seq
 
-    def _backward_end(self) -> None:
-        """Autograd finished a backward pass (engine callback)."""
-        with self.lock:
-            self._in_backward = False
-            self._backward_done = True
-            self._last_node = None  # the node (and the graph behind it) must not outlive the backward
-            if not self._iteration_counted:
-                self.counters.iterations += 1
-                self._iteration_counted = True
-            if self.closed:
-                return
-            self._process_dying()
-            if self.mode in (PROFILE, FALLBACK):
-                for v in self.held_vars:  # nothing of ours is held across the optimizer step
-                    self._release(v)
-                self.held_vars, self.prefetched = [], None
-            elif self.mode == DECLINED:
-                peak = self.memory.window_peak()
-                if peak > self.budget and self.sequence is None:
-                    self.unmanaged(peak)  # Note [Nothing to move, over the budget] (manager.py)
-                elif peak > self.budget and self.allow_decline:
-                    self.warn(
-                        "declined-overrun",
-                        f"the run was not swapped (it fit the budget when profiled), but this iteration reached "
-                        f"{fmt_bytes(peak)}, over the budget of {fmt_bytes(self.budget)}: profiling again and "
-                        "swapping from now on",
-                    )
-                    self.counters.overruns += 1
-                    self.allow_decline = False
-                    self.mode, self.profiles_left, self._previous = PROFILE, 1, None
-            self.engine.measure()
-
-    def _release_leftovers(self) -> None:
-        """Variables of the iteration that ended and still on the device leave it (graphs kept alive)."""
-        self._process_dying()
-        for v in self.vars:
-            if v.dev is not None:
-                self._release(v)
-        self.held_vars, self.prefetched = [], None
-
-    def _close_step(self, peak: int, tail: bool = False) -> None:
-        """The interval after the previous access ended with ``peak`` the highest memory in it (``tail``: the
-        iteration's last interval, through the optimizer step)."""
-        i = self.step - 2 if self._in_hook else self.step - 1  # the step whose interval this was
-        rec = self.recorder
-        if rec is not None:
-            rec.close_step(peak, self.memory.held_window_peak(), self.timer.stop())
-        if peak <= self.budget:
-            return
-        self.counters.overruns += 1
-        if rec is not None:
-            rec.overruns.append((i, peak))
+    def declined_backward(self, peak: int) -> None:
+        """A backward pass of a declined run ended with ``peak`` the highest memory since the last one."""
+        if peak > self.budget and self.sequence is None:
+            self.unmanaged(peak)  # Note [Nothing to move, over the budget] (swap.runtime.notices)
+        elif peak > self.budget and self.allow_decline:
             self.warn(
-                ("profile-overrun", self.iteration),
-                f"profiling iteration {self.iteration} exceeded the budget of {fmt_bytes(self.budget)} by "
-                f"{fmt_bytes(peak - self.budget)} ({fmt_bytes(peak)}) {self._where(i, tail, rec)}. A profiling "
-                "iteration holds only the saved tensor each step uses, so what is not swappable there exceeds the "
-                "budget (InfeasibleBudget follows at the next iteration's first saved tensor, with the smallest "
-                "budget that fits) or grew since the last profile",
+                "declined-overrun",
+                f"the run was not swapped (it fit the budget when profiled), but this iteration reached "
+                f"{fmt_bytes(peak)}, over the budget of {fmt_bytes(self.budget)}: profiling again and "
+                "swapping from now on",
             )
-        elif self.mode == PLANNED and i < len(self.sequence):
-            seq, s = self.sequence, self.schedule
-            planned = seq.nonswap[i] + s.resident[i]
-            self._to_learn[i] = max(self._to_learn.get(i, 0), peak - s.resident[i])
-            again = i in self._learned
-            self.warn(
-                ("planned-overrun-again" if again else ("planned-overrun", self.iteration)),
-                f"iteration {self.iteration} exceeded the budget of {fmt_bytes(self.budget)} by "
-                f"{fmt_bytes(peak - self.budget)} {self._where(i, tail)} (planned {fmt_bytes(planned)}, measured "
-                f"{fmt_bytes(peak)}): "
-                + ("it was re-planned for that already; the memory there varies between iterations"
-                   if again else "the next iteration is planned with what was measured"),
-            )  # fmt: skip
+            self.counters.overruns += 1
+            self.allow_decline = False
+            self.reprofile()
 
-    def _where(self, i: int, tail: bool, rec: Optional[Recorder] = None) -> str:
-        var_ids, kinds = (rec.var, rec.kind) if rec is not None else (self.sequence.var, self.sequence.kind)
-        if i >= len(var_ids):
-            return "after the last saved tensor"
-        v = var_ids[i]
-        module = self.vars[v].module if v < len(self.vars) else ""
-        if not module and self.sequence is not None and self.sequence.modules and v < len(self.sequence.modules):
-            module = self.sequence.modules[v]
-        phase = "forward" if kinds[i] == SAVE else "backward"
-        if tail:
-            return f"after the backward of {module or 'the model'} (the rest of backward, the optimizer step)"
-        return f"in the {phase} of {module or 'the model'}"
+    # -- steps over the budget --------------------------------------------------------------------------
+    def profile_overrun(self, iteration: int, peak: int, where: str) -> None:
+        self.warn(
+            ("profile-overrun", iteration),
+            f"profiling iteration {iteration} exceeded the budget of {fmt_bytes(self.budget)} by "
+            f"{fmt_bytes(peak - self.budget)} ({fmt_bytes(peak)}) {where}. A profiling "
+            "iteration holds only the saved tensor each step uses, so what is not swappable there exceeds the "
+            "budget (InfeasibleBudget follows at the next iteration's first saved tensor, with the smallest "
+            "budget that fits) or grew since the last profile",
+        )
+
+    def planned_overrun(self, iteration: int, i: int, peak: int, where: str) -> None:
+        """Step ``i`` of a planned iteration measured ``peak``, over the budget: learned for the next one."""
+        seq, s = self.sequence, self.schedule
+        planned = seq.nonswap[i] + s.resident[i]
+        self.to_learn[i] = max(self.to_learn.get(i, 0), peak - s.resident[i])
+        again = i in self.learned
+        self.warn(
+            ("planned-overrun-again" if again else ("planned-overrun", iteration)),
+            f"iteration {iteration} exceeded the budget of {fmt_bytes(self.budget)} by "
+            f"{fmt_bytes(peak - self.budget)} {where} (planned {fmt_bytes(planned)}, measured "
+            f"{fmt_bytes(peak)}): "
+            + ("it was re-planned for that already; the memory there varies between iterations"
+               if again else "the next iteration is planned with what was measured"),
+        )  # fmt: skip
 
 
 def _merge(a: Sequence, b: Sequence) -> Sequence:
@@ -268,4 +251,4 @@ def _merge(a: Sequence, b: Sequence) -> Sequence:
     )
 
 
-__all__ = ["Lifecycle", "Profiled", "Reprofile", "PROFILE", "PLANNED", "FALLBACK", "DECLINED"]
+__all__ = ["Counters", "Lifecycle", "Profiled", "Reprofile", "PROFILE", "PLANNED", "FALLBACK", "DECLINED"]

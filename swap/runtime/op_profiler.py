@@ -34,6 +34,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from ..joint.ops import Op, OpTable, RegionCall, is_index
+from .executor import Executor
+from .hooks import SavedTensorHooks
 from .op_facts import (
     aliases_output,
     blocker,
@@ -84,17 +86,15 @@ class _RawCall:
 
 
 class OpProfiler(TorchDispatchMode):
-    """Records operator tables while ``active`` (Note [Operator profiler]). ``manages(t)``: whether the
-    manager would take ``t`` as a variable; ``ours()``: the manager's saved-tensor hooks, to tell a user's
-    own checkpoint apart; ``busy()``: the manager is inside its hooks (what runs there is not the model's)."""
+    """Records operator tables while ``active`` (Note [Operator profiler]). ``executor`` says the step and
+    whether a backward pass runs; ``hooks``, the manager's saved-tensor hooks, say which tensors the executor
+    takes, tell a user's own checkpoint apart, and whether the manager is inside them (what runs there is
+    not the model's)."""
 
-    def __init__(self, executor: Any, manages: Callable[[torch.Tensor], bool], ours: Callable[[], Any],
-                 device: torch.device, busy: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
+    def __init__(self, executor: Executor, hooks: SavedTensorHooks, device: torch.device) -> None:
         super().__init__()
         self.ex = executor
-        self.busy = busy  # the manager is inside its own hooks: its copies are not the model's operators
-        self.manages = manages
-        self.ours = ours
+        self.hooks = hooks
         self.device = device
         self.active = True
         self.paths = ModulePaths()
@@ -132,7 +132,7 @@ class OpProfiler(TorchDispatchMode):
     def _managed(self, value: Any) -> tuple[list[int], list[int]]:
         sids, sizes = [], []
         for t in tensors_of(value):
-            if self.manages(t):
+            if self.hooks.manages(t):
                 sid = self._sid(t)
                 if sid not in sids:
                     sids.append(sid)
@@ -143,7 +143,7 @@ class OpProfiler(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
         ex = self.ex
-        if not self.active or func in SAC_IGNORED_OPS or ex._in_backward or self.busy():
+        if not self.active or func in SAC_IGNORED_OPS or ex.in_backward or self.hooks.busy:
             return func(*args, **kwargs)
         t0 = time.perf_counter()
         out = func(*args, **kwargs)
@@ -168,7 +168,7 @@ class OpProfiler(TorchDispatchMode):
         unkeepable = bool(why) and (aliasing or bool(writes) or rng)
         self._log.append(_Raw(
             str(func), module, seconds, flops, nbytes, tuple(outs), tuple(out_sizes), tuple(ins), writes, keepable,
-            why, rng, ex.step, innermost_hooks_are(self.ours()), self.paths.in_module, ex._backward_done,
+            why, rng, ex.step, innermost_hooks_are(self.hooks.pair), self.paths.in_module, ex.backward_done,
             self.paths.compiled, unkeepable,
         ))  # fmt: skip
         return out
@@ -181,22 +181,22 @@ class OpProfiler(TorchDispatchMode):
             if name and is_index(name.rsplit(".", 1)[-1]) and prefix + name not in self.modules:
                 path = prefix + name
                 self.modules[path] = m
-                # Note [Hooks and torch.compile] (swap.runtime.executor): dynamo must run the hooks, not trace them.
+                # Note [Hooks and torch.compile] (swap.runtime.signals): dynamo must run the hooks, not trace them.
                 pre, post = torch._dynamo.disable(self._pre(path)), torch._dynamo.disable(self._post(path))
                 self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
                 self._handles.append(m.register_forward_hook(post, always_call=True))
 
     def _pre(self, path: str) -> Callable:
         def pre(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            if not self.active or self.ex._in_backward:
+            if not self.active or self.ex.in_backward:
                 return
             leaves, _ = tree_flatten((args, kwargs))
             inputs = [(self._sid(t), t.untyped_storage().nbytes()) for t in leaves
-                      if isinstance(t, torch.Tensor) and self.manages(t)]  # fmt: skip
+                      if isinstance(t, torch.Tensor) and self.hooks.manages(t)]  # fmt: skip
             why = stateful_argument(leaves)
             if not why and not torch.is_grad_enabled():
                 why = "it ran with gradients off"
-            elif not why and not innermost_hooks_are(self.ours()):
+            elif not why and not innermost_hooks_are(self.hooks.pair):
                 why = "it runs inside saved-tensor hooks of your own (your torch.utils.checkpoint, or save_on_cpu)"
             call = _RawCall(path, len(self._log), self.ex.step, inputs, why)
             self._open.append(call)
@@ -283,6 +283,11 @@ class OpProfiler(TorchDispatchMode):
 
     def module(self, path: str) -> Optional[torch.nn.Module]:
         return self.modules.get(path)
+
+    @property
+    def open_paths(self) -> set[str]:
+        """The candidate modules whose forward has begun and not ended (an iteration may stop in one)."""
+        return {c.path for c in self._open}
 
 
 def remove_mode(mode: TorchDispatchMode) -> bool:

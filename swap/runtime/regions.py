@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS, checkpoint
 
 from ..joint.regions import RecomputePlan, Region
+from .hooks import SavedTensorHooks
 from .op_facts import blocker, replace_written, stateful_argument, tensors_of
 from .timers import CudaStepTimer, HostStepTimer
 
@@ -102,7 +103,7 @@ class KeepContext(TorchDispatchMode):
         elif key not in call.keep:
             return out
         leaves, spec = tree_flatten(out)
-        call.store[key] = (spec, [(True, call.owner.keep(x)) if isinstance(x, torch.Tensor) else (False, x)
+        call.store[key] = (spec, [(True, call.owner.hooks.keep(x)) if isinstance(x, torch.Tensor) else (False, x)
                                   for x in leaves])  # fmt: skip
         return out
 
@@ -141,7 +142,7 @@ class RerunContext(TorchDispatchMode):
         stored = self.call.store.get(key)
         if stored is not None:
             spec, leaves = stored
-            unpack = self.call.owner.unpack
+            unpack = self.call.owner.hooks.unpack
             value = tree_unflatten([unpack(x) if is_tensor else x for is_tensor, x in leaves], spec)
             self._note(value)
             return value
@@ -170,12 +171,11 @@ class _Call:
 class Regions:
     """Wraps and unwraps modules' forward (Note [Selective recompute that stays swappable], [Whose checkpoint]).
 
-    ``keep(t)`` hands a kept output to the manager and returns its handle; ``unpack(handle)`` reads it back;
-    ``ours()`` is the manager's saved-tensor hooks pair."""
+    ``hooks``, the manager's saved-tensor hooks: ``keep(t)`` hands them a kept output and returns its handle,
+    ``unpack(handle)`` reads it back, and ``pair`` tells them from a user's own."""
 
-    def __init__(self, keep: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor],
-                 ours: Callable[[], Any], device: torch.device) -> None:  # fmt: skip
-        self.keep, self.unpack, self.ours, self.device = keep, unpack, ours, device
+    def __init__(self, hooks: SavedTensorHooks, device: torch.device) -> None:
+        self.hooks, self.device = hooks, device
         self.plan: Optional[RecomputePlan] = None
         self.timer: Any = CudaStepTimer(device) if device.type == "cuda" else HostStepTimer()
         self._stats: dict[str, RegionStats] = {}
@@ -183,6 +183,15 @@ class Regions:
 
     def stats(self, path: str) -> RegionStats:
         return self._stats.setdefault(path, RegionStats())
+
+    def stats_of(self, path: str) -> Optional[RegionStats]:
+        """What ``path``'s region did over the run, if it ran at all."""
+        return self._stats.get(path)
+
+    @property
+    def applied(self) -> bool:
+        """Whether modules are wrapped now."""
+        return bool(self._wrapped)
 
     def apply(self, plan: RecomputePlan, modules: dict[str, torch.nn.Module]) -> None:
         """Wraps the forward of each region's module (``modules``: path -> module)."""
@@ -213,7 +222,7 @@ class Regions:
 
         @functools.wraps(forward)
         def checkpointed(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled() or not innermost_hooks_are(self.ours()):
+            if not torch.is_grad_enabled() or not innermost_hooks_are(self.hooks.pair):
                 return forward(*args, **kwargs)  # Note [Whose checkpoint]
             leaves, spec = tree_flatten((args, kwargs))
             if stateful_argument(leaves):  # profiled without one; this call has one: run it as written
@@ -239,5 +248,5 @@ class Regions:
 
     def rerun_seconds(self, path: str) -> float:
         """Seconds spent rerunning ``path`` over the run (CUDA events on a GPU)."""
-        s = self._stats.get(path)
+        s = self.stats_of(path)
         return sum(self.timer.resolve(m) for m in s.rerun_marks) if s else 0.0

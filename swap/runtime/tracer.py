@@ -25,6 +25,24 @@ _no_dispatch = torch._C._DisableTorchDispatch
 _AOT_DIR = os.path.join("torch", "_functorch", "_aot_autograd") + os.sep  # compiled regions' runtime
 
 
+# The backward node running now (None outside backward).
+current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def backward_running() -> bool:
+    """Whether this thread is running a backward pass (autograd's engine has a graph task for it).
+
+    Note [Unpacks outside backward]
+    A saved tensor can be read outside backward: ``grad_fn._saved_self`` after a forward (torchviz's
+    ``show_saved``, a debugger, a test). That is no step of the iteration, and no end of backward can be
+    queued for it (autograd accepts final callbacks only while a backward runs on the thread, and raises
+    otherwise). Such an unpack is served like one from an old graph (``Transfers.fetch_outside``: the
+    forward's storage if it is still alive, else a copy the caller alone holds) and leaves the iteration's
+    plan and its boundaries alone."""
+    return _graph_task_id is None or _graph_task_id() != -1
+
+
 def is_parameter_like(t: torch.Tensor) -> bool:
     """Parameters, views of them (Linear saves ``weight.t()``), and genuine leaves that require grad.
 

@@ -1,5 +1,5 @@
-"""The executor's copies: moving a variable's bytes off the device and back, waiting for them, and evicting
-for the allocator.
+"""The executor's copies: moving a variable's bytes off the device and back, waiting for them, and releasing
+device copies. The executor holds one ``Transfers`` and says which variable moves when.
 
 Note [Host block reuse]
 Every iteration saves variables of the same sizes again. A dead variable's host block is kept by size and
@@ -8,19 +8,38 @@ handed to the next variable of that size, so the steady state never searches the
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import threading
+from typing import Any, Callable, Optional
 
 import torch
 
+from .host_pool import HostPool
+from .lifecycle import Counters
 from .tracer import Variable
 
 
 class Transfers:
-    """Copies and releases of ``Executor`` (a mixin: it runs on the executor's own state)."""
+    """Copies and releases over ``engine`` (swap.runtime.engines), host copies in ``pool``.
 
-    def _log(self, i: int, action: str, var: Variable) -> None:
-        self.actions.append((i, action, var.id))
+    ``counts`` is the executor's lock for byte counts that callbacks change (never held while waiting);
+    ``on_copy(var)`` is called before device memory is made for a copy of ``var`` coming back; ``log(i, action,
+    var)`` records what step ``i`` issued."""
 
+    def __init__(self, device: torch.device, engine: Any, pool: HostPool, counters: Counters,
+                 counts: threading.RLock, on_copy: Callable[[Variable], None],
+                 log: Callable[[int, str, Variable], None]) -> None:  # fmt: skip
+        self.device = device
+        self.engine = engine
+        self.pool = pool
+        self.counters = counters
+        self.counts = counts
+        self.on_copy = on_copy
+        self.log = log
+        self.closed = False
+        self._dying: list[Variable] = []  # dead variables whose copies were still in flight
+        self._spare_host: dict[int, list[Any]] = {}  # bytes -> host blocks of dead variables, for reuse
+
+    # -- host blocks ------------------------------------------------------------------------------------
     def _recycle_host(self, var: Variable) -> None:
         """A dead variable's host block goes to the next iteration's variable of that size (Note [Host block
         reuse]); after close, to the pool."""
@@ -30,29 +49,30 @@ class Transfers:
             var.free_host()
             return
         block = var.take_host()
-        with self._acct:
+        with self.counts:
             self._spare_host.setdefault(block.nbytes, []).append(block)
 
     def _host_block(self, nbytes: int) -> Any:
-        with self._acct:
+        with self.counts:
             spare = self._spare_host.get(nbytes)
             if spare:
                 return spare.pop()
         return self.pool.alloc(nbytes)
 
-    def _swap_out(self, var: Variable, i: Optional[int]) -> None:
+    # -- copies -----------------------------------------------------------------------------------------
+    def swap_out(self, var: Variable, i: Optional[int]) -> None:
         if var.host is None and var.dev is not None and var.alive:
             var.set_host(self._host_block(var.nbytes), self.pool.free)
             var.d2h = self.engine.d2h(var.host.view, var.dev)
             self.counters.swapped_out_bytes += var.nbytes
         if i is not None:
-            self._log(i, "swap_out", var)
+            self.log(i, "swap_out", var)
 
-    def _release(self, var: Variable, i: Optional[int] = None) -> None:
+    def release(self, var: Variable, i: Optional[int] = None) -> None:
         if var.dev is None:
             return
         if var.host is None and var.alive:
-            self._swap_out(var, None)  # never dropped without a copy while autograd may still ask for it
+            self.swap_out(var, None)  # never dropped without a copy while autograd may still ask for it
         if var.d2h is not None:
             self.counters.stall_seconds += self.engine.wait_host(var.d2h)
             var.d2h = None
@@ -62,9 +82,9 @@ class Transfers:
             var.h2d = None
         var.dev = None
         if i is not None:
-            self._log(i, "release", var)
+            self.log(i, "release", var)
 
-    def _swap_in(self, var: Variable, i: int) -> None:
+    def swap_in(self, var: Variable, i: int) -> None:
         if var.dev is not None or not var.alive:
             return
         original = var.original()
@@ -79,34 +99,29 @@ class Transfers:
             self.counters.swapped_in_bytes += var.nbytes
         else:
             raise RuntimeError(f"swap: internal error: variable {var.id} has neither a device nor a host copy")
-        self._log(i, "swap_in", var)
+        self.log(i, "swap_in", var)
 
     def _new_copy(self, var: Variable) -> torch.Tensor:
         """Device memory for ``var``'s bytes to come back into (a run without swapping would hold them)."""
-        if not var.on_device:
-            self.memory.add_shadow(-var.nbytes)
-            with self._acct:
-                var.on_device = True
-                if var.alive and var.iteration == self.iteration:
-                    self._on_device_bytes += var.nbytes
+        self.on_copy(var)
         flat = torch.empty(var.nbytes, dtype=torch.uint8, device=self.device)
         var.adopt_copy(flat)
         return flat
 
-    def _ensure_resident(self, var: Variable, i: int) -> None:
+    def ensure_resident(self, var: Variable, i: int) -> None:
         if var.dev is None:
             original = var.original()
             if original is None or not var.unchanged():
                 self.counters.demand_fetches += 1
-                self._log(i, "demand", var)
-            self._swap_in(var, i)
+                self.log(i, "demand", var)
+            self.swap_in(var, i)
         if var.h2d is not None:
             self.counters.stall_seconds += self.engine.wait_compute(var.h2d)
             var.h2d = None
         if not var.dev_is_copy and var.versions:
             var.check_versions("after it was saved, and the modified storage is what backward would read")
 
-    def _fetch_outside(self, var: Variable) -> torch.Tensor:
+    def fetch_outside(self, var: Variable) -> torch.Tensor:
         """A synchronous copy back, for unpacks outside the plan (a graph of an earlier iteration, after exit)."""
         if var.dev is not None:
             if var.h2d is not None and not self.closed:
@@ -130,27 +145,19 @@ class Transfers:
         var.dev = None  # not held: autograd's view keeps it for the node that asked
         return flat
 
-    def evict(self, nbytes: int) -> bool:
-        """Frees device copies of resident variables, least recently used first (copying those that have no
-        host copy yet, synchronously), until ``nbytes`` are freed. True if anything was evicted."""
-        with self.lock:
-            if self.closed:
-                return False
-            current = self.step - 1
-            victims = sorted(
-                (v for v in self.vars if v.dev is not None and v.last_access < current and v.h2d is None),
-                key=lambda v: v.last_access,
-            )
-            freed = 0
-            for v in victims:
-                if freed >= nbytes:
-                    break
-                self._release(v)
-                freed += v.nbytes
-                self.counters.evictions += 1
-            return freed > 0
+    # -- dead variables ---------------------------------------------------------------------------------
+    def retire(self, var: Variable) -> None:
+        """``var`` died: its memory goes now, or at the next step if a copy still reads or writes it."""
+        if var.d2h is not None and self.engine.done(var.d2h):
+            var.d2h = None  # long done (kept resident since): no wait
+        if var.d2h is not None or var.h2d is not None:
+            self._dying.append(var)  # a copy still reads or writes its memory: released at the next step
+        else:
+            var.dev = None
+            self._recycle_host(var)
 
-    def _process_dying(self) -> None:
+    def process_dying(self) -> None:
+        """Releases the dead variables whose copies were in flight (waiting for those copies)."""
         while self._dying:
             var = self._dying.pop()
             for ticket in (var.d2h, var.h2d):
@@ -159,3 +166,11 @@ class Transfers:
             var.d2h = var.h2d = None
             var.dev = None
             self._recycle_host(var)
+
+    def close(self) -> None:
+        """No more copies: spare host blocks go back to the pool, and later dead variables' blocks too."""
+        self.closed = True
+        for blocks in self._spare_host.values():
+            for block in blocks:
+                self.pool.free(block)
+        self._spare_host = {}

@@ -1,0 +1,80 @@
+"""What the manager tells the user while training goes on: ``BudgetWarning``s, once per cause, and notes; both
+end up in the report's notes.
+
+Note [Nothing to move, over the budget]
+One condition warns: the highest memory measured is over the budget and the manager may move nothing
+(every saved tensor is under min_bytes, excluded, a parameter, or alive elsewhere). It is judged wherever
+a peak is measured: at the end of each profiling iteration, and, once the manager has declined with
+nothing to manage, after every backward pass (the executor's ``unmanaged`` callback). Judging it at the
+profiles alone missed runs whose memory grows after them: with gradient accumulation the two profiled
+iterations are micro-batches that run before the optimizer has made its state, and a later iteration
+(longer sequences, a larger batch) can need more. The BudgetWarning and the report's note are one
+call (``Notices.warn``): the same text, once per cause. The counts in it are of one profiled iteration.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Optional
+
+from ..schedule.sequence import Sequence
+from ..units import fmt_bytes
+from .hooks import SavedTensorHooks
+from .signals import BudgetWarning
+
+log = logging.getLogger("swap")
+
+
+class Notices:
+    """The notes of one manager (``notes``, in order) and the causes it has warned about."""
+
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+        self._warned: set[Any] = set()
+
+    def warn(self, cause: Any, message: str) -> None:
+        """A ``BudgetWarning``, once per cause; also kept in the report's notes."""
+        if cause in self._warned:
+            return
+        self._warned.add(cause)
+        self.notes.append(message)
+        warnings.warn(f"swap: {message}", BudgetWarning, stacklevel=3)
+
+    def note(self, message: str) -> None:
+        log.info("swap: %s", message)
+        if message not in self.notes:
+            self.notes.append(message)
+
+    def nothing_to_move(self, hooks: SavedTensorHooks, budget: int, seq: Optional[Sequence], peak: int) -> None:
+        """BudgetWarning when the manager cannot move what the budget needs moved, naming the cause: Note
+        [Nothing to move, over the budget]. ``hooks``: what they left alone; ``seq``: the profiled sequence
+        (None: nothing was recorded, or a later iteration); ``peak``: the highest memory measured."""
+        skipped = {k: v for k, v in hooks.profile_skips.items() if v[1] > 0}
+        movable = 0 if seq is None else sum(b for b, s in zip(seq.sizes, seq.swappable) if s)
+        others = hooks.other_devices
+        if others and (seq is None or not seq.sizes):
+            self.warn("device", (
+                f"saved tensors were on {', '.join(sorted(others))}, none on the manager's device "
+                f"{hooks.device}: nothing is managed and the budget is not enforced; pass "
+                f"device={sorted(others)[0]!r}"
+            ))  # fmt: skip
+            return
+        if movable > 0 or peak <= budget:
+            return
+        reasons = {
+            "min_bytes": f"smaller than min_bytes={hooks.min_bytes} (lower min_bytes)",
+            "exclude": "matched by exclude= (exclude less)",
+            "parameter": "parameters or views of them (they are not activations)",
+            "expanded": "expanded (stride-0) views",
+        }
+        causes = [f"{n} saved tensor(s), {fmt_bytes(b)}, {reasons[k]}" for k, (n, b) in skipped.items()]
+        if seq is not None and seq.sizes:
+            causes.append(f"{len(seq.sizes)} saved storage(s), {fmt_bytes(sum(seq.sizes))}, stay alive elsewhere "
+                          "(referenced outside autograd, so moving them frees nothing)")  # fmt: skip
+        cause = next((k for k in ("min_bytes", "exclude") if k in skipped), "nothing")
+        self.warn(cause, (
+            f"nothing can be swapped, and the run reaches {fmt_bytes(peak)}, over the budget of "
+            f"{fmt_bytes(budget)}: " + ("per iteration, " + "; ".join(causes) if causes
+                                        else "no tensor was saved for backward inside the manager")
+        ))  # fmt: skip

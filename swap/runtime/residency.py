@@ -1,0 +1,112 @@
+"""Which of an iteration's saved bytes are on the device, kept up to date by callbacks from variables.
+
+A variable's storages die when autograd or the user lets go of them, on any thread (a node freed after it
+ran, a garbage-collection callback), so the callbacks here never wait and never take the executor's lock:
+they change byte counts under ``lock`` only (re-entrant: a callback can run on a thread that holds it).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional, Protocol
+
+from .memory import DeviceMemory
+from .recorder import Recorder
+from .tracer import Variable
+
+
+class Clock(Protocol):
+    """Where the executor is (it is one): the iteration, its recorder while profiling, and the step."""
+
+    iteration: int
+    recorder: Optional[Recorder]
+
+    @property
+    def in_hook(self) -> bool:
+        """A step is being taken (a callback inside it belongs to the step before)."""
+
+    def now(self) -> int:
+        """The step whose interval it is now."""
+
+
+class Residency:
+    """The owner of the executor's variables (``Variable.owner``): their callbacks land here, and
+    ``on_device_bytes`` counts this iteration's variables whose bytes some device storage holds (the forward's,
+    or a copy we fetched). ``memory`` learns what a run without swapping would hold; ``retire(var)`` lets a
+    dead variable's memory go (swap.runtime.transfers)."""
+
+    def __init__(self, clock: Clock, memory: DeviceMemory, lock: threading.RLock,
+                 retire: Callable[[Variable], None]) -> None:  # fmt: skip
+        self.clock = clock
+        self.memory = memory
+        self.lock = lock
+        self.retire = retire
+        self.on_device_bytes = 0
+
+    def reset(self) -> None:
+        """A new iteration: none of its variables exists yet."""
+        self.on_device_bytes = 0
+
+    def saved(self, var: Variable) -> None:
+        """``var`` was made from a saved tensor's storage, which is on the device."""
+        with self.lock:
+            self.on_device_bytes += var.nbytes
+
+    def _set_on_device(self, var: Variable, flag: bool) -> None:
+        with self.lock:
+            if var.on_device == flag:
+                return
+            var.on_device = flag
+            if not var.alive:
+                return
+            delta = var.nbytes if flag else -var.nbytes
+            if var.iteration == self.clock.iteration:
+                self.on_device_bytes += delta
+        self.memory.add_shadow(-delta)
+
+    def copy_coming(self, var: Variable) -> None:
+        """A copy of ``var`` is about to come back to the device (a run without swapping would hold it)."""
+        if not var.on_device:
+            self.memory.add_shadow(-var.nbytes)
+            with self.lock:
+                var.on_device = True
+                if var.alive and var.iteration == self.clock.iteration:
+                    self.on_device_bytes += var.nbytes
+
+    # -- callbacks from variables (swap.runtime.tracer) -------------------------------------------------
+    def original_died(self, var: Variable) -> None:
+        clock = self.clock
+        rec = clock.recorder
+        if rec is not None and var.iteration == clock.iteration:
+            rec.held_until.setdefault(var.id, clock.now())
+            if not clock.in_hook and var.alive and var.dev is None:
+                rec.held_freed(var.nbytes)
+                self.memory.add_held(var.nbytes)
+        if var.copy_ref is None or var.copy_ref() is None:
+            self._set_on_device(var, False)
+
+    def copy_died(self, var: Variable, ref: Any) -> None:
+        if ref is not var.copy_ref:
+            return
+        var.copy_ref = None
+        clock = self.clock
+        rec = clock.recorder
+        if rec is not None and var.iteration == clock.iteration:
+            rec.copy_died(var.last_access, clock.now())  # Note [A fetched copy held past its node]
+        if var.original() is None:
+            self._set_on_device(var, False)
+
+    def var_dead(self, var: Variable) -> None:
+        """Autograd released every handle of ``var``: its memory goes (now, or once its copies are done)."""
+        if not var.alive:
+            return
+        clock = self.clock
+        if clock.recorder is not None and var.iteration == clock.iteration:
+            clock.recorder.freed[var.id] = clock.now()
+        with self.lock:
+            if var.on_device and var.iteration == clock.iteration:
+                self.on_device_bytes -= var.nbytes
+            var.alive = False
+        if not var.on_device:
+            self.memory.add_shadow(-var.nbytes)  # a run without swapping frees it now
+        self.retire(var)
