@@ -78,10 +78,11 @@ def test_the_makefile_takes_cuda_include_from_the_shared_search(tmp_path):
     script = subprocess.run([sys.executable, "vmalloc/cuda_paths.py", "cuda.h"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert script.returncode == 0 and script.stdout.strip() == str(home / "include")
-    r = subprocess.run(["make", "-pn", "fakecuda", f"PY={sys.executable}"], cwd=ROOT, env=env,
+    # A dry run of every compile (-B: as if out of date) shows the directory each one is given.
+    r = subprocess.run(["make", "-nB", "fakecuda", f"PY={sys.executable}"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)  # fmt: skip
-    values = [line for line in r.stdout.splitlines() if line.startswith("CUDA_INCLUDE :=")]
-    assert values == [f"CUDA_INCLUDE := {home / 'include'}"], r.stdout[-2000:] + r.stderr[-2000:]
+    compiles = [line for line in r.stdout.splitlines() if " -c tests/fakecuda/src/" in line]
+    assert compiles and all(f"-isystem {home / 'include'} " in line for line in compiles), r.stdout[-2000:] + r.stderr
 
 
 # -- the adapter's build plan and its fallback ---------------------------------------------------------------
