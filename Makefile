@@ -14,9 +14,9 @@ VENV ?= .venv
 SYSTEM_PY ?= python3
 TORCH ?= torch==2.13.0
 ifeq ($(origin PY),undefined)
-PY := $(VENV)/bin/python
+PY := $(abspath $(VENV))/bin/python
 VENV_PY := $(PY)
-GPU_PY := $(if $(wildcard $(VENV)/bin/python),$(PY),python3)
+GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
 else
 GPU_PY := $(PY)
 endif
@@ -34,7 +34,7 @@ setup: $(VENV_PY)
 	$(PY) -m pip install -q cuda-python transformers accelerate lightning diffusers
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
-$(VENV)/bin/python:
+$(abspath $(VENV))/bin/python:
 	$(SYSTEM_PY) -m venv $$($(SYSTEM_PY) -c "import torch" 2>/dev/null && echo --system-site-packages) $(VENV)
 
 # The wheel and the sdist as users install them, each in a fresh venv (.ci/check_package.sh; CI runs it).
