@@ -1,17 +1,45 @@
 # One entry point for set-up, demo, tests and benchmarks. `make demo` and `make test` do all set-up on a
-# fresh machine (see README.md).
-PY ?= python3
+# fresh machine (see README.md), in the project's venv.
+#
+# Note [The project venv]
+# Set-up installs into .venv, which it makes with `python3 -m venv`, never into the system's Python (Debian 12
+# and Ubuntu 24.04 refuse that: externally-managed-environment). When the system's python3 already imports
+# torch, the venv also sees the system's packages (--system-site-packages): a GPU user keeps the CUDA torch
+# they have, and a machine with torch preinstalled (CI's) downloads nothing twice. Otherwise the venv is clean
+# and set-up installs $(TORCH), which on this project's machines pip resolves to their local CPU build;
+# elsewhere pass TORCH='torch==2.13.0 --index-url <a CPU wheel index>' for a CPU-only one. PY=<python> runs
+# everything with that interpreter instead (set-up then installs into it). The gpu targets run on offline
+# machines whose python3 carries their CUDA torch: they use the venv when there is one, else python3.
+VENV ?= .venv
+SYSTEM_PY ?= python3
+TORCH ?= torch==2.13.0
+ifeq ($(origin PY),undefined)
+PY := $(abspath $(VENV))/bin/python
+VENV_PY := $(PY)
+GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
+else
+GPU_PY := $(PY)
+endif
 ASAN_PKG := build/asan/pkg
 
-.PHONY: setup demo demo-allocator test test-python test-sanitize lint bench-latency bench-plan bench-clock clean fakecuda
+.PHONY: setup demo demo-allocator test test-python test-sanitize lint bench-latency bench-plan bench-clock clean fakecuda \
+  package-check
 
-# torch: keep an installed build (GPU users keep their CUDA torch); otherwise 2.13.0, which on this
-# project's CPU machines is a local CPU build.
-setup:
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q "setuptools>=64" wheel pybind11 numpy pytest hypothesis matplotlib ruff
+# The build requirements too (pyproject.toml), since the editable install builds without isolation; the CUDA
+# header wheel only where no cuda.h is found (a toolkit's, or a CUDA torch's wheels).
+setup: $(VENV_PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q "setuptools>=64" wheel pybind11 cmake ninja numpy pytest hypothesis matplotlib ruff
+	@$(PY) vmalloc/cuda_paths.py cuda.h >/dev/null || $(PY) -m pip install -q "nvidia-cuda-runtime>=13,<14"
 	$(PY) -m pip install -q cuda-python transformers accelerate lightning diffusers
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+
+$(abspath $(VENV))/bin/python:
+	$(SYSTEM_PY) -m venv $$($(SYSTEM_PY) -c "import torch" 2>/dev/null && echo --system-site-packages) $(VENV)
+
+# The wheel and the sdist as users install them, each in a fresh venv (.ci/check_package.sh; CI runs it).
+package-check:
+	bash .ci/check_package.sh
 
 demo: setup
 	$(PY) examples/train_beyond_memory.py
@@ -45,8 +73,9 @@ FAKECUDA_CXXFLAGS := -std=c++17 -O1 -g -fPIC -Wall -Wextra -MMD -MP \
   $(if $(filter 1,$(FAKECUDA_SANITIZE)),-fsanitize=address -fsanitize=undefined -fno-omit-frame-pointer)
 # cuda.h as setup.py finds it (Note [Finding the CUDA headers], vmalloc/cuda_paths.py): CUDA_HOME, CUDA_PATH,
 # /usr/local/cuda, then the nvidia/cu13 (CUDA 13) or nvidia/cuda_runtime (CUDA 12) wheel layouts.
+# Asked when a compile runs (=, not :=): set-up may have just made the venv or installed the header wheel.
 ifndef CUDA_INCLUDE
-CUDA_INCLUDE := $(shell $(PY) vmalloc/cuda_paths.py cuda.h 2>/dev/null)
+CUDA_INCLUDE = $(shell $(PY) vmalloc/cuda_paths.py cuda.h 2>/dev/null)
 endif
 
 fakecuda: $(FAKECUDA_OUT)/libcuda.so.1
@@ -62,7 +91,8 @@ $(FAKECUDA_OUT)/obj/%.o: tests/fakecuda/src/%.cpp
 
 -include $(FAKECUDA_OBJ:.o=.d)
 
-lint:
+lint: $(VENV_PY)
+	@$(PY) -m ruff --version >/dev/null 2>&1 || $(PY) -m pip install -q ruff
 	$(PY) -m ruff check vmalloc swap bench tests examples
 
 bench-latency: setup
@@ -92,6 +122,7 @@ GPU_LOG_DIR = $(or $(GPU_OUT),$(GPU_LOGS))
 
 .PHONY: gpu gpu-quick gpu-check gpu-build gpu-test gpu-sanitize gpu-bench
 gpu-quick gpu-check gpu-build gpu-test gpu-sanitize gpu-bench: SHELL := /bin/bash
+gpu gpu-quick gpu-check gpu-build gpu-test gpu-sanitize gpu-bench: PY := $(GPU_PY)
 
 gpu: gpu-test gpu-bench
 
@@ -114,7 +145,7 @@ gpu-check:
 # The core in place, then the torch adapter for the installed torch (cached per torch version).
 gpu-build: gpu-check
 	$(PY) setup.py -q build_ext --inplace
-	$(PY) -m vmalloc.torch_adapter || echo "gpu-build: continuing without the torch adapter (see above; tests/gpu reports it)"
+	$(PY) -m vmalloc.torch_adapter || echo "gpu-build: no torch adapter (see above): vmalloc.allocator() will refuse, saying why; tests/gpu reports it"
 
 # Logs are written with tee straight into GPU_LOG_DIR (GPU_OUT when given): a command the device tool stops
 # at its time limit still returns the log up to that point.

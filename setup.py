@@ -1,8 +1,11 @@
-"""Builds vmalloc's C++ core with CMake (see CMakeLists.txt).
+"""Builds vmalloc's C++ core with CMake (see CMakeLists.txt; what the build needs: Note [What installs build
+and what they need] in pyproject.toml).
 
 Environment:
   VMALLOC_SANITIZE=1       build with ASan + UBSan
-  VMALLOC_BUILD_DIR=DIR    CMake build directory (default: build/cmake-<python tag>)
+  VMALLOC_BUILD_DIR=DIR    CMake build directory (default: build/cmake-<python tag> for in-place and editable
+                           builds, where bench/alloc_latency.py finds its executable; the build's temporary
+                           directory for a wheel)
   CUDA_HOME                where to look for cuda.h first (then /usr/local/cuda, then the nvidia/cu13 or
                            nvidia/cuda_runtime pip wheels' headers)
 
@@ -26,6 +29,18 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 
 
+def cmake_command() -> str:
+    """cmake on PATH (pip's isolated build puts the declared cmake there), else the cmake package's own."""
+    found = shutil.which("cmake")
+    if found:
+        return found
+    try:
+        import cmake
+    except ImportError:
+        sys.exit("vmalloc: cmake is needed to build the core: pip install cmake (or your system's package)")
+    return str(Path(cmake.CMAKE_BIN_DIR) / "cmake")
+
+
 def cuda_include_dir() -> str:
     """The directory holding cuda.h (see Note [Finding the CUDA headers] in vmalloc/cuda_paths.py)."""
     spec = importlib.util.spec_from_file_location("vmalloc_cuda_paths", ROOT / "vmalloc" / "cuda_paths.py")
@@ -43,8 +58,7 @@ class CMakeExtension(Extension):
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
-        tag = f"{sys.implementation.cache_tag}"
-        build_dir = Path(os.environ.get("VMALLOC_BUILD_DIR", ROOT / "build" / f"cmake-{tag}"))
+        build_dir = Path(os.environ.get("VMALLOC_BUILD_DIR", self._default_build_dir()))
         build_dir.mkdir(parents=True, exist_ok=True)
         import pybind11
 
@@ -55,15 +69,21 @@ class CMakeBuild(build_ext):
             f"-DVMALLOC_CUDA_INCLUDE_DIR={cuda_include_dir()}",
             f"-DVMALLOC_SANITIZE={'ON' if os.environ.get('VMALLOC_SANITIZE') == '1' else 'OFF'}",
         ]
-        subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build_dir), *args], check=True)
+        cmake = cmake_command()
+        subprocess.run([cmake, "-S", str(ROOT), "-B", str(build_dir), *args], check=True)
         jobs = str(os.cpu_count() or 2)
-        subprocess.run(["cmake", "--build", str(build_dir), "-j", jobs], check=True)
+        subprocess.run([cmake, "--build", str(build_dir), "-j", jobs], check=True)
         adapter_src = out_dir / "torch_adapter_src"
         adapter_src.mkdir(exist_ok=True)
         for f in (ROOT / "csrc" / "torch").iterdir():
             shutil.copy2(f, adapter_src / f.name)
         if getattr(self, "editable_mode", False):
             self._copy_core_library(out_dir)
+
+    def _default_build_dir(self) -> Path:
+        if self.inplace or getattr(self, "editable_mode", False):
+            return ROOT / "build" / f"cmake-{sys.implementation.cache_tag}"
+        return Path(self.build_temp).resolve() / "cmake"
 
     def copy_extensions_to_source(self) -> None:
         # `build_ext --inplace` builds under build/ and then copies _C into the source tree; the core library

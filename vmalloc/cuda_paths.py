@@ -8,6 +8,9 @@ In order: ``CUDA_HOME`` / ``CUDA_PATH``, ``/usr/local/cuda``, then the headers t
 in site-packages: CUDA 13 wheels put every header under ``nvidia/cu13/include`` (cuda-toolkit /
 nvidia-cuda-runtime 13.x); CUDA 12 wheels put them per component (``nvidia/cuda_runtime/include``, which
 holds cuda.h and cuda_runtime_api.h). A torch cu130 wheel installs the CUDA 13 layout, a cu12x one the other.
+The core needs only cuda.h's types (it asks the driver for each function's CUDA 12 ABI at run time), so any of
+these builds it; ``pip install`` brings nvidia-cuda-runtime into its build environment for that
+(pyproject.toml's build requirements), so a machine without a CUDA toolkit builds too.
 """
 
 from __future__ import annotations
@@ -25,8 +28,12 @@ WHEEL_LAYOUTS = ("nvidia/cu13/include", "nvidia/cuda_runtime/include", "nvidia/c
 
 
 def site_dirs() -> list[str]:
+    """This interpreter's site-packages, then every other one on sys.path: pip's isolated build environment
+    adds the build requirements' directory there (the CUDA header wheel pyproject.toml declares), and
+    sysconfig does not name it."""
     paths = sysconfig.get_paths()
-    return list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+    on_path = [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages")]
+    return list(dict.fromkeys([paths["purelib"], paths["platlib"], *on_path]))
 
 
 def candidate_dirs(env: Optional[dict] = None, sites: Optional[Iterable[str]] = None) -> list[Path]:

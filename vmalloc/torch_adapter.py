@@ -4,23 +4,34 @@ Note [Building the adapter]
 The adapter subclasses torch's C++ ``CUDAPluggableAllocator``, so its vtable must match the torch that loads
 it exactly: a copy built for another torch release would call the wrong virtual methods. It is therefore
 built on first use (``vmalloc.allocator()``), against the installed torch, with
-``torch.utils.cpp_extension.load`` (ninja; once), and cached per torch version and source hash
-under ``$VMALLOC_CACHE`` (default ``~/.cache/vmalloc``): upgrading torch builds a new one. Building at install
-time instead would tie the package to the torch present then (with build isolation, not even the user's);
-``python -m vmalloc.torch_adapter`` builds it ahead of time (``make gpu`` does).
+``torch.utils.cpp_extension.load`` (once), and cached per torch version and source hash under
+``$VMALLOC_CACHE`` (default ``~/.cache/vmalloc``): upgrading torch builds a new one. Building it when the
+package is built instead would tie the wheel to the torch present then: with pip's build isolation, a torch
+pip downloads into the build environment (gigabytes, and not necessarily the user's build), and a CPU-only
+user, who never needs the adapter, would pay for it too. ``python -m vmalloc.torch_adapter`` builds it ahead
+of time (``make gpu`` does).
 
-When the adapter cannot be built or loaded (no CUDA in this torch, no compiler or ninja, missing CUDA
-headers, ``VMALLOC_TORCH_ADAPTER=0``), ``load()`` returns None and ``reason()`` says why; ``vmalloc.allocator()``
-then falls back to torch's plain pluggable allocator over vmalloc's C entry points, with a warning.
+What the build needs, and where it comes from: ninja (torch runs it) is a dependency of the package, found on
+PATH or, when the environment is not activated, in the ninja package (``ninja_dir()``); the CUDA runtime's
+headers come with a CUDA build of torch (its nvidia wheels) or a CUDA toolkit (Note [Finding the CUDA
+headers] in vmalloc/cuda_paths.py); the one thing pip cannot bring is a C++ compiler (``$CXX``, else c++).
+
+When the adapter cannot be built or loaded (no CUDA in this torch, no compiler, missing CUDA headers,
+``VMALLOC_TORCH_ADAPTER=0``), ``load()`` returns None and ``reason()`` says why and what to do;
+``vmalloc.allocator()`` then refuses unless the fallback is asked for (Note [No silent fallback] in
+vmalloc/torch_allocator.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import re
+import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Optional
@@ -103,15 +114,46 @@ def loaded_library(prefix: str, maps: str = "/proc/self/maps") -> Optional[str]:
     return None
 
 
+def ninja_dir() -> Optional[str]:
+    """The directory of the ninja that torch's build runs: PATH's, else the ninja package's (a dependency, whose
+    executable sits in the environment's bin/, on PATH only when the environment is activated); None if none."""
+    found = shutil.which("ninja")
+    if found:
+        return str(Path(found).parent)
+    try:
+        import ninja
+    except ImportError:
+        return None
+    bin_dir = Path(ninja.BIN_DIR)
+    return str(bin_dir) if (bin_dir / "ninja").is_file() else None
+
+
+@contextlib.contextmanager
+def _ninja_on_path(directory: str) -> Iterator[None]:
+    """PATH with ``directory`` in front while torch builds (it runs plain ``ninja``)."""
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = directory + os.pathsep + old if old else directory
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
 def _why_not(torch_module: Any) -> Optional[str]:
     if os.environ.get("VMALLOC_TORCH_ADAPTER", "1") == "0":
-        return "VMALLOC_TORCH_ADAPTER=0"
+        return "VMALLOC_TORCH_ADAPTER=0 turns it off: unset it to use the adapter"
     if not getattr(torch_module.version, "cuda", None):
         return f"this torch ({torch_module.__version__}) is not a CUDA build"
     if not hasattr(torch_module._C, "_cuda_changeCurrentAllocator"):
-        return f"this torch ({torch_module.__version__}) has no pluggable CUDA allocators"
+        return f"this torch ({torch_module.__version__}) has no pluggable CUDA allocators: use torch >= 2.4"
     if source_dir() is None:
-        return "the adapter's sources (csrc/torch/adapter.cpp) are not installed with this vmalloc"
+        return ("the adapter's sources (csrc/torch/adapter.cpp) are not installed with this vmalloc: reinstall "
+                "vmalloc-swap from its wheel or sdist")
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}; $CXX names another) to build it: install one (g++ or clang++)"
+    if ninja_dir() is None:
+        return "ninja, which torch builds it with, is not installed: pip install ninja (a dependency of vmalloc-swap)"
     return None
 
 
@@ -135,9 +177,12 @@ def load() -> Optional[ModuleType]:
         Path(args["build_directory"]).mkdir(parents=True, exist_ok=True)
         log.info("vmalloc: loading the torch adapter for torch %s (built once into %s)", torch.__version__,
                  args["build_directory"])  # fmt: skip
-        module = cpp_extension.load(**args)
-    except Exception as e:  # noqa: BLE001 - any build or load failure means: use the fallback, say why
-        _reason = f"building or loading it failed: {type(e).__name__}: {str(e).strip()[-1500:]}"
+        with _ninja_on_path(ninja_dir()):
+            module = cpp_extension.load(**args)
+    except Exception as e:  # noqa: BLE001 - any build or load failure means: no adapter, say why
+        _reason = (f"building or loading it failed: {type(e).__name__}: {str(e).strip()[-1500:]} "
+                   "(VMALLOC_VERBOSE_BUILD=1 python -m vmalloc.torch_adapter retries the build, showing the compiler's "
+                   "output)")  # fmt: skip
         return None
     expected = torch.__version__.split("+")[0]
     if module.torch_version != expected:

@@ -7,9 +7,22 @@ The global arenas (one per device) are made on the first CUDA allocation, from t
 
 Note [Two ways into torch]
 ``allocator()`` returns the torch adapter (vmalloc/torch_adapter.py: ``torch.cuda.memory_stats``,
-``torch.cuda.OutOfMemoryError``, ``cudnn.benchmark``... work) when it can be built for the installed torch,
-else torch's plain ``CUDAPluggableAllocator`` over vmalloc's C entry points, with a warning saying what is
-missing; then ``vmalloc.stats()`` and ``vmalloc.snapshot()`` are the way to read the arena.
+``torch.cuda.OutOfMemoryError``, ``cudnn.benchmark``, ``record_stream``... work) when it can be built for the
+installed torch. Otherwise it refuses, unless the caller opts into torch's plain ``CUDAPluggableAllocator``
+over vmalloc's C entry points (Note [No silent fallback]); then ``vmalloc.stats()`` and
+``vmalloc.snapshot()`` are the way to read the arena.
+
+Note [No silent fallback]
+In global mode, torch's plain pluggable allocator has no Python setter for the record_stream hook (torch 2.4
+to 2.14), so ``Tensor.record_stream()`` is a no-op: a block that a side stream or NCCL still reads is handed
+out again as soon as the tensor dies on its own stream, a use-after-free nothing reports. Memory statistics
+(``torch.cuda.memory_stats()``) and ``cudnn.benchmark=True`` raise. Such a fallback must never be entered by
+accident (a missing compiler is enough to lose the adapter), so ``allocator()`` raises instead, naming the
+reason and the fix, unless the fallback is asked for by ``allocator(fallback=True)`` or
+``VMALLOC_ALLOW_FALLBACK=1``; then it warns, saying what breaks. ``mem_pool()`` needs no such consent: in
+MemPool mode torch's own caching allocator stays current and keeps record_stream and its statistics, and
+vmalloc only serves its segments; what the adapter adds there is that a CUDA graph captured inside the scope
+keeps its own private pool, so ``mem_pool()`` warns that without it graphs must be captured outside the scope.
 
 Note [MemPool mode routes every thread]
 ``torch.cuda.use_mem_pool(pool)`` routes only the calling thread's allocations, so backward's allocations,
@@ -45,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import warnings
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
@@ -105,38 +119,66 @@ def _plain_allocator(malloc_symbol: str) -> Any:
     return alloc
 
 
-def _make_allocators() -> None:
-    global _ALLOCATOR, _POOL_ALLOCATOR, _ADAPTER
-    torch = _require_cuda_torch()
-    adapter = torch_adapter.load()
-    if adapter is not None:
-        _ADAPTER = adapter
-        # One object serves both modes: it knows whether torch calls it as the current allocator.
-        _ALLOCATOR = _POOL_ALLOCATOR = torch.cuda.memory._CUDAAllocator(adapter.allocator())
-        return
-    warnings.warn(
-        f"vmalloc: torch's allocator API is limited without vmalloc's torch adapter ({torch_adapter.reason()}): "
-        "out-of-memory raises RuntimeError instead of torch.cuda.OutOfMemoryError, torch.cuda.memory_stats() and "
-        "cudnn.benchmark=True fail, and torch.cuda.empty_cache() / set_per_process_memory_fraction() do not reach "
-        "vmalloc. Use vmalloc.stats(), vmalloc.snapshot() and vmalloc.global_arena(); fix the cause above to get "
-        "the adapter.",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-    _ALLOCATOR = _plain_allocator("vmalloc_malloc")
-    _POOL_ALLOCATOR = _plain_allocator("vmalloc_malloc_no_handler")
+FALLBACK_ENV = "VMALLOC_ALLOW_FALLBACK"
+
+# What the plain pluggable allocator breaks in global mode (Note [No silent fallback]).
+FALLBACK_BREAKS = (
+    "Tensor.record_stream() is a no-op (memory that a side stream or NCCL still uses can be handed out again "
+    "while in use: a silent use-after-free), torch.cuda.memory_stats() and cudnn.benchmark=True raise, "
+    "out-of-memory is a RuntimeError instead of torch.cuda.OutOfMemoryError, and torch.cuda.empty_cache() / "
+    "set_per_process_memory_fraction() do not reach vmalloc"
+)
 
 
-def allocator(**options: Any) -> Any:
+def _adapter() -> Any:
+    """The adapter module, loaded once and serving both modes, or None (``torch_adapter.reason()`` says why)."""
+    global _ADAPTER, _ALLOCATOR, _POOL_ALLOCATOR
+    if _ADAPTER is None:
+        torch = _require_cuda_torch()
+        adapter = torch_adapter.load()
+        if adapter is not None:
+            _ADAPTER = adapter
+            # One object serves both modes: it knows whether torch calls it as the current allocator.
+            _ALLOCATOR = _POOL_ALLOCATOR = torch.cuda.memory._CUDAAllocator(adapter.allocator())
+    return _ADAPTER
+
+
+def _fallback_allowed(fallback: Optional[bool]) -> bool:
+    if fallback is not None:
+        return bool(fallback)
+    return os.environ.get(FALLBACK_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def allocator(fallback: Optional[bool] = None, **options: Any) -> Any:
     """vmalloc as a torch CUDA allocator, for ``torch.cuda.memory.change_current_allocator``.
 
     Install it before the first CUDA allocation. ``options`` are those of ``configure``. See
     Note [Two ways into torch] for what torch's memory API reports with it.
+
+    Without the torch adapter it raises RuntimeError naming the reason and the fix, unless ``fallback=True``
+    (or, with ``fallback`` left None, ``VMALLOC_ALLOW_FALLBACK=1``) accepts torch's plain pluggable allocator,
+    where ``Tensor.record_stream()`` is a no-op: Note [No silent fallback].
     """
+    global _ALLOCATOR
     if options:
         configure(**options)
-    if _ALLOCATOR is None:
-        _make_allocators()
+    if _ALLOCATOR is None and _adapter() is None:
+        reason = torch_adapter.reason()
+        if not _fallback_allowed(fallback):
+            raise RuntimeError(
+                f"vmalloc.allocator(): vmalloc's torch adapter is not available: {reason}. Fix that, then "
+                "`python -m vmalloc.torch_adapter` says whether it builds. Without the adapter torch's plain "
+                f"pluggable allocator would serve, where {FALLBACK_BREAKS}. To run that way all the same, call "
+                f"vmalloc.allocator(fallback=True) or set {FALLBACK_ENV}=1."
+            )
+        warnings.warn(
+            f"vmalloc: running without vmalloc's torch adapter ({reason}), as asked (fallback): {FALLBACK_BREAKS}. "
+            "Keep tensors on one stream (no record_stream, no NCCL), and read the arena with vmalloc.stats(), "
+            "vmalloc.snapshot() and vmalloc.global_arena().",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        _ALLOCATOR = _plain_allocator("vmalloc_malloc")
     return _ALLOCATOR
 
 
@@ -168,13 +210,22 @@ def global_arena(device: Optional[int] = None) -> Any:
 
 def mem_pool(**options: Any) -> Any:
     """A ``torch.cuda.MemPool`` whose memory comes from vmalloc; activate it with ``vmalloc.use_mem_pool``."""
+    global _POOL_ALLOCATOR
     torch = _require_cuda_torch()
     if options:
         configure(**options)
     if not hasattr(torch.cuda, "MemPool"):
         raise RuntimeError(f"vmalloc.mem_pool() needs torch.cuda.MemPool (torch >= 2.5); this is {torch.__version__}")
-    if _POOL_ALLOCATOR is None:
-        _make_allocators()
+    if _POOL_ALLOCATOR is None and _adapter() is None:  # no consent needed: Note [No silent fallback]
+        warnings.warn(
+            f"vmalloc.mem_pool(): vmalloc's torch adapter is not available ({torch_adapter.reason()}). torch's "
+            "caching allocator keeps record_stream and its statistics in MemPool mode, but a CUDA graph captured "
+            "inside vmalloc.use_mem_pool would take its memory from vmalloc's pool instead of its own private pool "
+            "(replays could then overwrite live tensors): capture graphs outside the scope, or fix the cause above.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        _POOL_ALLOCATOR = _plain_allocator("vmalloc_malloc_no_handler")
     if installed():
         raise RuntimeError(
             "vmalloc is already torch's global CUDA allocator: every allocation comes from it, so a vmalloc "

@@ -78,10 +78,11 @@ def test_the_makefile_takes_cuda_include_from_the_shared_search(tmp_path):
     script = subprocess.run([sys.executable, "vmalloc/cuda_paths.py", "cuda.h"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert script.returncode == 0 and script.stdout.strip() == str(home / "include")
-    r = subprocess.run(["make", "-pn", "fakecuda", f"PY={sys.executable}"], cwd=ROOT, env=env,
+    # A dry run of every compile (-B: as if out of date) shows the directory each one is given.
+    r = subprocess.run(["make", "-nB", "fakecuda", f"PY={sys.executable}"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)  # fmt: skip
-    values = [line for line in r.stdout.splitlines() if line.startswith("CUDA_INCLUDE :=")]
-    assert values == [f"CUDA_INCLUDE := {home / 'include'}"], r.stdout[-2000:] + r.stderr[-2000:]
+    compiles = [line for line in r.stdout.splitlines() if " -c tests/fakecuda/src/" in line]
+    assert compiles and all(f"-isystem {home / 'include'} " in line for line in compiles), r.stdout[-2000:] + r.stderr
 
 
 # -- the adapter's build plan and its fallback ---------------------------------------------------------------
@@ -143,7 +144,7 @@ def test_adapter_can_be_switched_off():
         from vmalloc import torch_adapter
         print(torch_adapter.load(), torch_adapter.reason())
     """)
-    assert out.strip() == "None VMALLOC_TORCH_ADAPTER=0"
+    assert out.strip().startswith("None VMALLOC_TORCH_ADAPTER=0 turns it off")
 
 
 def test_allocator_on_a_cpu_torch_says_what_is_needed():
@@ -152,6 +153,96 @@ def test_allocator_on_a_cpu_torch_says_what_is_needed():
     with pytest.raises(RuntimeError, match="CUDA build of PyTorch"):
         vmalloc.allocator()
     assert vmalloc.installed() is False
+
+
+# -- no silent fallback: without the adapter, allocator() refuses unless asked -------------------------------
+
+NINJA_MISSING = "ninja, which torch builds it with, is not installed: pip install ninja"
+
+
+@pytest.fixture
+def cuda_torch_without_adapter(monkeypatch):
+    """vmalloc's torch layer as on a CUDA torch whose adapter could not be built. A CPU torch cannot make torch's
+    plain pluggable allocator, so the one made is a stand-in naming its malloc symbol; the list records them."""
+    from vmalloc import torch_allocator
+
+    for name in ("_ALLOCATOR", "_POOL_ALLOCATOR", "_ADAPTER"):
+        monkeypatch.setattr(torch_allocator, name, None)
+    monkeypatch.setattr(torch_allocator, "_require_cuda_torch", lambda: torch)
+    monkeypatch.setattr(torch_adapter, "_tried", True)
+    monkeypatch.setattr(torch_adapter, "_loaded", None)
+    monkeypatch.setattr(torch_adapter, "_reason", NINJA_MISSING)
+    made = []
+
+    def plain(symbol):
+        made.append(symbol)
+        return types.SimpleNamespace(symbol=symbol, allocator=lambda: symbol)
+
+    monkeypatch.setattr(torch_allocator, "_plain_allocator", plain)
+    monkeypatch.delenv("VMALLOC_ALLOW_FALLBACK", raising=False)
+    return made
+
+
+WHAT_BREAKS = ("record_stream() is a no-op", "use-after-free", "NCCL", "memory_stats()", "cudnn.benchmark")
+
+
+def test_allocator_without_the_adapter_refuses_with_the_reason_and_the_fix(cuda_torch_without_adapter):
+    for _ in range(2):  # and again: a caught refusal does not leave the fallback installed
+        with pytest.raises(RuntimeError) as e:
+            vmalloc.allocator()
+        text = str(e.value)
+        for fragment in (NINJA_MISSING, "python -m vmalloc.torch_adapter", "fallback=True", "VMALLOC_ALLOW_FALLBACK=1",
+                         *WHAT_BREAKS):  # fmt: skip
+            assert fragment in text, (fragment, text)
+    assert cuda_torch_without_adapter == [] and vmalloc.installed() is False
+
+
+def test_the_fallback_is_entered_only_when_asked_and_warns_what_breaks(cuda_torch_without_adapter):
+    with pytest.warns(RuntimeWarning) as record:
+        alloc = vmalloc.allocator(fallback=True)
+    text = " ".join(str(w.message) for w in record)
+    assert all(fragment in text for fragment in (NINJA_MISSING, *WHAT_BREAKS)), text
+    assert alloc.symbol == "vmalloc_malloc" and cuda_torch_without_adapter == ["vmalloc_malloc"]
+    assert vmalloc.allocator() is alloc  # asked once: the same allocator from then on
+
+
+def test_the_fallback_by_environment_and_an_explicit_no_wins(cuda_torch_without_adapter, monkeypatch):
+    monkeypatch.setenv("VMALLOC_ALLOW_FALLBACK", "1")
+    with pytest.raises(RuntimeError, match="not available"):
+        vmalloc.allocator(fallback=False)
+    with pytest.warns(RuntimeWarning, match="record_stream"):
+        assert vmalloc.allocator().symbol == "vmalloc_malloc"
+
+
+def test_mem_pool_without_the_adapter_warns_that_graphs_belong_outside_the_scope(cuda_torch_without_adapter,
+                                                                                 monkeypatch):  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "MemPool", lambda raw: ("pool", raw), raising=False)
+    with pytest.warns(RuntimeWarning, match="capture graphs outside the scope"):
+        assert vmalloc.mem_pool() == ("pool", "vmalloc_malloc_no_handler")
+    with pytest.raises(RuntimeError, match="not available"):  # the pool's consent is not the global allocator's
+        vmalloc.allocator()
+
+
+def test_ninja_is_found_in_its_package_when_not_on_path(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "ninja").write_text("#!/bin/sh\n")
+    which = torch_adapter.shutil.which
+    monkeypatch.setattr(torch_adapter.shutil, "which", lambda name, *a, **k: None if name == "ninja" else which(name))
+    monkeypatch.setitem(sys.modules, "ninja", types.SimpleNamespace(BIN_DIR=str(bin_dir)))
+    assert torch_adapter.ninja_dir() == str(bin_dir)
+    path = torch_adapter.os.environ["PATH"]
+    with torch_adapter._ninja_on_path(str(bin_dir)):
+        assert torch_adapter.os.environ["PATH"].split(":")[0] == str(bin_dir)
+    assert torch_adapter.os.environ["PATH"] == path
+    cuda_torch = types.SimpleNamespace(version=types.SimpleNamespace(cuda="13.0"), __version__="2.11.0+cu130",
+                                       _C=types.SimpleNamespace(_cuda_changeCurrentAllocator=None))  # fmt: skip
+    monkeypatch.setenv("CXX", sys.executable)  # a compiler that exists, so ninja is what is checked
+    assert torch_adapter._why_not(cuda_torch) is None
+    monkeypatch.setitem(sys.modules, "ninja", None)  # `import ninja` fails: neither on PATH nor installed
+    assert torch_adapter._why_not(cuda_torch) == NINJA_MISSING + " (a dependency of vmalloc-swap)"
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    assert "no C++ compiler" in torch_adapter._why_not(cuda_torch)
 
 
 # -- the C entry points (host backend through ctypes) -------------------------------------------------------
