@@ -188,14 +188,14 @@ std::uintptr_t Allocator::malloc(std::size_t nbytes, Stream stream, bool call_oo
       } else {
         settle_frees(/*wait=*/false);
         if (nbytes <= capacity_chunks_ * chunk_) {
-          if (std::uintptr_t p = try_malloc(nbytes, stream, false)) return p;
+          if (std::uintptr_t p = try_malloc_unmapping(nbytes, stream)) return p;
           if (!pending_.empty()) {  // memory freed on other streams' work: wait for it rather than fail
             settle_frees(/*wait=*/true);
-            if (std::uintptr_t p = try_malloc(nbytes, stream, false)) return p;
+            if (std::uintptr_t p = try_malloc_unmapping(nbytes, stream)) return p;
           }
           if (device_full_) {  // the device refused chunks earlier; others may have freed memory since
             device_full_ = false;
-            if (std::uintptr_t p = try_malloc(nbytes, stream, false)) return p;
+            if (std::uintptr_t p = try_malloc_unmapping(nbytes, stream)) return p;
           }
           if (call_oom_handler && !t_oom_handler_suppressed) handler = oom_handler_;
         }
@@ -212,7 +212,7 @@ std::uintptr_t Allocator::malloc(std::size_t nbytes, Stream stream, bool call_oo
     ++stats_.num_alloc_retries;
     try {
       settle_frees(/*wait=*/true);
-      if (std::uintptr_t p = try_malloc(nbytes, stream, false)) return p;
+      if (std::uintptr_t p = try_malloc_unmapping(nbytes, stream)) return p;
     } catch (const BackendError&) {
       ++stats_.num_backend_errors;
       throw;
@@ -222,6 +222,26 @@ std::uintptr_t Allocator::malloc(std::size_t nbytes, Stream stream, bool call_oo
   ++stats_.num_ooms;
   trace_.record(TraceEntry::kOom, 0, nbytes, stream, (capacity_chunks_ - std::min(capacity_chunks_, num_chunks_)) * chunk_);
   throw OutOfMemory(oom_message(nbytes));
+}
+
+// Note [Out of mappings]
+// Physical memory is not the only thing a backend can run out of: the host backend meets the kernel's limit
+// on a process's mappings (vm.max_map_count, Note [Host mapping limit] in backend_host.cpp). Cached free ranges keep their mappings, so an arena whose ranges were
+// stitched from scattered chunks can hold tens of thousands of them while nothing is allocated. The backend
+// then throws BackendOutOfMappings, and malloc climbs the same ladder as for physical memory: it unmaps every
+// cached range (after waiting for its stream, as reclaim does), which returns their chunks to the pool as
+// whole runs, and tries once more. The state after the failed try is intact (Note [Failure guarantees]); if
+// nothing was cached, or the second try meets the limit too, the error propagates with the count, the limit
+// and the ways out.
+std::uintptr_t Allocator::try_malloc_unmapping(std::size_t nbytes, Stream stream) {
+  try {
+    return try_malloc(nbytes, stream, false);
+  } catch (const BackendOutOfMappings& e) {
+    std::exception_ptr unmap_failure;  // counted where it happened; the retry says whether it mattered
+    if (quiet() || !uncache_all(unmap_failure)) throw;  // counted by malloc
+    note_backend_error(e);
+  }
+  return try_malloc(nbytes, stream, false);
 }
 
 std::uintptr_t Allocator::try_malloc(std::size_t nbytes, Stream stream, bool cached_only) {

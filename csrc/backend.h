@@ -47,6 +47,13 @@ struct VMALLOC_API BackendOutOfMemory : BackendError {
   using BackendError::BackendError;
 };
 
+// Thrown by map or set_access when the memory system has run out of mappings rather than memory (the host
+// backend at the kernel's vm.max_map_count): unmapping other mappings may make room (Note [Out of mappings]
+// in allocator.cpp).
+struct VMALLOC_API BackendOutOfMappings : BackendError {
+  using BackendError::BackendError;
+};
+
 class VMALLOC_API Backend {
  public:
   virtual ~Backend() = default;
