@@ -15,13 +15,7 @@ using detail::round_up;
 thread_local bool t_oom_handler_suppressed = false;
 
 std::size_t checked_chunk_size(const Config& c, const Backend& b) {
-  const std::size_t g = b.granularity();
-  if (c.chunk_size == 0 || c.chunk_size % g != 0) {
-    throw std::invalid_argument("chunk_size " + std::to_string(c.chunk_size) + " is not a multiple of the " +
-                                b.name() + " backend's granularity (" + format_size(g) + " = " +
-                                std::to_string(g) + " bytes): use a multiple such as " +
-                                std::to_string(round_up(c.chunk_size ? c.chunk_size : g, g)));
-  }
+  check_chunk_size(c.chunk_size, b.granularity(), b.name());
   if (c.small_max > c.chunk_size) {
     throw std::invalid_argument("small_max (" + format_size(c.small_max) + ") must not exceed chunk_size (" +
                                 format_size(c.chunk_size) + "): small blocks are carved from one chunk");

@@ -98,6 +98,14 @@ std::unique_ptr<Backend> make_sim_backend(std::size_t granularity);
 // "cuda" | "host" | "sim"; throws std::invalid_argument naming the choices otherwise.
 std::unique_ptr<Backend> make_backend(const std::string& name, int device);
 
+// The granularity of the backend named `backend` as known without making one: the page size for host, 2 MiB
+// for sim, and 2 MiB for cuda, the VMM granularity of NVIDIA's GPUs (the driver's own figure is checked again
+// when an arena is made). 0 for an unknown name.
+std::size_t expected_granularity(const std::string& backend);
+// Throws std::invalid_argument unless chunk_size is a positive multiple of `granularity`, naming the nearest
+// valid sizes.
+void check_chunk_size(std::size_t chunk_size, std::size_t granularity, const std::string& backend);
+
 // How many devices the backend of `config` has: the driver's count for cuda (cuDeviceGetCount; throws
 // std::runtime_error when the driver cannot be loaded), config.devices for host and sim.
 int device_count(const Config& config);

@@ -106,10 +106,14 @@ void validate(const Config& c) {
   if (c.small_max > c.chunk_size)
     throw std::invalid_argument("small_max (" + format_size(c.small_max) + ") must not exceed chunk_size (" +
                                 format_size(c.chunk_size) + "): small blocks are carved from one chunk");
-  if (c.block_size != 0 && (c.block_size < c.chunk_size || c.block_size % c.chunk_size != 0))
+  if (c.block_size != 0 && (c.block_size < c.chunk_size || c.block_size % c.chunk_size != 0)) {
+    const std::size_t below = c.block_size / c.chunk_size * c.chunk_size, above = below + c.chunk_size;
     throw std::invalid_argument("block_size " + format_size(c.block_size) + " is not a multiple of chunk_size (" +
-                                format_size(c.chunk_size) + "): use a multiple of it, chunk_size itself for one "
-                                "chunk per block, or 0 for the default (" + format_size(kDefaultBlockBytes) + ")");
+                                format_size(c.chunk_size) + "): use a multiple of it (the nearest: " +
+                                (below ? format_size(below) + " or " : "") + format_size(above) +
+                                "), chunk_size itself for one chunk per block, or 0 for the default (" +
+                                format_size(kDefaultBlockBytes) + ")");
+  }
   if (c.block_size > kMaxCapacity)
     throw std::invalid_argument("block_size " + format_size(c.block_size) + " is more than vmalloc supports (" +
                                 format_size(kMaxCapacity) + ")");
