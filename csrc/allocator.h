@@ -29,6 +29,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -216,13 +217,23 @@ class VMALLOC_API Allocator {
   std::vector<std::uintptr_t> detach_tail(std::uintptr_t addr, std::size_t nchunks);
   void release_free_blocks(std::size_t chunks);
   void retry_quarantine() noexcept;
+  struct Fences {  // Note [Sparse fences]
+    std::deque<std::pair<std::uint64_t, Event>> events;  // (free_seq, event), oldest first
+    std::size_t unfenced = 0;                             // frees since the newest fence
+  };
+  static constexpr std::size_t kFenceStride = 32;  // a free records a fence every this many frees of its stream
+  bool fence_due(Stream stream) const;
+  void add_fence(Stream stream, std::uint64_t seq, Event event);
   void fence(Stream stream, std::uint64_t seq);
-  void prune_fences(Stream stream) noexcept;
+  void prune_fences(Fences& f) noexcept;
+  void drop_fences() noexcept;
   void insert_cached(std::uintptr_t addr, const Range& r);
   void erase_cached(std::uintptr_t addr, const Range& r);
   bool quiet() const { return announced_captures_ > 0; }
   void note_backend_error(const std::exception& e) noexcept;
   std::size_t creatable_chunks() const;
+  std::size_t growable_chunks(std::size_t need) const;  // Note [Reuse before growth]
+  std::size_t chunks_in_use() const;
   std::string oom_message(std::size_t nbytes) const;
   std::string capture_message(std::size_t nbytes, Stream stream) const;
 
@@ -247,6 +258,7 @@ class VMALLOC_API Allocator {
   bool shrink_blocked_ = false;                               // the last shrink could not release everything
   std::size_t announced_captures_ = 0;                        // capture_begin() calls not yet ended
   std::size_t num_chunks_ = 0;                                // created and not released
+  std::size_t high_water_chunks_ = 0;                         // the most chunks_in_use() after any malloc
   std::size_t cached_chunks_ = 0;                             // chunks in kCached ranges
   std::map<std::uintptr_t, Range> ranges_;                    // every mapped range, by address
   std::unordered_map<Stream, SizeSet> cached_;                // cached free ranges per stream: (nchunks, addr)
@@ -256,9 +268,10 @@ class VMALLOC_API Allocator {
   std::unordered_map<std::uintptr_t, Allocation> live_;       // live allocations by address
   std::map<std::uint64_t, PendingFree> pending_;              // frees waiting for other streams, by free_seq
   std::vector<PendingFree> deferred_;                         // frees made while their stream was captured
-  // Per stream, the events recorded at its frees, oldest first: (free_seq, event) (Note [Stream safety]).
-  std::unordered_map<Stream, std::deque<std::pair<std::uint64_t, Event>>> fences_;
+  // Per stream with frees not yet waited for: its fences (Note [Stream safety], Note [Sparse fences]).
+  std::unordered_map<Stream, Fences> fences_;
   std::uint64_t free_seq_ = 0;
+  std::optional<Stream> calling_stream_;  // the stream of the malloc under way, known alive (Note [Sparse fences])
   std::string last_backend_error_;
   detail::Stats stats_;
   detail::TraceRing trace_;

@@ -346,10 +346,11 @@ void Allocator::check_invariants() const {
   require(static_cast<std::int64_t>(num_chunks_ * chunk_) == stats_.reserved_bytes.current, "reserved_bytes != recount");
   require(!over_capacity_with_cache() || shrink_blocked_,
           "reserved bytes exceed the capacity while cached memory could be released");
-  for (const auto& [s, events] : fences_) {
-    require(!events.empty(), "an empty fence list");
-    for (std::size_t i = 1; i < events.size(); ++i)
-      require(events[i - 1].first < events[i].first, "a stream's fences are out of order");
+  for (const auto& [s, f] : fences_) {
+    require(!f.events.empty() || f.unfenced > 0, "a stream with neither fences nor unfenced frees");
+    require(f.unfenced < kFenceStride, "a stream went kFenceStride frees without a fence");
+    for (std::size_t i = 1; i < f.events.size(); ++i)
+      require(f.events[i - 1].first < f.events[i].first, "a stream's fences are out of order");
   }
 }
 

@@ -32,6 +32,7 @@ void Allocator::empty_cache() {
     if (first && releasable_chunks() > 0) std::rethrow_exception(first);
     return;
   }
+  retire_empty_slabs();
   auto remaining = [&] { return cached_chunks_ + stuck_.size() + quarantined_chunks_ + releasable_chunks(); };
   for (std::size_t left = remaining(), before = left + 1; left > 0 && left < before; before = left, left = remaining()) {
     uncache_all(first);

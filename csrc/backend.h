@@ -87,6 +87,9 @@ class VMALLOC_API Backend {
   virtual void event_synchronize(Event) {}
   virtual void stream_wait(Stream, Event) {}
   virtual void release_event(Event) noexcept {}
+  // Waits on the host until all work submitted to the device so far has completed (cuCtxSynchronize). For a
+  // wait on a stream the allocator may no longer name (Note [Sparse fences] in allocator_free.cpp).
+  virtual void synchronize() {}
   // Whether work submitted to the stream is being captured into a CUDA graph right now
   // (Note [Graph capture] in allocator.cpp). Backends without graphs never capture.
   virtual bool capturing(Stream) { return false; }

@@ -180,25 +180,35 @@ def test_failed_shrink_after_set_capacity_is_reported_and_retried():
     assert a.stats()["reserved_bytes.all.current"] == 0
 
 
+FENCE_STRIDE = 32  # a free records a fence every this many frees of its stream (Note [Sparse fences])
+
+
 def test_event_record_failure_leaves_the_allocation_live():
     a = faulty_arena()
+    for _ in range(FENCE_STRIDE - 1):
+        a.free(a.malloc(CHUNK, 1))
     p = a.malloc(2 * CHUNK, 1)
     write(p, 2 * CHUNK, 4)
     a._inject_fault("record_event")
     with pytest.raises(vmalloc.BackendError, match="record_event failed"):
-        a.free(p)
+        a.free(p)  # the free that records the stream's fence
     a.check_invariants()
     assert a.is_live(p, 2 * CHUNK) and intact(p, 2 * CHUNK, 4)
     a.free(p)  # the retry succeeds
     assert a.stats()["allocation.all.current"] == 0
 
 
-def test_event_synchronize_failure_stops_reclaim_before_unmapping():
+@pytest.mark.parametrize("fenced, op", [(True, "event_synchronize"), (False, "synchronize")])
+def test_a_failed_wait_stops_reclaim_before_unmapping(fenced, op):
+    """Reclaiming stream 1's chunks for stream 2 waits for stream 1: on the fence its free recorded, or, when
+    no fence covers the free, on the whole device (stream 1 may be gone). Either wait failing unmaps nothing."""
     a = faulty_arena(capacity=4 * CHUNK)
+    for _ in range(FENCE_STRIDE - 1 if fenced else 0):
+        a.free(a.malloc(CHUNK, 1))
     a.free(a.malloc(4 * CHUNK, 1))
-    a._inject_fault("event_synchronize")
-    with pytest.raises(vmalloc.BackendError, match="event_synchronize failed"):
-        a.malloc(4 * CHUNK, 2)  # needs stream 1's cached chunks: their fence cannot be waited for
+    a._inject_fault(op)
+    with pytest.raises(vmalloc.BackendError, match=f" {op} failed"):
+        a.malloc(4 * CHUNK, 2)  # needs stream 1's cached chunks: the wait for stream 1 fails
     a.check_invariants()
     assert a.stats()["num_cached_chunks"] == 4 and a.stats()["num_unmaps"] == 0
     a.free(a.malloc(4 * CHUNK, 2))
