@@ -129,6 +129,15 @@ class VMALLOC_API Allocator {
   std::int64_t allocated_bytes() const;       // stats()["allocated_bytes.all.current"]
   std::int64_t peak_allocated_bytes() const;  // stats()["allocated_bytes.all.peak"]
   std::int64_t reserved_bytes() const;        // stats()["reserved_bytes.all.current"]
+  // The largest request that can succeed now without the OOM handler: idle chunks (the pool, cached ranges,
+  // empty slabs) stitch into one range, plus what may still be created under the capacity, at most
+  // `creatable_cap` bytes of it (the device's free memory), and no more than the workspace limit leaves
+  // (Note [Workspace offers]).
+  std::size_t largest_allocatable(std::size_t creatable_cap) const;
+  // Caps largest_allocatable() at `bytes` minus the allocated bytes (0: no cap). The swap runtime sets its
+  // budget here, so that cuDNN's benchmark mode does not try workspaces that the budget cannot hold.
+  void set_workspace_limit(std::size_t bytes);
+  std::size_t workspace_limit() const;
   std::vector<SegmentInfo> segments() const;
   std::vector<TraceEntry> trace() const;
   // Recounts every statistic from the data structures and checks the invariants; throws std::logic_error.
@@ -271,6 +280,7 @@ class VMALLOC_API Allocator {
   // Per stream with frees not yet waited for: its fences (Note [Stream safety], Note [Sparse fences]).
   std::unordered_map<Stream, Fences> fences_;
   std::uint64_t free_seq_ = 0;
+  std::size_t workspace_limit_ = 0;  // Note [Workspace offers]; 0: none
   std::optional<Stream> calling_stream_;  // the stream of the malloc under way, known alive (Note [Sparse fences])
   std::string last_backend_error_;
   detail::Stats stats_;

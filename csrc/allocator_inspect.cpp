@@ -131,6 +131,35 @@ std::vector<std::pair<std::string, std::int64_t>> Allocator::stats() const {
   return out;
 }
 
+// Note [Workspace offers]
+// cuDNN's benchmark mode (torch.backends.cudnn.benchmark=True) asks the allocator for the largest block it
+// could get (torch's cacheInfo) and tries workspaces up to it. vmalloc can stitch any idle chunks into one
+// range, so the honest answer is the idle chunks plus what may still be created: at most capacity minus
+// what is in use. Under the swap runtime that is still too much: the capacity is the device's memory, the
+// budget is far lower, and iteration 1's workspace trials of several GiB would show up as transient
+// memory the plan must leave room for. The runtime sets its budget as the workspace limit, and the offer
+// becomes min(idle + creatable, limit - allocated): a workspace within it keeps the step within the budget.
+std::size_t Allocator::largest_allocatable(std::size_t creatable_cap) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::size_t idle = pool_.size() + cached_chunks_ + empty_slabs_.size();
+  std::size_t offer = idle * chunk_ + std::min(creatable_chunks() * chunk_, creatable_cap / chunk_ * chunk_);
+  if (workspace_limit_) {
+    const auto allocated = static_cast<std::size_t>(stats_.allocated_bytes.current);
+    offer = std::min(offer, workspace_limit_ > allocated ? workspace_limit_ - allocated : 0);
+  }
+  return offer;
+}
+
+void Allocator::set_workspace_limit(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  workspace_limit_ = bytes;
+}
+
+std::size_t Allocator::workspace_limit() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return workspace_limit_;
+}
+
 std::vector<SegmentInfo> Allocator::segments() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::unordered_map<std::uintptr_t, const Allocation*> pending;

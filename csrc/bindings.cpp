@@ -214,6 +214,26 @@ PYBIND11_MODULE(_C, m) {
            py::arg("fn"))
       .def("set_history", [](Allocator& a, const py::object& n) { a.set_history(to_size(n, "history")); })
       .def("reset_peak_stats", &Allocator::reset_peak_stats)
+      .def(
+          "largest_allocatable",
+          [](const Allocator& a, const py::object& device_free) {
+            return a.largest_allocatable(device_free.is_none() ? SIZE_MAX : to_size(device_free, "device_free"));
+          },
+          py::arg("device_free") = py::none(),
+          "The largest request that can succeed now (what torch's cacheInfo reports for cuDNN's benchmark "
+          "mode): idle chunks plus what may still be created under the capacity (at most device_free bytes of "
+          "it), capped by the workspace limit minus the allocated bytes.")
+      .def(
+          "set_workspace_limit",
+          [](Allocator& a, const py::object& limit) { a.set_workspace_limit(limit.is_none() ? 0 : to_size(limit, "limit")); },
+          py::arg("limit"),
+          "Caps largest_allocatable() (cuDNN's workspace offers) at limit minus the allocated bytes; None "
+          "removes the cap. The swap runtime sets its budget here.")
+      .def_property_readonly("workspace_limit",
+                             [](const Allocator& a) -> py::object {
+                               const std::size_t l = a.workspace_limit();
+                               return l ? py::object(py::int_(l)) : py::object(py::none());
+                             })
       .def("capture_begin", &Allocator::capture_begin,
            "A CUDA graph capture begins: until capture_end(), nothing is waited for or unmapped, on any stream.")
       .def("capture_end", &Allocator::capture_end)
