@@ -80,6 +80,8 @@ Allocator::Allocator(const Config& config, std::unique_ptr<Backend> backend)
       chunk_(checked_chunk_size(config_, *backend_)),
       capacity_chunks_(initial_capacity_chunks(config_, *backend_)),
       small_max_(config.small_max),
+      mid_max_(config.mid_chunks * chunk_),
+      mid_round_(std::max(chunk_ / 4, kSmallRound)),
       // Address space is cheap; reserve 4x the capacity up front so ranges rarely need a new reservation.
       // (capacity <= kMaxCapacity = 2^50, so this cannot overflow.)
       va_(*backend_, 4 * capacity_chunks_ * chunk_),
@@ -247,12 +249,13 @@ std::uintptr_t Allocator::try_malloc(std::size_t nbytes, Stream stream, bool cac
     ~Calling() { slot.reset(); }
   } calling{calling_stream_};
   calling_stream_ = stream;
-  const bool small = nbytes <= small_max_;
-  const std::size_t size = small ? round_up(nbytes, kSmallRound) : round_up(nbytes, chunk_);
-  const std::uintptr_t p = small ? malloc_small(size, stream, cached_only) : malloc_large(size / chunk_, stream, cached_only);
+  const bool small = nbytes <= small_max_, mid = !small && nbytes <= mid_max_;
+  const std::size_t size = round_up(nbytes, small ? kSmallRound : mid ? mid_round_ : chunk_);
+  const std::uintptr_t p = small || mid ? malloc_in_slab(size, stream, cached_only, mid)
+                                        : malloc_large(size / chunk_, stream, cached_only);
   if (!p) return 0;
   high_water_chunks_ = std::max(high_water_chunks_, chunks_in_use());
-  live_.emplace(p, Allocation{nbytes, size, stream, small, {}});
+  live_.emplace(p, Allocation{nbytes, size, stream, small || mid, {}});
   stats_.requested_bytes.increase(static_cast<std::int64_t>(nbytes));
   stats_.allocated_bytes.increase(static_cast<std::int64_t>(size));
   stats_.active_bytes.increase(static_cast<std::int64_t>(size));
@@ -261,36 +264,6 @@ std::uintptr_t Allocator::try_malloc(std::size_t nbytes, Stream stream, bool cac
   ++stats_.num_alloc;
   trace_.record(TraceEntry::kAlloc, p, size, stream);
   return p;
-}
-
-std::uintptr_t Allocator::malloc_small(std::size_t size, Stream stream, bool cached_only) {
-  SizeSet& free_blocks = small_free_[stream];
-  auto it = free_blocks.lower_bound({size, 0});
-  if (it == free_blocks.end()) {
-    const std::uintptr_t slab = malloc_large(1, stream, cached_only);
-    if (!slab) return 0;
-    Range& r = ranges_.at(slab);
-    r.kind = Kind::kSlab;
-    r.slab_used = 0;
-    stats_.slab_bytes.increase(static_cast<std::int64_t>(chunk_));
-    small_.emplace(slab, SmallBlock{chunk_, slab, true});
-    empty_slabs_.insert(slab);
-    it = free_blocks.insert({chunk_, slab}).first;
-  }
-  const auto [block_size, addr] = *it;
-  free_blocks.erase(it);
-  SmallBlock& b = small_.at(addr);
-  if (block_size > size) {  // sizes are multiples of 512, so the rest is a usable block
-    small_.emplace(addr + size, SmallBlock{block_size - size, b.slab, true});
-    free_blocks.insert({block_size - size, addr + size});
-    b.size = size;
-    ++stats_.num_splits;
-  }
-  b.free = false;
-  Range& slab = ranges_.at(b.slab);
-  if (slab.slab_used == 0) empty_slabs_.erase(b.slab);
-  slab.slab_used += size;
-  return addr;
 }
 
 // Note [Reuse before growth]
@@ -322,7 +295,7 @@ std::size_t Allocator::growable_chunks(std::size_t need) const {
 // Chunks held that no request can have now: in allocated or pending ranges, in slabs with a block in use,
 // or quarantined.
 std::size_t Allocator::chunks_in_use() const {
-  return num_chunks_ - pool_.size() - cached_chunks_ - empty_slabs_.size();
+  return num_chunks_ - pool_.size() - cached_chunks_ - empty_slab_chunks_;
 }
 
 std::uintptr_t Allocator::malloc_large(std::size_t k, Stream stream, bool cached_only) {
@@ -338,11 +311,16 @@ std::uintptr_t Allocator::malloc_large(std::size_t k, Stream stream, bool cached
     if (std::uintptr_t p = grow_cached(k, stream)) return p;
   }
   // then chunks that are already free (the pool), then fresh ones within the slack (Note [Reuse before growth])
-  const std::size_t idle = cached_chunks_ + empty_slabs_.size();
   if (pool_.size() + growable_chunks(k) >= k) {
     if (std::uintptr_t p = map_fresh(k, stream)) return p;
   }
-  if (pool_.size() + idle + creatable_chunks() < k) return 0;
+  // Free chunks inside mid slabs count too, once cut out of them (Note [Mid-size blocks]).
+  auto idle = [&] { return cached_chunks_ + empty_slab_chunks_; };
+  if (pool_.size() + idle() + creatable_chunks() < k) {
+    if (quiet() || !trim_slabs()) return 0;
+    shrink_if_over_capacity();  // the cut-out chunks are freed memory: above a lowered capacity they go
+  }
+  if (pool_.size() + idle() + creatable_chunks() < k) return 0;
   // 4. reclaim chunks of cached ranges (any stream) and empty slabs; create only what is still missing
   if (pool_.size() < k && !quiet()) {
     retire_empty_slabs();
@@ -422,7 +400,7 @@ std::uintptr_t Allocator::grow_cached(std::size_t k, Stream stream) {
   }
   if (!addr) return 0;
   const std::size_t need = k - m;
-  if (pool_.size() + (cached_chunks_ - m) + empty_slabs_.size() + creatable_chunks() < need) return 0;
+  if (pool_.size() + (cached_chunks_ - m) + empty_slab_chunks_ + creatable_chunks() < need) return 0;
   Range& r = ranges_.at(addr);
   erase_cached(addr, r);
   r.kind = Kind::kAllocated;  // out of reach of reclaim and of merging while it grows
@@ -513,18 +491,6 @@ bool Allocator::reclaim(std::size_t need) {
     need -= std::min(need, take);
   }
   return need == 0;
-}
-
-void Allocator::retire_empty_slabs() {
-  while (!empty_slabs_.empty()) {
-    const std::uintptr_t slab = *empty_slabs_.begin();
-    empty_slabs_.erase(empty_slabs_.begin());
-    Range& r = ranges_.at(slab);
-    small_free_[r.stream].erase({chunk_, slab});
-    small_.erase(slab);
-    stats_.slab_bytes.decrease(static_cast<std::int64_t>(chunk_));
-    cache_range(slab, r.free_seq);
-  }
 }
 
 // Note [Graph capture]

@@ -8,6 +8,8 @@
 // stays the unit of everything else: capacity, the pool, reclaim, stats and the guarantees count chunks.
 //
 //   1. small (n <= small_max): a 512 B-rounded block from a slab (one chunk) of the same stream, best fit;
+//      mid-size (n <= mid_chunks chunks): a quarter-chunk-rounded block from a mid slab of mid_chunks chunks
+//      (Note [Mid-size blocks]);
 //   2. large: ceil(n / chunk) chunks; best fit among cached free ranges of the same stream, split at a chunk
 //      boundary;
 //   3. grow in place: the stream's largest cached range that has free address space around it takes the
@@ -162,9 +164,10 @@ class VMALLOC_API Allocator {
     std::uint32_t reservation;
     Kind kind;
     std::uint64_t free_seq = 0;  // when last freed: orders reclaim (oldest first) and names its fence
-    std::size_t slab_used = 0;   // bytes of small blocks in use or pending, for slabs
+    std::size_t slab_used = 0;   // bytes of blocks in use or pending, for slabs
+    bool mid = false;            // a slab of mid-size blocks (Note [Mid-size blocks]), else of small ones
   };
-  struct SmallBlock {
+  struct SmallBlock {  // a block of a slab, small or mid-size
     std::size_t size;
     std::uintptr_t slab;
     bool free;
@@ -173,7 +176,7 @@ class VMALLOC_API Allocator {
     std::size_t requested;
     std::size_t size;
     Stream stream;
-    bool small;
+    bool in_slab;                       // a block of a slab (small or mid-size), else a range of its own
     std::vector<Stream> other_streams;  // from record_stream
   };
   struct PendingFree {  // freed; reusable once `events` (other streams' work) complete, or capture ends
@@ -199,7 +202,7 @@ class VMALLOC_API Allocator {
   std::uintptr_t try_malloc(std::size_t nbytes, Stream stream, bool cached_only);
   std::uintptr_t try_malloc_unmapping(std::size_t nbytes, Stream stream);  // Note [Out of mappings]
   bool uncache_all(std::exception_ptr& first);
-  std::uintptr_t malloc_small(std::size_t size, Stream stream, bool cached_only);
+  std::uintptr_t malloc_in_slab(std::size_t size, Stream stream, bool cached_only, bool mid);
   std::uintptr_t malloc_large(std::size_t nchunks, Stream stream, bool cached_only);  // a kAllocated range, or 0
   std::uintptr_t take_cached(std::uintptr_t addr, std::size_t nchunks);
   std::uintptr_t map_fresh(std::size_t nchunks, Stream stream);
@@ -214,10 +217,13 @@ class VMALLOC_API Allocator {
   std::size_t releasable_chunks() const;
   bool reclaim(std::size_t nchunks);
   void retire_empty_slabs();
+  void retire_slab(std::uintptr_t slab);
+  bool trim_slabs();
+  bool trim_slab(std::uintptr_t addr);
   std::exception_ptr shrink_to_capacity();
   void shrink_if_over_capacity() noexcept;
   bool over_capacity_with_cache() const;
-  void free_small(std::uintptr_t addr, std::uint64_t seq);
+  void free_in_slab(std::uintptr_t addr, std::uint64_t seq);
   void cache_range(std::uintptr_t addr, std::uint64_t seq);
   void complete_free(std::uintptr_t addr, const Allocation& a, std::uint64_t seq);
   void settle_frees(bool wait);
@@ -251,6 +257,8 @@ class VMALLOC_API Allocator {
   std::size_t chunk_;
   std::size_t capacity_chunks_;
   std::size_t small_max_;
+  std::size_t mid_max_;    // Note [Mid-size blocks]: requests up to this are blocks of mid slabs
+  std::size_t mid_round_;  // and are rounded to this
 
   mutable std::mutex mu_;
   detail::VaSpace va_;
@@ -263,6 +271,7 @@ class VMALLOC_API Allocator {
   std::size_t mapping_chunks_ = 0;                            // chunk addresses covered by mappings_
   std::size_t quarantined_chunks_ = 0;                        // chunks of quarantined blocks
   std::set<std::uintptr_t> empty_slabs_;                      // slabs with no block in use
+  std::size_t empty_slab_chunks_ = 0;                         // their chunks
   bool device_full_ = false;                                  // the backend refused a chunk below capacity
   bool shrink_blocked_ = false;                               // the last shrink could not release everything
   std::size_t announced_captures_ = 0;                        // capture_begin() calls not yet ended
@@ -274,6 +283,7 @@ class VMALLOC_API Allocator {
   std::set<std::pair<std::uint64_t, std::uintptr_t>> lru_;    // cached free ranges: (free_seq, addr)
   std::map<std::uintptr_t, SmallBlock> small_;                // every block of every slab, by address
   std::unordered_map<Stream, SizeSet> small_free_;            // free small blocks per stream: (size, addr)
+  std::unordered_map<Stream, SizeSet> mid_free_;              // free mid-size blocks per stream: (size, addr)
   std::unordered_map<std::uintptr_t, Allocation> live_;       // live allocations by address
   std::map<std::uint64_t, PendingFree> pending_;              // frees waiting for other streams, by free_seq
   std::vector<PendingFree> deferred_;                         // frees made while their stream was captured

@@ -71,7 +71,7 @@ void Allocator::free(std::uintptr_t addr) {
   stats_.allocation.decrease(1);
   ++stats_.num_free;
   if (defer || !events.empty()) {
-    if (!freed.small) ranges_.at(addr).kind = Kind::kPending;
+    if (!freed.in_slab) ranges_.at(addr).kind = Kind::kPending;
     if (defer) {
       ++stats_.num_deferred_frees;
       deferred_.push_back(PendingFree{addr, std::move(freed), {}});
@@ -97,7 +97,7 @@ void Allocator::shrink_if_over_capacity() noexcept {
 }
 
 void Allocator::complete_free(std::uintptr_t addr, const Allocation& a, std::uint64_t seq) {
-  if (a.small) free_small(addr, seq);
+  if (a.in_slab) free_in_slab(addr, seq);
   else cache_range(addr, seq);
   stats_.active_bytes.decrease(static_cast<std::int64_t>(a.size));
   stats_.active.decrease(1);
@@ -172,35 +172,6 @@ void Allocator::settle_frees_now(bool wait) {
     complete_free(p->second.addr, p->second.a, p->first);
     p = pending_.erase(p);
   }
-}
-
-void Allocator::free_small(std::uintptr_t addr, std::uint64_t seq) {
-  auto it = small_.find(addr);
-  const std::uintptr_t slab_addr = it->second.slab;
-  Range& slab = ranges_.at(slab_addr);
-  slab.slab_used -= it->second.size;
-  slab.free_seq = std::max(slab.free_seq, seq);
-  SizeSet& free_blocks = small_free_[slab.stream];
-  it->second.free = true;
-  auto next = std::next(it);
-  if (next != small_.end() && next->second.slab == slab_addr && next->second.free) {
-    free_blocks.erase({next->second.size, next->first});
-    it->second.size += next->second.size;
-    small_.erase(next);
-  }
-  if (it != small_.begin()) {
-    auto prev = std::prev(it);
-    if (prev->second.slab == slab_addr && prev->second.free) {
-      free_blocks.erase({prev->second.size, prev->first});
-      prev->second.size += it->second.size;
-      small_.erase(it);
-      it = prev;
-    }
-  }
-  free_blocks.insert({it->second.size, it->first});
-  // An empty slab stays a slab (small alloc/free churn then costs no remapping); reclaim and empty_cache
-  // retire it, so its chunk still counts as free for large requests.
-  if (slab.slab_used == 0) empty_slabs_.insert(slab_addr);
 }
 
 void Allocator::cache_range(std::uintptr_t addr, std::uint64_t seq) {

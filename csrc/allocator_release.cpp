@@ -32,6 +32,7 @@ void Allocator::empty_cache() {
     if (first && releasable_chunks() > 0) std::rethrow_exception(first);
     return;
   }
+  trim_slabs();
   retire_empty_slabs();
   auto remaining = [&] { return cached_chunks_ + stuck_.size() + quarantined_chunks_ + releasable_chunks(); };
   for (std::size_t left = remaining(), before = left + 1; left > 0 && left < before; before = left, left = remaining()) {
@@ -52,6 +53,7 @@ void Allocator::empty_cache() {
 // stays stuck) is kept in `first` unless it holds one already; all are counted. Returns whether anything was
 // released or unmapped.
 bool Allocator::uncache_all(std::exception_ptr& first) {
+  trim_slabs();
   retire_empty_slabs();
   std::vector<std::uintptr_t> dead(stuck_.begin(), stuck_.end());
   const std::size_t before = mappings_.size() + cached_chunks_;
@@ -88,6 +90,7 @@ std::exception_ptr Allocator::shrink_to_capacity() {
   if (!quiet() && (!stuck_.empty() || quarantined_chunks_ > 0)) retry_quarantine();
   release_free_blocks(excess());
   if (excess() > 0 && !quiet()) {
+    trim_slabs();
     retire_empty_slabs();
     while (excess() > 0 && !lru_.empty()) {
       const auto [seq, addr] = *lru_.begin();

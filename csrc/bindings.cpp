@@ -74,7 +74,8 @@ double to_fraction(const py::handle& value, const char* what) {
 
 Config make_config(const std::string& backend, const py::object& capacity, const py::object& chunk_size,
                    const py::object& small_max, int device, const py::object& history, bool eager_growth,
-                   int devices, const py::object& block_size, const py::object& growth_slack) {
+                   int devices, const py::object& block_size, const py::object& growth_slack,
+                   const py::object& mid_chunks) {
   Config c;
   c.backend = backend;
   c.capacity = to_size(capacity, "capacity");
@@ -87,6 +88,7 @@ Config make_config(const std::string& backend, const py::object& capacity, const
   c.history = to_size(history, "history");
   c.eager_growth = eager_growth;
   if (!growth_slack.is_none()) c.growth_slack = to_fraction(growth_slack, "growth_slack");
+  if (!mid_chunks.is_none()) c.mid_chunks = to_size(mid_chunks, "mid_chunks");
   return c;  // validated by Allocator (after its granularity checks) or global::configure
 }
 
@@ -102,6 +104,7 @@ py::dict config_dict(const Config& c) {
   d["history"] = c.history;
   d["eager_growth"] = c.eager_growth;
   d["growth_slack"] = c.growth_slack;
+  d["mid_chunks"] = c.mid_chunks;
   return d;
 }
 
@@ -183,9 +186,9 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const std::string& backend, const py::object& capacity, const py::object& chunk_size,
                        const py::object& small_max, int device, const py::object& history, bool eager_growth,
                        int devices, const py::object& block_size, const py::object& growth_slack,
-                       bool test_backend) {
+                       const py::object& mid_chunks, bool test_backend) {
              const Config c = make_config(backend, capacity, chunk_size, small_max, device, history, eager_growth,
-                                          devices, block_size, growth_slack);
+                                          devices, block_size, growth_slack, mid_chunks);
              if (!test_backend) return std::make_shared<Allocator>(c);
              vmalloc::check_device(c, device);
              return std::make_shared<Allocator>(c,
@@ -194,7 +197,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("backend") = "cuda", py::arg("capacity") = py::none(), py::arg("chunk_size") = "2MiB",
            py::arg("small_max") = "1MiB", py::arg("device") = 0, py::arg("history") = 0,
            py::arg("eager_growth") = false, py::arg("devices") = 1, py::arg("block_size") = 0,
-           py::arg("growth_slack") = py::none(), py::arg("_test_backend") = false)
+           py::arg("growth_slack") = py::none(), py::arg("mid_chunks") = py::none(), py::arg("_test_backend") = false)
       .def(
           "malloc",
           [](Allocator& a, const py::object& nbytes, vmalloc::Stream stream, bool call_oom_handler) {
@@ -321,7 +324,8 @@ PYBIND11_MODULE(_C, m) {
       "configure",
       [](const std::string& backend, const py::object& capacity, const py::object& chunk_size,
          const py::object& small_max, const py::object& history, const py::object& eager_growth,
-         const py::object& devices, const py::object& block_size, const py::object& growth_slack) {
+         const py::object& devices, const py::object& block_size, const py::object& growth_slack,
+         const py::object& mid_chunks) {
         // Start from VMALLOC_CONF so explicit options override the environment key by key.
         Config base = vmalloc::global::configuration();
         bool eager = base.eager_growth;
@@ -337,13 +341,15 @@ PYBIND11_MODULE(_C, m) {
                                history.is_none() ? py::cast(base.history) : history, eager,
                                devices.is_none() ? base.devices : to_int(devices, "devices"),
                                block_size.is_none() ? py::cast(base.block_size) : block_size,
-                               growth_slack.is_none() ? py::cast(base.growth_slack) : growth_slack);
+                               growth_slack.is_none() ? py::cast(base.growth_slack) : growth_slack,
+                               mid_chunks.is_none() ? py::cast(base.mid_chunks) : mid_chunks);
         if (capacity.is_none()) c.capacity = base.capacity;
         vmalloc::global::configure(c);
       },
       py::arg("backend") = "", py::arg("capacity") = py::none(), py::arg("chunk_size") = py::none(),
       py::arg("small_max") = py::none(), py::arg("history") = py::none(), py::arg("eager_growth") = py::none(),
-      py::arg("devices") = py::none(), py::arg("block_size") = py::none(), py::arg("growth_slack") = py::none());
+      py::arg("devices") = py::none(), py::arg("block_size") = py::none(), py::arg("growth_slack") = py::none(),
+      py::arg("mid_chunks") = py::none());
   m.def("global_configuration", [] { return config_dict(vmalloc::global::configuration()); });
   m.def("global_arena", &vmalloc::global::arena, py::arg("device") = 0);
   m.def("existing_global_arena", &vmalloc::global::existing, py::arg("device") = 0);

@@ -136,6 +136,10 @@ void validate(const Config& c) {
     throw std::invalid_argument("growth_slack " + std::to_string(c.growth_slack) + " is out of range: a fraction from 0 "
                                 "(never grow past the high-water mark of chunks in use) to " +
                                 std::to_string(static_cast<int>(kMaxGrowthSlack)) + " (or eager_growth=true)");
+  if (c.mid_chunks > kMaxMidChunks)
+    throw std::invalid_argument("mid_chunks " + std::to_string(c.mid_chunks) + " is more than " +
+                                std::to_string(kMaxMidChunks) + ": mid-size slabs are that many chunks, and one block in "
+                                "use holds them all (0 rounds mid-size requests to whole chunks)");
   if (c.devices < 1 || c.devices > kMaxDevices)
     throw std::invalid_argument("devices must be between 1 and " + std::to_string(kMaxDevices) + ", not " +
                                 std::to_string(c.devices));
@@ -174,10 +178,11 @@ Config parse_conf(const std::string& text, Config c) {
     else if (key == "devices") c.devices = small_int("devices");
     else if (key == "eager_growth") c.eager_growth = parse_bool(value, "VMALLOC_CONF eager_growth");
     else if (key == "growth_slack") c.growth_slack = parse_fraction(value, "VMALLOC_CONF growth_slack");
+    else if (key == "mid_chunks") c.mid_chunks = parse_count(value, "VMALLOC_CONF mid_chunks");
     else
       throw std::invalid_argument("unknown VMALLOC_CONF key '" + key +
                                   "': known keys are backend, capacity, chunk_size, small_max, block_size, history, "
-                                  "device, devices, eager_growth, growth_slack");
+                                  "device, devices, eager_growth, growth_slack, mid_chunks");
   }
   validate(c);
   return c;

@@ -17,6 +17,8 @@ constexpr std::size_t kDefaultBlockBytes = std::size_t{32} << 20;
 // than reclaim, by default.
 constexpr double kDefaultGrowthSlack = 0.125;
 constexpr double kMaxGrowthSlack = 1024;
+constexpr std::size_t kDefaultMidChunks = 4;
+constexpr std::size_t kMaxMidChunks = 64;
 
 struct Config {
   std::string backend = "cuda";
@@ -35,6 +37,9 @@ struct Config {
   // true creates new chunks while under capacity first, reclaiming only at the capacity.
   bool eager_growth = false;
   double growth_slack = kDefaultGrowthSlack;
+  // Note [Mid-size blocks]: requests above small_max up to mid_chunks chunks are blocks of slabs of
+  // mid_chunks chunks, rounded to a quarter chunk; 0 rounds them to whole chunks.
+  std::size_t mid_chunks = kDefaultMidChunks;
 };
 
 // Parses "123", "512KiB", "2MiB", "1.5GiB", "1TiB", "10MB" (SI units are decimal). Throws

@@ -20,6 +20,9 @@ class Arena(_C.Arena):
         chunk_size: physical chunk size; a multiple of the backend's granularity (2 MiB on CUDA and sim,
             the page size on host).
         small_max: requests up to this size are carved from one-chunk slabs in 512 B steps.
+        mid_chunks: requests above ``small_max`` up to this many chunks are carved from slabs of this many
+            chunks in quarter-chunk steps (default 4: up to 8 MiB, in 512 KiB steps), instead of being rounded
+            up to whole chunks; a slab holds its chunks while any block of it is in use. 0: whole chunks.
         device: CUDA device ordinal (cuda backend).
         history: how many trace entries ``snapshot()`` keeps (0: none).
         eager_growth: on a cache miss, create new chunks (while under capacity) before reclaiming cached

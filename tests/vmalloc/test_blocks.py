@@ -17,7 +17,8 @@ OPS = ["create_chunk", "map", "set_access", "unmap", "release_chunk"]
 
 
 def arena(chunks=32, block=8, **kw):
-    kw = {"capacity": chunks * CHUNK, "chunk_size": CHUNK, "small_max": 16 * KiB, "block_size": block * CHUNK, **kw}
+    kw = {"capacity": chunks * CHUNK, "chunk_size": CHUNK, "small_max": 16 * KiB, "block_size": block * CHUNK,
+          "mid_chunks": 0, **kw}  # fmt: skip
     return vmalloc.Arena("host", **kw)
 
 

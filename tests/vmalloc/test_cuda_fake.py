@@ -29,7 +29,7 @@ def mem():
 
 
 def arena(**kw):
-    kw = {"capacity": 8 * CHUNK, "chunk_size": CHUNK, "small_max": 256 * 1024, **kw}
+    kw = {"capacity": 8 * CHUNK, "chunk_size": CHUNK, "small_max": 256 * 1024, "mid_chunks": 0, **kw}
     return vmalloc.Arena("cuda", **kw)
 
 

@@ -33,7 +33,7 @@ def intact(addr, size, tag):
 
 
 def faulty_arena(**kw):
-    kw = {"backend": "host", "capacity": 32 * CHUNK, "chunk_size": CHUNK, "small_max": 16 * KiB,
+    kw = {"backend": "host", "capacity": 32 * CHUNK, "chunk_size": CHUNK, "small_max": 16 * KiB, "mid_chunks": 0,
           "_test_backend": True, **kw}
     return vmalloc.Arena(**kw)
 
@@ -233,7 +233,7 @@ def test_fault_sweep(op):
     failure names the call, and after each the arena is consistent with all data intact."""
     total = 0
     for nth in range(1, 25):
-        a = faulty_arena(capacity=24 * CHUNK)
+        a = faulty_arena(capacity=24 * CHUNK, mid_chunks=nth % 3)  # mid slabs of 1, 2 chunks, and none
         named = []
 
         def on_error(e, named=named):
@@ -262,7 +262,7 @@ def test_mapping_limit_stitch_fails_cleanly_and_the_arena_recovers():
         """
         import vmalloc
         GiB, KiB = 1 << 30, 1024
-        a = vmalloc.Arena("host", capacity=4 * GiB, chunk_size="64KiB", small_max="16KiB")
+        a = vmalloc.Arena("host", capacity=4 * GiB, chunk_size="64KiB", small_max="16KiB", mid_chunks=0)
         ps = [a.malloc(64 * KiB) for _ in range(65536)]
         for p in ps[::2]:
             a.free(p)
@@ -300,7 +300,7 @@ def test_at_the_mapping_limit_malloc_unmaps_cached_ranges_and_retries():
         """
         import vmalloc
         GiB, MiB, KiB = 1 << 30, 1 << 20, 1024
-        a = vmalloc.Arena("host", capacity=8 * GiB, chunk_size="64KiB", small_max="32KiB")
+        a = vmalloc.Arena("host", capacity=8 * GiB, chunk_size="64KiB", small_max="32KiB", mid_chunks=0)
         ps = [a.malloc(64 * KiB) for _ in range(65536)]
         for p in ps[::2]:
             a.free(p)
