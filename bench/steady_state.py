@@ -2,7 +2,8 @@
 
     python -m bench.steady_state            # the traces below (~3 minutes with captures)
     python -m bench.steady_state --quick    # two small traces
-    python -m bench.steady_state --legacy   # only options every vmalloc has: run against an older build
+    python -m bench.steady_state --legacy   # default options only, to run against an older vmalloc build
+                                            # (PYTHONPATH=<its vmalloc>:<this repo>): steady_state_legacy.md
 
 The first GPU run trained slower on vmalloc than on torch's allocator with no swapping at all (H200: GPT-2
 batch 4 at 80.0k against 113.8k tokens/s, ResNet-50 batch 96 at 1928 against 2062 images/s,
@@ -154,8 +155,10 @@ def run(workloads: list[tuple[str, int]], policies: dict[str, dict[str, Any]], w
 
 def markdown(results: dict[str, Any]) -> str:
     meta = results["meta"]
+    built = f", vmalloc built from {meta['built_from']}" if meta.get("built_from") else ""
     lines = [
-        f"Command: `{meta['command']}` ({meta['date']}, torch {meta['torch']}, vmalloc core on the sim backend).",
+        f"Command: `{meta['command']}` ({meta['date']}, torch {meta['torch']}, vmalloc core on the sim backend"
+        f"{built}).",
         "",
         "Per steady iteration (mean of the last 3 of 8 captured training steps; the test backend completes an "
         "iteration's GPU work when it ends, so every wait inside it is a host wait): driver calls, event records "
@@ -204,7 +207,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_xticklabels([r["trace"] for r in rows], rotation=20, fontsize=8)
         ax.grid(alpha=0.3, axis="y")
     ax1.set_yscale("log")
-    ax1.set_ylabel("maps + unmaps + set_access + host waits per steady iteration (+0.5)")
+    ax1.set_ylabel("driver calls + host waits / steady iteration")
+    ax1.set_title("maps + unmaps + set_access + host waits (+0.5, log)", fontsize=9)
     ax2.set_ylabel("efficiency (peak requested / peak reserved)")
     ax2.set_ylim(0.5, 1.01)
     ax1.legend(fontsize=7)
@@ -216,14 +220,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="two small traces")
     ap.add_argument("--legacy", action="store_true", help="the two traces of the GPU run, default options only "
-                    "(for a build without growth_slack / mid_chunks); prints, writes nothing")  # fmt: skip
+                    "(for a build without growth_slack / mid_chunks), to steady_state_legacy.md")  # fmt: skip
+    ap.add_argument("--built-from", default="", help="with --legacy: what the vmalloc on the path was built from")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args(argv)
     if args.legacy:
         results = run(FULL[:2], LEGACY, with_small=False)
-        results["meta"] = {"command": "python -m bench.steady_state --legacy", "date": time.strftime("%Y-%m-%d"),
-                           "torch": torch.__version__}  # fmt: skip
-        print(markdown(results))
+        command = "python -m bench.steady_state --legacy" + (f" --built-from {args.built_from}" if args.built_from else "")
+        results["meta"] = {"command": command, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                           "built_from": args.built_from}  # fmt: skip
+        write_results(Path(args.out), "steady_state_legacy", results, markdown(results))
         return 0
     results = run(QUICK if args.quick else FULL, POLICIES, with_small=not args.quick)
     results["meta"] = {

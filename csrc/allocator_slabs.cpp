@@ -8,14 +8,18 @@ namespace vmalloc {
 // Note [Mid-size blocks]
 // A request just above small_max used to be rounded to whole chunks: 2.25 MiB took 4 MiB, 1.1 MiB took 2.
 // On the first GPU run a small ResNet (tensors of 1.1, 2.25 and 4.5 MiB) trained under a 210 MiB budget ran
-// out of memory with 204 MiB allocated, and replaying its steps puts its peak at 260 MiB with chunk rounding
-// against 192 MiB requested (bench/steady_state.py; on full-size models rounding costs 1 to 5 %). So
+// out of memory with 204 MiB allocated. Replaying its steps (bench/steady_state.py) reserves 0.256 GiB with
+// chunk rounding for 0.187 GiB requested, 0.238 GiB with mid slabs; swapped, the largest plan budget whose
+// steps fit 210 MiB rises from 147 to 178 MiB. On full-size models rounding costs 1 to 3 %, and mid slabs
+// change reserved memory by under 1 %. So
 // requests up to mid_max_ (mid_chunks chunks, default 4: 8 MiB) are blocks of mid slabs: ranges of
 // mid_chunks chunks carved like small slabs (best fit among the stream's free mid blocks, split, merged
 // with free neighbours when freed), rounded to mid_round_ (a quarter chunk: 512 KiB), so a block wastes
 // less than that. What this gives up: a slab with one block in use holds all its chunks, as a small slab
 // holds its one chunk, so up to mid_chunks chunks per slab cannot be reclaimed while any block of it
-// lives (an empty slab is retired to the cache as small ones are). A slab is only as large as the chunks
+// lives. An empty mid slab is retired to the cache at once (bookkeeping, no driver call), where it merges
+// with its free neighbours: kept as slabs, empty ones ate the large cached ranges they were cut from, and
+// with the growth slack GPT-2 batch 4 reserved 6.45 GiB instead of 6.01. A slab is only as large as the chunks
 // that are free allow: when mid_chunks cannot be had, the slab is just as large as the request. And a chunk
 // of a slab that no block in use overlaps is a free chunk like any other: when a request cannot be met
 // otherwise (at the capacity), and in empty_cache and shrinking, trim_slabs() cuts such chunks out of their
