@@ -226,7 +226,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     if args.legacy:
         results = run(FULL[:2], LEGACY, with_small=False)
-        command = "python -m bench.steady_state --legacy" + (f" --built-from {args.built_from}" if args.built_from else "")
+        command = "python -m bench.steady_state --legacy"
+        command += f" --built-from {args.built_from}" if args.built_from else ""
         results["meta"] = {"command": command, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                            "built_from": args.built_from}  # fmt: skip
         write_results(Path(args.out), "steady_state_legacy", results, markdown(results))
