@@ -87,22 +87,28 @@ def replay(trace: Trace, capacity: Optional[int] = None, **options: Any) -> dict
     addr: dict[int, int] = {}
     rows: list[dict[str, int]] = []
     last: Optional[dict[str, int]] = None
+
+    def alloc(i: int, size: int, stream: int) -> bool:
+        try:
+            addr[i] = a.malloc(size, stream)
+        except vmalloc.OutOfMemoryError:
+            return False
+        return True
+
     ok = True
     for op, i, size, stream in zip(trace.op.tolist(), trace.id.tolist(), trace.size.tolist(), trace.stream.tolist()):
-        if op == ALLOC:
-            try:
-                addr[i] = a.malloc(size, stream)
-            except vmalloc.OutOfMemoryError:
-                ok = False
-                break
-        elif op == FREE and i in addr:
-            a.free(addr.pop(i))
-        elif op == ITER_END:
+        if op == ITER_END:
             now = counters()
             if last is not None:
                 rows.append({k: now[k] - last[k] for k in now})
             last = now
             a._complete_events()  # the iteration's synchronize: its GPU work is done
+        elif op == FREE and i in addr:
+            a.free(addr.pop(i))
+        elif op == ALLOC and not alloc(i, size, stream):
+            ok = False
+            break
+    a.check_invariants()
     s = a.stats()
     steady = rows[-3:]
     return {
@@ -112,6 +118,7 @@ def replay(trace: Trace, capacity: Optional[int] = None, **options: Any) -> dict
         "peak_requested": s["requested_bytes.all.peak"],
         "peak_allocated": s["allocated_bytes.all.peak"],
         "peak_reserved": s["reserved_bytes.all.peak"],
+        "peak_slab": s["slab_bytes.all.peak"],
     }
 
 
