@@ -10,7 +10,7 @@ batch 4 at 80.0k against 113.8k tokens/s, ResNet-50 batch 96 at 1928 against 206
 bench/results/gpu/NVIDIA_H200/training.md). A steady iteration should cost an allocator nothing but its
 bookkeeping: no cuMemMap / cuMemUnmap / cuMemSetAccess (3, 20 and 30 us each on the H200, vmm_latency.md) and
 no host wait, which stops the CPU running ahead of the GPU. This replays captured training steps (bench.traces,
-8 steps; a repeated step is what training is) through vmalloc's core with the test backend, which plays a GPU
+12 steps; a repeated step is what training is) through vmalloc's core with the test backend, which plays a GPU
 whose work of an iteration completes only when the iteration ends (the training loop's synchronize), so every
 wait inside an iteration is a host wait, and counts per iteration, averaged over the last three:
 maps, unmaps, set_access, event records, event queries, capture queries, host waits (num_event_syncs).
@@ -45,7 +45,7 @@ from swap.planning.scheduler import InfeasibleBudget
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 8
+STEPS = 12
 FULL = [("gpt2", 4), ("resnet50", 96), ("gpt2", 16), ("densenet121", 64), ("unet", 8)]
 QUICK = [("unet", 2), ("resnet50", 8)]
 POLICIES = {
@@ -167,7 +167,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"Command: `{meta['command']}` ({meta['date']}, torch {meta['torch']}, vmalloc core on the sim backend"
         f"{built}).",
         "",
-        "Per steady iteration (mean of the last 3 of 8 captured training steps; the test backend completes an "
+        f"Per steady iteration (mean of the last 3 of {meta.get('steps', STEPS)} captured training steps; "
+        "the test backend completes an "
         "iteration's GPU work when it ends, so every wait inside it is a host wait): driver calls, event records "
         "and queries, capture queries (cuStreamIsCapturing), host waits; frees for scale (before sparse fences "
         "every free recorded an event). Memory over the whole run, GiB; efficiency = peak requested / peak "

@@ -276,24 +276,27 @@ std::uintptr_t Allocator::try_malloc(std::size_t nbytes, Stream stream, bool cac
 // misses, iteration after iteration. On a GPU every such reclaim is unmap, map and set_access calls plus a
 // host wait for the stream (Note [Stream safety]), which stops the CPU running ahead: the first H200 run
 // trained ResNet-50 at 1928 images/s on vmalloc against 2062 on torch's allocator. bench/steady_state.py
-// replays eight training steps and counts per steady iteration: with pure reclaim (growth_slack=0) ResNet-50
-// batch 96 makes 21 maps, 11 unmaps, 4 set_access and 7 host waits, DenseNet-121 batch 64 46, 25, 15 and 15,
-// GPT-2 batch 16 31, 31, 1 and 1 (the code before, which waited for every fence up to the range's, made 279
+// replays twelve training steps and counts per steady iteration: with pure reclaim (growth_slack=0) ResNet-50
+// batch 96 makes 20 maps, 11 unmaps, 3 set_access and 6 host waits, DenseNet-121 batch 64 57, 33, 15 and 17,
+// GPT-2 batch 16 31, 31, 1 and 1 (the code before, which waited for every fence up to the range's, made 285
 // event synchronizations per ResNet-50 iteration: bench/results/steady_state_legacy.md).
-// So a miss creates chunks while the chunks held stay within (1 + growth_slack) x high_water_chunks_, the
-// most chunks ever in use at once (allocated ranges, slabs with a block in use, pending frees), and within
-// the capacity; past that it reclaims first and creates only what is still missing. The cache then grows
-// to a working set that serves the repeated step without misses: none of the six traces measured makes a
-// driver call or a host wait in a steady iteration. The price is reserved memory above the peak in use,
-// within the slack (default 0.125): at unlimited capacity peak requested / peak reserved goes from 0.98 to
-// 0.99 down to 0.90 to 0.97 (U-Net batch 8 0.992 to 0.903, GPT-2 batch 16 0.994 to 0.914). At the capacity
-// reclaim still stitches, so a request succeeds whenever the free chunks suffice. growth_slack=0 keeps
-// reserved at the peak in use; eager_growth=true grows to the capacity first.
+// So a miss may create chunks instead of reclaiming, as far as reclaims have shown that the cache needs them:
+// each chunk reclaimed earns a chunk of growth credit (growth_credit_), and a miss creates up to the credit
+// while the chunks held stay within (1 + growth_slack) x high_water_chunks_, the most chunks ever in use at
+// once (allocated ranges, slabs with a block in use, pending frees), and within the capacity; beyond any of
+// these it reclaims first and creates only what is still missing. A repeated step churns for a few
+// iterations, each reclaim buying the room its next occurrence needs, until the cache holds a working set
+// that serves the step without misses: none of the six traces measured makes a driver call or a host wait in
+// its last iterations. The price is reserved memory above the peak in use, within the slack (default 0.125):
+// at unlimited capacity peak requested / peak reserved goes from 0.97-0.99 to 0.92-0.98 (GPT-2 batch 16
+// 0.994 to 0.920, U-Net batch 8 0.992 to 0.951). At the capacity reclaim still stitches, so a request
+// succeeds whenever the free chunks suffice. growth_slack=0 keeps reserved at the peak in use;
+// eager_growth=true grows to the capacity first.
 std::size_t Allocator::growable_chunks(std::size_t need) const {
   if (config_.eager_growth) return creatable_chunks();
   const std::size_t target = std::max(high_water_chunks_, chunks_in_use() + need);
   const std::size_t room = target + static_cast<std::size_t>(config_.growth_slack * static_cast<double>(target));
-  return std::min(creatable_chunks(), room > num_chunks_ ? room - num_chunks_ : 0);
+  return std::min({creatable_chunks(), room > num_chunks_ ? room - num_chunks_ : 0, growth_credit_});
 }
 
 // Chunks held that no request can have now: in allocated or pending ranges, in slabs with a block in use,
@@ -492,6 +495,7 @@ bool Allocator::reclaim(std::size_t need) {
     // counted, and the mapping retried by empty_cache): the caller does not need it.
     release_tail(addr, take);
     stats_.num_reclaimed_chunks += static_cast<std::int64_t>(take);
+    growth_credit_ += take;
     need -= std::min(need, take);
   }
   return need == 0;

@@ -276,7 +276,8 @@ class VMALLOC_API Allocator {
   bool shrink_blocked_ = false;                               // the last shrink could not release everything
   std::size_t announced_captures_ = 0;                        // capture_begin() calls not yet ended
   std::size_t num_chunks_ = 0;                                // created and not released
-  std::size_t high_water_chunks_ = 0;                         // the most chunks_in_use() after any malloc
+  std::size_t high_water_chunks_ = 0;
+  std::size_t growth_credit_ = 0;                             // chunks reclaimed not yet grown (Note [Reuse before growth])                         // the most chunks_in_use() after any malloc
   std::size_t cached_chunks_ = 0;                             // chunks in kCached ranges
   std::map<std::uintptr_t, Range> ranges_;                    // every mapped range, by address
   std::unordered_map<Stream, SizeSet> cached_;                // cached free ranges per stream: (nchunks, addr)

@@ -70,6 +70,7 @@ void Allocator::create_blocks(std::size_t pooled) {
     blocks_.emplace(id, Block{handle, static_cast<std::uint32_t>(n)});
     pool_.add(id, 0, static_cast<std::uint32_t>(n));
     num_chunks_ += n;
+    growth_credit_ -= std::min(growth_credit_, n);
     ++stats_.num_device_alloc;
     stats_.num_created_chunks += static_cast<std::int64_t>(n);
     stats_.reserved_bytes.increase(static_cast<std::int64_t>(n * chunk_));

@@ -9,7 +9,7 @@ namespace vmalloc {
 // A request just above small_max used to be rounded to whole chunks: 2.25 MiB took 4 MiB, 1.1 MiB took 2.
 // On the first GPU run a small ResNet (tensors of 1.1, 2.25 and 4.5 MiB) trained under a 210 MiB budget ran
 // out of memory with 204 MiB allocated. Replaying its steps (bench/steady_state.py) reserves 0.256 GiB with
-// chunk rounding for 0.187 GiB requested, 0.238 GiB with mid slabs; swapped, the largest plan budget whose
+// chunk rounding for 0.187 GiB requested, 0.234 GiB with mid slabs; swapped, the largest plan budget whose
 // steps fit 210 MiB rises from 147 to 178 MiB. On full-size models rounding costs 1 to 3 %, and mid slabs
 // change reserved memory by under 1 %. So
 // requests up to mid_max_ (mid_chunks chunks, default 4: 8 MiB) are blocks of mid slabs: ranges of
@@ -19,7 +19,7 @@ namespace vmalloc {
 // holds its one chunk, so up to mid_chunks chunks per slab cannot be reclaimed while any block of it
 // lives. An empty mid slab is retired to the cache at once (bookkeeping, no driver call), where it merges
 // with its free neighbours: kept as slabs, empty ones ate the large cached ranges they were cut from, and
-// with the growth slack GPT-2 batch 4 reserved 6.45 GiB instead of 6.01. A slab is only as large as the chunks
+// large requests then missed and grew. A slab is only as large as the chunks
 // that are free allow: when mid_chunks cannot be had, the slab is just as large as the request. And a chunk
 // of a slab that no block in use overlaps is a free chunk like any other: when a request cannot be met
 // otherwise (at the capacity), and in empty_cache and shrinking, trim_slabs() cuts such chunks out of their
