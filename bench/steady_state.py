@@ -14,9 +14,9 @@ no host wait, which stops the CPU running ahead of the GPU. This replays capture
 whose work of an iteration completes only when the iteration ends (the training loop's synchronize), so every
 wait inside an iteration is a host wait, and counts per iteration, averaged over the last three:
 maps, unmaps, set_access, event records, event queries, capture queries, host waits (num_event_syncs).
-Policies (arena options): reclaim first with chunk rounding (growth_slack=0, mid_chunks=0: the policy before
-Note [Reuse before growth] got its slack), the growth slack alone, and the default (slack and mid-size slabs,
-Note [Mid-size blocks]). Memory: peak requested / allocated / reserved; efficiency = requested / reserved.
+Policies (arena options): reclaim first (growth_slack=0: the policy before Note [Reuse before growth] got its
+slack), the default (the growth slack), and the default with mid-size slabs (mid_chunks=4, opt-in: Note
+[Mid-size blocks]). Memory: peak requested / allocated / reserved; efficiency = requested / reserved.
 The small ResNet of tests/gpu/swap_worker.py also runs swapped under the plan of a budget, to find the
 largest plan budget whose swapped steps fit the capacity the first GPU run gave it (210 MiB).
 
@@ -49,9 +49,9 @@ STEPS = 12
 FULL = [("gpt2", 4), ("resnet50", 96), ("gpt2", 16), ("densenet121", 64), ("unet", 8)]
 QUICK = [("unet", 2), ("resnet50", 8)]
 POLICIES = {
-    "reclaim first, chunk rounding": {"growth_slack": 0, "mid_chunks": 0},
-    "growth slack": {"mid_chunks": 0},
-    "default (slack + mid slabs)": {},
+    "reclaim first (growth_slack=0)": {"growth_slack": 0},
+    "default (growth slack)": {},
+    "growth slack + mid slabs (mid_chunks=4)": {"mid_chunks": 4},
 }
 LEGACY = {"legacy build": {}}
 SMALL_RESNET_CAPACITY = 210 * MiB  # what tests/gpu/swap_worker.py's vmalloc run had on the H200
@@ -154,7 +154,7 @@ def run(workloads: list[tuple[str, int]], policies: dict[str, dict[str, Any]], w
         out["small_resnet"] = {
             "capacity": SMALL_RESNET_CAPACITY,
             "largest_budget": {label: largest_fitting_budget(trace, SMALL_RESNET_CAPACITY, options)
-                               for label, options in policies.items() if "mid_chunks" in options or not options},
+                               for label, options in policies.items()},
         }  # fmt: skip
         log(f"small resnet budgets: done [{time.perf_counter() - t0:.0f} s]")
     return out

@@ -289,7 +289,7 @@ std::uintptr_t Allocator::try_malloc(std::size_t nbytes, Stream stream, bool cac
 // that serves the step without misses: none of the six traces measured makes a driver call or a host wait in
 // its last iterations. The price is reserved memory above the peak in use, within the slack (default 0.125):
 // at unlimited capacity peak requested / peak reserved goes from 0.97-0.99 to 0.92-0.98 (GPT-2 batch 16
-// 0.994 to 0.920, U-Net batch 8 0.992 to 0.951). At the capacity reclaim still stitches, so a request
+// 0.994 to 0.923, U-Net batch 8 0.992 to 0.931). At the capacity reclaim still stitches, so a request
 // succeeds whenever the free chunks suffice. growth_slack=0 keeps reserved at the peak in use;
 // eager_growth=true grows to the capacity first.
 std::size_t Allocator::growable_chunks(std::size_t need) const {

@@ -8,8 +8,8 @@
 // stays the unit of everything else: capacity, the pool, reclaim, stats and the guarantees count chunks.
 //
 //   1. small (n <= small_max): a 512 B-rounded block from a slab (one chunk) of the same stream, best fit;
-//      mid-size (n <= mid_chunks chunks): a quarter-chunk-rounded block from a mid slab of mid_chunks chunks
-//      (Note [Mid-size blocks]);
+//      mid-size (n <= mid_chunks chunks, when mid_chunks > 0): a quarter-chunk-rounded block from a mid slab
+//      of mid_chunks chunks (Note [Mid-size blocks]);
 //   2. large: ceil(n / chunk) chunks; best fit among cached free ranges of the same stream, split at a chunk
 //      boundary;
 //   3. grow in place: the stream's largest cached range that has free address space around it takes the

@@ -8,7 +8,7 @@ namespace vmalloc {
 // Note [Mid-size blocks]
 // A request just above small_max used to be rounded to whole chunks: 2.25 MiB took 4 MiB, 1.1 MiB took 2.
 // On the first GPU run a small ResNet (tensors of 1.1, 2.25 and 4.5 MiB) trained under a 210 MiB budget ran
-// out of memory with 204 MiB allocated. Replaying its steps (bench/steady_state.py) reserves 0.256 GiB with
+// out of memory with 204 MiB allocated. Replaying its steps (bench/steady_state.py) reserves 0.262 GiB with
 // chunk rounding for 0.187 GiB requested, 0.234 GiB with mid slabs; swapped, the largest plan budget whose
 // steps fit 210 MiB rises from 147 to 178 MiB. On full-size models rounding costs 1 to 3 %, and mid slabs
 // change reserved memory by under 1 %. So
@@ -25,6 +25,11 @@ namespace vmalloc {
 // otherwise (at the capacity), and in empty_cache and shrinking, trim_slabs() cuts such chunks out of their
 // slabs into cached ranges, which reclaim stitches. So a request still succeeds whenever enough chunks
 // hold no data in use, and the only chunks out of reach are those partly in use, as with small slabs.
+// That is also why this is not the default (mid_chunks=0): with whole-chunk rounding every byte that is not
+// allocated lies in a free chunk, so one request can take all of it (examples/fragmentation_demo.py: after
+// freeing every other tensor of 1.5 to 24 MiB, 306 MiB free, served in one piece); with mid slabs the free
+// parts of chunks that kept blocks still touch are out of reach of large requests (there, 314 MiB are free
+// by the allocated bytes, and one request for them fails). Turn it on (mid_chunks=4) where tensors of one to a few chunks dominate and capacity is tight.
 std::uintptr_t Allocator::malloc_in_slab(std::size_t size, Stream stream, bool cached_only, bool mid) {
   SizeSet& free_blocks = (mid ? mid_free_ : small_free_)[stream];
   auto it = free_blocks.lower_bound({size, 0});

@@ -17,7 +17,7 @@ constexpr std::size_t kDefaultBlockBytes = std::size_t{32} << 20;
 // than reclaim, by default.
 constexpr double kDefaultGrowthSlack = 0.125;
 constexpr double kMaxGrowthSlack = 1024;
-constexpr std::size_t kDefaultMidChunks = 4;
+constexpr std::size_t kDefaultMidChunks = 0;  // Note [Mid-size blocks]: opt-in
 constexpr std::size_t kMaxMidChunks = 64;
 
 struct Config {
@@ -38,7 +38,7 @@ struct Config {
   bool eager_growth = false;
   double growth_slack = kDefaultGrowthSlack;
   // Note [Mid-size blocks]: requests above small_max up to mid_chunks chunks are blocks of slabs of
-  // mid_chunks chunks, rounded to a quarter chunk; 0 rounds them to whole chunks.
+  // mid_chunks chunks, rounded to a quarter chunk; 0 (the default) rounds them to whole chunks.
   std::size_t mid_chunks = kDefaultMidChunks;
 };
 

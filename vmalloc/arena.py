@@ -21,8 +21,9 @@ class Arena(_C.Arena):
             the page size on host).
         small_max: requests up to this size are carved from one-chunk slabs in 512 B steps.
         mid_chunks: requests above ``small_max`` up to this many chunks are carved from slabs of this many
-            chunks in quarter-chunk steps (default 4: up to 8 MiB, in 512 KiB steps), instead of being rounded
-            up to whole chunks; a slab holds its chunks while any block of it is in use. 0: whole chunks.
+            chunks in quarter-chunk steps (e.g. 4: up to 8 MiB, in 512 KiB steps), instead of being rounded
+            up to whole chunks: less rounding waste for tensors of one to a few chunks, but the free parts of
+            chunks that a slab's blocks still touch cannot serve large requests. 0 (default): whole chunks.
         device: CUDA device ordinal (cuda backend).
         history: how many trace entries ``snapshot()`` keeps (0: none).
         eager_growth: on a cache miss, create new chunks (while under capacity) before reclaiming cached

@@ -55,9 +55,8 @@ def test_import_of_a_vmalloc_snapshot_replays(tmp_path):
     path = vmalloc.dump_snapshot(tmp_path / "snap.pickle", a)
     t = import_snapshot(path)
     assert (t.op == ALLOC).sum() == 4 and (t.op == FREE).sum() == 1
-    # Sizes as the allocator recorded them: 512 KiB steps for mid-size blocks (up to 4 chunks, Note [Mid-size
-    # blocks] in csrc/allocator_slabs.cpp), 512 B for the small one.
-    assert live_peak(t) == 3 * MiB + 5 * MiB + 512 + 7 * MiB
+    # Sizes as the allocator recorded them: whole 2 MiB chunks, 512 B for the small one.
+    assert live_peak(t) == 4 * MiB + 6 * MiB + 512 + 8 * MiB
     assert measure(t, "pytorch_native")["ok"]
     del keep
 

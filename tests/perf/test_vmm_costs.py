@@ -76,16 +76,15 @@ def _trace(rows):
 
 
 def test_step_work_attributes_the_allocators_calls_to_steps():
-    # Step 0 allocates 5 chunks (one block of 5 created and mapped: one call each, Note [Blocks and slices]);
-    # step 1 frees them and allocates 6: the allocator grows the cached range in place by one chunk (Note [Grow
-    # in place]: 1 created, 1 mapped, nothing unmapped); step 2 reuses the cached 6-chunk range: no call.
-    # Creation is counted in chunks (its cost grows with bytes), the other calls in calls. (Requests of up to 4
-    # chunks would be blocks of mid-size slabs: Note [Mid-size blocks].)
+    # Step 0 allocates 3 chunks (one block of 3 created and mapped: one call each, Note [Blocks and slices]);
+    # step 1 frees them and allocates 4: the allocator grows the cached range in place by one chunk (Note [Grow
+    # in place]: 1 created, 1 mapped, nothing unmapped); step 2 reuses the cached 4-chunk range: no call.
+    # Creation is counted in chunks (its cost grows with bytes), the other calls in calls.
     mb2 = 2 * MiB
-    it = [(ITER_BEGIN, 0, 0), (SAVE, 99, 0), (ALLOC, 1, 5 * mb2), (USE, 99, 0), (FREE, 1, 0), (ALLOC, 2, 6 * mb2),
-          (USE, 99, 0), (FREE, 2, 0), (ALLOC, 3, 6 * mb2), (FREE, 3, 0), (ITER_END, 0, 0)]  # fmt: skip
+    it = [(ITER_BEGIN, 0, 0), (SAVE, 99, 0), (ALLOC, 1, 3 * mb2), (USE, 99, 0), (FREE, 1, 0), (ALLOC, 2, 4 * mb2),
+          (USE, 99, 0), (FREE, 2, 0), (ALLOC, 3, 4 * mb2), (FREE, 3, 0), (ITER_END, 0, 0)]  # fmt: skip
     w = step_work(_trace(it))
     assert (w.maps, w.unmaps) == ([1, 1, 0], [0, 0, 0]) and w.ok
-    assert w.totals["num_maps"] == 2 and w.creates == [5, 1, 0]
-    assert sum(w.seconds(COSTS["ampere"])) == pytest.approx(COSTS["ampere"].seconds(2, 0, 6))
-    assert not step_work(_trace(it), capacity=5 * mb2).ok  # the 6-chunk tensor does not fit 5 chunks
+    assert w.totals["num_maps"] == 2 and w.creates == [3, 1, 0]
+    assert sum(w.seconds(COSTS["ampere"])) == pytest.approx(COSTS["ampere"].seconds(2, 0, 4))
+    assert not step_work(_trace(it), capacity=3 * mb2).ok  # the 4-chunk tensor does not fit 3 chunks

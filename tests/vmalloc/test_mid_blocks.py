@@ -1,6 +1,7 @@
-"""Note [Mid-size blocks]: requests above small_max up to mid_chunks chunks are blocks of mid slabs, rounded to a
-quarter chunk, not ranges rounded to whole chunks; the chunks of a slab that no block in use touches are cut
-out when memory runs short, so a request still succeeds whenever enough chunks hold no data in use."""
+"""Note [Mid-size blocks] (opt-in, mid_chunks=4): requests above small_max up to mid_chunks chunks are blocks of
+mid slabs, rounded to a quarter chunk, not ranges rounded to whole chunks; the chunks of a slab that no block in
+use touches are cut out when memory runs short, so a request still succeeds whenever enough chunks hold no data
+in use."""
 
 import ctypes
 import random
@@ -14,7 +15,7 @@ CHUNK = 64 * KiB  # host backend: mid requests are (16 KiB, 256 KiB], rounded to
 
 
 def host(chunks=32, **kw):
-    return vmalloc.Arena("host", capacity=chunks * CHUNK, chunk_size=CHUNK, small_max=16 * KiB, **kw)
+    return vmalloc.Arena("host", capacity=chunks * CHUNK, chunk_size=CHUNK, small_max=16 * KiB, mid_chunks=4, **kw)
 
 
 def fill(addr, n, tag):
@@ -36,7 +37,7 @@ def free_chunks(a):
 
 
 def test_a_mid_request_is_rounded_to_a_quarter_chunk_and_shares_a_slab():
-    a = vmalloc.Arena("sim", capacity="1GiB")  # 2 MiB chunks: mid requests up to 8 MiB, in 512 KiB steps
+    a = vmalloc.Arena("sim", capacity="1GiB", mid_chunks=4)  # 2 MiB chunks: up to 8 MiB, in 512 KiB steps
     ps = [a.malloc(2 * MiB + 256 * KiB) for _ in range(3)]  # 2.25 MiB: 4 MiB each when rounded to chunks
     s = a.stats()
     assert s["allocated_bytes.all.current"] == 3 * (2 * MiB + 512 * KiB)
