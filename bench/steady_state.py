@@ -39,9 +39,9 @@ from bench.plotting import pyplot, save
 from bench.traces import cached_capture
 from bench.write import write_results
 from swap.capture import ALLOC, FREE, ITER_END, Trace, capture, live_peak
-from swap.planning.from_trace import swapped
-from swap.planning.replay.replay import BUDGET_FRACTIONS
-from swap.planning.scheduler import InfeasibleBudget
+from swap.forecast.from_trace import swapped
+from swap.forecast.replay.replay import BUDGET_FRACTIONS
+from swap.schedule.scheduler import InfeasibleBudget
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[1]
