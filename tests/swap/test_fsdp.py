@@ -93,7 +93,7 @@ def test_a_block_holding_a_nested_fsdp2_module_is_never_rerun(tmp_path):
         assert all(p <= r["budget"] for p in r["auto"]["peaks"]), (rank, r["auto"]["peaks"], r["budget"])
         blocked = r["auto"]["not_checkpointed"]
         assert {f"blocks.{i}" for i in range(4)} <= set(blocked), blocked
-        assert all("collective" in blocked[f"blocks.{i}"] for i in range(4)), blocked
+        assert all("sharded by FSDP2" in blocked[f"blocks.{i}"] for i in range(4)), blocked
         assert not any(n for m, n in r["auto"]["reruns"].items() if m.startswith("blocks."))
 
 
