@@ -16,6 +16,12 @@ Note [Meter and torch.compile]
 (it would, for any other dispatch mode, silently); the meter is off while compiling and on while the
 compiled code runs, so compiled graphs' outputs and buffers are counted like eager ones.
 
+Note [Wrapper subclasses]
+A wrapper tensor subclass (DTensor: FSDP2's parameters, gradients and optimizer state) owns no memory: its
+storage is a stand-in of the *global* size, and its data lives in inner tensors (a DTensor's local shard). The
+subclass runs its operators on those inner tensors from inside the meter's own dispatch, where the meter is
+off. So for a subclass output the meter counts its inner tensors (``__tensor_flatten__``), never the wrapper.
+
 Note [Storages that resize]
 FSDP2 frees an all-gathered (unsharded) parameter by ``untyped_storage().resize_(0)`` and allocates it again
 with ``resize_(nbytes)``: the storage object lives on, so counting it until it dies would hold every block's
@@ -35,7 +41,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 try:  # fake tensors are the compiler's, never memory on a device
     from torch._subclasses.fake_tensor import FakeTensor
@@ -113,6 +119,12 @@ class LiveBytesMeter(TorchDispatchMode):
             return
         if t.layout != torch.strided or t.is_meta or isinstance(t, FakeTensor):
             return
+        if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):  # Note [Wrapper subclasses]
+            for name in t.__tensor_flatten__()[0]:
+                inner = getattr(t, name)
+                if isinstance(inner, torch.Tensor):  # DTensor also lists its device mesh
+                    self._add(inner)
+            return
         st = t.untyped_storage()
         key = id(st)
         ref = self._seen.get(key)
@@ -138,7 +150,13 @@ class LiveBytesMeter(TorchDispatchMode):
             self.held_window_peak = live + self.held
 
     def resized(self, st: Any) -> None:
-        """``st`` (an untyped storage) was resized in place (Note [Storages that resize])."""
+        """``st`` (an untyped storage) was resized in place (Note [Wrapper subclasses]
+A wrapper tensor subclass (DTensor: FSDP2's parameters, gradients and optimizer state) owns no memory: its
+storage is a stand-in of the *global* size, and its data lives in inner tensors (a DTensor's local shard). The
+subclass runs its operators on those inner tensors from inside the meter's own dispatch, where the meter is
+off. So for a subclass output the meter counts its inner tensors (``__tensor_flatten__``), never the wrapper.
+
+Note [Storages that resize])."""
         dev = st.device
         if dev.type != self._type or (self._index is not None and dev != self.device):
             return
