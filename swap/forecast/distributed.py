@@ -18,12 +18,13 @@ rewritten accordingly (``rank_trace``), so the schedule, the simulator and the r
   forward); its post-forward frees the last flat buffer;
 - backward, unit u: its pre-backward all-gathers it into a flat buffer unless it was prefetched, copies the
   parameters out of it and frees it, then prefetches the next unit in backward order (the all-gather into its
-  flat buffer; the copy-out waits for that unit's pre-backward). The root's pre-backward prefetches the first. After u's last backward operator its
-  post-backward frees its parameters, copies its unsharded gradients (the capture's gradient allocations, made
-  by autograd) into a reduce-scatter input of S_u, frees them, and reduce-scatters into its sharded gradient
-  (the shard's bytes, kept until the capture frees the gradients: ``zero_grad``). One reduce-scatter input is
-  kept in flight: the previous unit's is freed before the next is made, the last at the end of the backward.
-  The root's post-backward runs at the end of the backward.
+  flat buffer; the copy-out waits for that unit's pre-backward). The root's pre-backward prefetches the
+  first. After u's last backward operator its post-backward frees its parameters, copies its unsharded
+  gradients (the capture's gradient allocations, made by autograd) into a reduce-scatter input of S_u, frees
+  them, and reduce-scatters into its sharded gradient (the shard's bytes, kept until the capture frees the
+  gradients: ``zero_grad``). One reduce-scatter input is kept in flight: the previous unit's is freed before
+  the next is made, the last at the end of the backward. The root's post-backward runs at the end of the
+  backward.
 What the rewrite does not model: mixed precision (``MixedPrecisionPolicy``: the capture's dtype is the
 parameters', the gradients' and the collectives'), CPU offload, HSDP and explicit prefetch settings.
 
@@ -403,4 +404,67 @@ def exposed_collectives(trace: Trace, fs: Fsdp2, dev: DeviceProfile) -> float:
     return max(0.0, end - sum(compute.values()))
 
 
-__all__ = ["SHARDINGS", "Fsdp2", "Unit", "default_units", "exposed_collectives", "fsdp2", "rank_trace", "shard_of"]
+
+
+# -- the forecast of one rank -------------------------------------------------------------------------------
+def sharding(model_fn: Callable[[], torch.nn.Module], world_size: int, shard: Optional[str],
+             link: Optional[Union[str, InterconnectProfile]],
+             dtype: Optional[torch.dtype]) -> Optional[Fsdp2]:  # fmt: skip
+    """``swap.plan``'s ``world_size``, ``shard`` and ``interconnect``: None for one device, else the sharding."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, not {world_size!r}")
+    if shard is None and world_size == 1:
+        if link is not None:
+            raise ValueError("an interconnect prices the collectives of sharded training: pass world_size > 1 and "
+                             "shard='fsdp2' too, or drop interconnect")  # fmt: skip
+        return None
+    if shard not in SHARDINGS:
+        raise ValueError(f"unknown shard {shard!r}: with world_size={world_size}, pass shard= one of "
+                         f"{', '.join(map(repr, SHARDINGS))} (how the ranks split the model)")  # fmt: skip
+    return fsdp2(model_fn, world_size, link or "nvlink4", dtype)
+
+
+def with_collectives(plan: Any, trace_at: Callable[[int], Trace], fs: Fsdp2, dev: DeviceProfile) -> Any:
+    """``plan`` (a ``swap.Plan`` of one rank's traces) with the collectives' exposed seconds added to every
+    simulated step (Note [Collectives on the step]), and what one rank holds in its notes."""
+    exposed: dict[int, float] = {}
+
+    def slower(n: int, t: Optional[float]) -> Optional[float]:
+        if not n or t is None:
+            return t
+        if n not in exposed:
+            exposed[n] = exposed_collectives(trace_at(n), fs, dev)
+        return t + exposed[n]
+
+    for r in plan.policies.values():
+        r.step_time = slower(r.max_batch, r.step_time)
+        r.samples_per_s = r.max_batch / r.step_time if r.step_time else r.samples_per_s
+    for s in plan.strategies.values():
+        for n, p in s.points.items():
+            if p.fits:
+                p.step_time = slower(n, p.step_time)
+                p.samples_per_s = n / p.step_time if p.step_time else p.samples_per_s
+    plan.throughput = {p: r.samples_per_s for p, r in plan.policies.items()}
+    held = model_state_per_rank(trace_at(min(exposed) if exposed else 1), fs)
+    gib = float(2**30)
+    plan.notes.insert(0, f"one rank of {fs.describe()}; per rank: parameters {held['parameters'] / gib:.2f} GiB, "
+                         f"gradients {held['gradients'] / gib:.2f} GiB, optimizer state {held['state'] / gib:.2f} "
+                         f"GiB, all-gather buffers up to {held['gather'] / gib:.2f} GiB; collectives exposed per step: "
+                         + ", ".join(f"{t * 1e3:.1f} ms at batch {n}" for n, t in sorted(exposed.items())))  # fmt: skip
+    return plan
+
+
+def model_state_per_rank(trace: Trace, fs: Fsdp2) -> dict[str, int]:
+    """A rank's parameters, sharded gradients, optimizer state (live at the end of ``trace``, one rank's) and
+    FSDP2's all-gather buffers at most: the root's unsharded parameters (held all step), the largest block's flat
+    buffer and parameters, and the next block's prefetched flat buffer."""
+    state = int(trace.size[(trace.op == ALLOC) & (trace.tag == TAG["optimizer_state"])].sum()
+                - trace.size[(trace.op == FREE) & (trace.tag == TAG["optimizer_state"])].sum())  # fmt: skip
+    sizes = sorted((u.param_bytes for u in fs.units if u.path), reverse=True)
+    root = next(u.param_bytes for u in fs.units if not u.path)
+    gather = root + (2 * sizes[0] + (sizes[1] if len(sizes) > 1 else 0) if sizes else 0)
+    return {"parameters": fs.shard_bytes, "gradients": fs.shard_bytes, "state": state, "gather": gather}
+
+
+__all__ = ["SHARDINGS", "Fsdp2", "Unit", "default_units", "exposed_collectives", "fsdp2", "model_state_per_rank",
+           "rank_trace", "shard_of", "sharding", "with_collectives"]

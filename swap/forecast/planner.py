@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ..capture import CaptureError, LinearTrace, Trace, capture
-from ..devices import DeviceProfile, read_measured, refuse_budget_above, with_measured
+from ..devices import DeviceProfile, InterconnectProfile, read_measured, refuse_budget_above, with_measured
 from ..devices import profile as device_profile
 from ..schedule.scheduler import POLICIES, InfeasibleBudget
 from ..schedule.scheduler import plan as make_schedule
@@ -26,6 +26,7 @@ from ..schedule.sequence import Sequence
 from ..schedule.simulator import Scheduled, schedule_for
 from ..units import Size, parse_size
 from ..units import fmt_size as fmt_bytes
+from . import distributed
 from .from_trace import sequence_from_trace
 from .pricing import iteration_seconds
 from .replay import ALLOCATORS, fitting_budget, measure
@@ -232,6 +233,9 @@ def plan(
     progress: bool = True,
     strategies: tuple[str, ...] = STRATEGIES,
     batch: Optional[int] = None,
+    world_size: int = 1,
+    shard: Optional[str] = None,
+    interconnect: Optional[Union[str, InterconnectProfile]] = None,
 ) -> Plan:
     """The largest batch of your model that fits ``budget`` on ``device``, per swap policy, and its speed.
 
@@ -258,6 +262,10 @@ def plan(
         strategies: which keep / swap / recompute strategies to compare side by side (default: every baseline
             of ``swap.joint.search.BASELINES`` and the joint strategy "auto"; ``()``: none).
         batch: also compare the strategies at this batch size.
+        world_size, shard, interconnect: forecast one rank of ``world_size`` sharding the model with ``shard``
+            ("fsdp2": ``fully_shard`` on each block and the root), its collectives priced on ``interconnect``
+            (``swap.devices.INTERCONNECTS``: "nvlink4", "ib-ndr400"; default "nvlink4"): the budget and every
+            batch are per rank (Note [One rank of FSDP2] in swap/forecast/distributed.py).
     Returns:
         ``swap.Plan``: ``max_batch``, ``throughput``, ``window``, ``strategies``, ``table()``, ``plot(path)``,
         ``plot_strategies(path)``.
@@ -284,10 +292,12 @@ def plan(
         raise ValueError(f"batch must be a positive int, not {batch!r}")
     min_bytes_ = parse_size(min_bytes, "min_bytes", minimum=1) if min_bytes else 0
     label = name or getattr(model_fn, "__name__", "model")
+    ranks = distributed.sharding(model_fn, world_size, shard, interconnect, dtype)
 
     def capture_at(n: int) -> Trace:
-        return capture(model_fn, batch_fn, n, loss_fn, optimizer=optimizer, steps=steps, target=target, dtype=dtype,
-                       name=label)  # fmt: skip
+        trace = capture(model_fn, batch_fn, n, loss_fn, optimizer=optimizer, steps=steps, target=target, dtype=dtype,
+                        name=label)  # fmt: skip
+        return distributed.rank_trace(trace, ranks) if ranks is not None else trace
 
     traces = _Traces(capture_at, say)
     notes: list[str] = []
@@ -320,6 +330,8 @@ def plan(
     memory = _memory(ev, results.get("window"))
     result = Plan(label, budget, dev, allocator, results, memory=memory, linear=traces.linear is not None,
                   captures=sorted(traces.captured), notes=notes, strategies=compared, batch=batch)  # fmt: skip
+    if ranks is not None:
+        result = distributed.with_collectives(result, traces.at, ranks, dev)
     result.seconds = time.perf_counter() - t0
     say(f"done in {result.seconds:.1f} s")
     return result

@@ -1,5 +1,5 @@
-"""Two CPU processes (gloo) training a small GPT with FSDP2 (``fully_shard`` on each block and the root), with and
-without a SwapManager: what each rank saw, written to a file for the test in the parent process.
+"""Two CPU processes (gloo, ``bench.ranks.spawn``) training a small GPT with FSDP2 (``fully_shard`` on each block
+and the root), with and without a SwapManager: what each rank saw, for the test in the parent process.
 
 Every FSDP2 module counts its all-gathers (``FSDPModule.set_custom_all_gather``, FSDP2's public hook for its
 all-gather), per iteration, so a test can tell whether a region rerun all-gathered again."""
@@ -7,22 +7,16 @@ all-gather), per iteration, so a test can tell whether a region rerun all-gather
 from __future__ import annotations
 
 import collections
-import os
-import pickle
-import sys
-import traceback
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 
 import swap
+from bench.ranks import spawn  # noqa: F401 - the tests run their workers with it
 from swap.forecast import zoo
 
-ROOT = Path(__file__).resolve().parents[2]
 VOCAB, SEQ, BATCH = 64, 128, 16
 
 
@@ -73,9 +67,12 @@ def train(rank: int, manager: Optional[Callable[[], swap.SwapManager]], iteratio
         try:
             for it in range(iterations):
                 counts.clear()
-                tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(100 * rank + it))
+                g = torch.Generator().manual_seed(100 * rank + it)
+                tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
                 opt.zero_grad()
-                loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+                logits = model(tokens[:, :-1]).reshape(-1, VOCAB)
+                loss = torch.nn.functional.cross_entropy(logits, tokens[:, 1:].reshape(-1))
+                del logits
                 loss.backward()
                 out["losses"].append(loss.item())
                 out["grads"].append([p.grad.to_local().numpy().copy() for p in model.parameters()])
@@ -94,30 +91,3 @@ def train(rank: int, manager: Optional[Callable[[], swap.SwapManager]], iteratio
         out["not_checkpointed"] = r["not_checkpointed"]
         out["notes"] = list(r.get("notes", []))
     return out
-
-
-def spawn(worker: Callable[[int, str], dict[str, Any]], tmp: Path, world: int = 2) -> list[dict[str, Any]]:
-    """Runs ``worker(rank, tmp)`` on ``world`` gloo ranks; returns each rank's result (raises its traceback)."""
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    mp.spawn(_run, args=(world, worker, str(tmp)), nprocs=world, join=True)
-    results = []
-    for rank in range(world):
-        got = pickle.loads(Path(tmp, f"{rank}.pkl").read_bytes())
-        if isinstance(got, str):
-            raise AssertionError(f"rank {rank} failed:\n{got}")
-        results.append(got)
-    return results
-
-
-def _run(rank: int, world: int, worker: Callable[[int, str], dict[str, Any]], tmp: str) -> None:
-    sys.path.insert(0, str(ROOT))
-    torch.set_num_threads(1)  # two ranks on a shared machine: one core each
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
-        try:
-            result: Any = worker(rank, tmp)
-        finally:
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - reported to the parent through the file
-        result = traceback.format_exc()
-    Path(tmp, f"{rank}.pkl").write_bytes(pickle.dumps(result))
