@@ -41,7 +41,6 @@ backward and hides more) is not credited, so a recompute plan's step is a slight
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
@@ -50,7 +49,8 @@ import torch
 
 from ..capture.trace import ALLOC, FREE, OP, PHASE, TAG, Trace
 from ..devices import DeviceProfile, InterconnectProfile, interconnect
-from ..joint.ops import is_index, nested
+from ..joint.ops import nested
+from ..schedule.unit_offload import blocks_of, shard_of
 from .pricing import event_seconds
 
 SHARDINGS = ("fsdp2",)
@@ -88,19 +88,8 @@ class Fsdp2:
 
 
 def default_units(model: torch.nn.Module) -> list[str]:
-    """The blocks to shard: the outermost repeated children of containers (paths ending in an index, as
-    Note [Candidate regions] in swap/joint/ops.py finds blocks), each with parameters."""
-    paths = [n for n, m in model.named_modules() if n and is_index(n.rsplit(".", 1)[-1])
-             and any(True for _ in m.parameters())]  # fmt: skip
-    return [p for p in paths if not any(q != p and nested(p, q) for q in paths)]
-
-
-def shard_of(shape: tuple[int, ...], itemsize: int, world_size: int) -> int:
-    """Bytes of one rank's shard of a parameter of ``shape``: dim 0 padded to a multiple of the world size."""
-    if not shape:
-        return itemsize
-    rows = math.ceil(shape[0] / world_size)
-    return rows * int(np.prod(shape[1:], dtype=np.int64)) * itemsize
+    """The blocks to shard by default (swap.schedule.unit_offload.blocks_of)."""
+    return blocks_of([n for n, m in model.named_modules() if any(True for _ in m.parameters())])
 
 
 def fsdp2(model_fn: Callable[[], torch.nn.Module], world_size: int, link: Union[str, InterconnectProfile] = "nvlink4",
