@@ -61,11 +61,13 @@ class Row:
     strategy: Optional[str]  # a strategy of swap.plan at bf16, or None: judged on its model state
     bytes_per_parameter: int  # parameters, gradients and AdamW state
     model_state: Optional[str] = None  # swap.plan's model_state=, where it takes one
+    at: Optional[str] = None  # at this strategy's largest batch, not at its own
 
 
 ROWS = [
     Row("FSDP2, full activation checkpointing, bf16 state", "checkpoint", 8),
     Row("FSDP2 + our activation plan (auto), bf16 state", "auto", 8),
+    Row("FSDP2 + our activation plan (auto), bf16 state, at full checkpointing's batch", "auto", 8, at="checkpoint"),
     Row("FSDP2, fp32 master and AdamW state, no offload", None, 16),
     Row("FSDP2 + our plan, fp32 master and state, model-state offload", "auto", 16, model_state="auto"),
 ]
@@ -109,7 +111,8 @@ def main(argv: Any = None) -> int:
             row["result"] = (f"does not fit: {state / 2**30:.1f} GiB of model state per rank > the "
                              f"{BUDGET / 2**30:.0f} GiB budget")  # fmt: skip
         else:
-            row.update(_point(plan.strategies[r.strategy], args.seq))
+            batch = plan.strategies[r.at].max_batch if r.at else None
+            row.update(_point(plan.strategies[r.strategy], args.seq, batch))
         rows.append(row)
         print(row)
     lines = [
@@ -140,8 +143,8 @@ def main(argv: Any = None) -> int:
     return 0
 
 
-def _point(result: Any, seq: int) -> dict[str, Any]:
-    p = result.at_max
+def _point(result: Any, seq: int, batch: Optional[int] = None) -> dict[str, Any]:
+    p = result.at_max if batch is None else result.at(batch)
     if p is None or not p.fits:
         return {"result": f"does not fit one sequence of {seq} tokens per rank: {result.blocker}"}
     return {"batch_per_rank": p.batch, "tokens_per_step": p.batch * seq * WORLD,
