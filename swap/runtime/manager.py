@@ -38,6 +38,7 @@ from .hooks import SavedTensorHooks
 from .joint import JointRuntime
 from .memory import DeviceMemory, vmalloc_arena
 from .notices import Notices
+from .ranks import Ranks
 from .recompute import RecomputeHooks
 from .report import SwapReport
 from .resources import default_budget, open_resources, refuse_budget_above_memory
@@ -73,6 +74,9 @@ class SwapManager:
         strategy: "auto" (what runs when no policy is given): keep, swap or recompute each saved tensor,
             checkpointing modules of the model where that is faster than swapping them (Note [Applying a joint
             plan] in swap.runtime.joint). ``policy="auto"`` still means this, with a DeprecationWarning.
+        group: under DDP or FSDP2, the process group whose ranks choose ``strategy="auto"``'s plan together
+            (Note [Ranks agree on a plan] in swap.runtime.ranks): None, the default group when torch.distributed
+            is initialised with more than one rank; False, each rank plans alone. Each rank keeps its own budget.
 
     Raises ``InfeasibleBudget`` (at the first saved tensor of the iteration after the one that showed it)
     when no schedule can keep the budget; warns once with ``BudgetWarning`` per cause when it cannot help
@@ -95,6 +99,7 @@ class SwapManager:
         arena: Any = None,
         recompute: bool = False,
         strategy: Optional[str] = None,
+        group: Any = None,
     ) -> None:
         policy = self.policy = check_strategy(strategy, policy)  # "auto" or a policy
         self.device = check_device(device)
@@ -121,6 +126,7 @@ class SwapManager:
         self._active = False
         self._joint: Optional[JointRuntime] = JointRuntime(self.device, self.budget) if policy == "auto" else None
         self._final: Optional[dict[str, Any]] = None
+        self._group = group
 
     @property
     def _recompute(self) -> Optional[RecomputeHooks]:
@@ -157,7 +163,7 @@ class SwapManager:
         self.memory, engine, pool = open_resources(self.device, self.arena, self.host_pool_limit)
         s = self._scheduling = Scheduling(
             self.budget, self.window, self.policy, self.swapout_threshold, self.swapin_ahead, engine, self.hooks,
-            self._notices, self._joint,
+            self._notices, self._joint, Ranks.of(self._group) if self._joint is not None else None,
         )  # fmt: skip
         self.executor = Executor(self.device, engine, pool, self.memory, s.profiled, self.budget,
                                  replanner=s.schedule, warn=self._notices.warn, unmanaged=s.unmanaged)  # fmt: skip
