@@ -55,7 +55,7 @@ class DeviceTimer:
 
 
 def peak() -> int:
-    return max(run("blocks", 2, meter=swap.LiveBytesMeter("cpu"), build=blocks, batch_fn=batch, pattern=standard)["peaks"])
+    return max(run("blocks", 2, meter=swap.LiveBytesMeter("cpu"), build=blocks, batch_fn=batch)["peaks"])
 
 
 def manager(budget: int) -> swap.SwapManager:
@@ -106,8 +106,8 @@ def test_finished_reruns_are_folded_and_the_report_waits_only_for_those_in_fligh
 
 
 def test_the_reference_run_is_unchanged():
-    ref = run("blocks", 4, meter=swap.LiveBytesMeter("cpu"), build=blocks, batch_fn=batch, pattern=standard)
+    ref = run("blocks", 4, meter=swap.LiveBytesMeter("cpu"), build=blocks, batch_fn=batch)
     budget = int(0.75 * max(ref["peaks"]))
-    got = run("blocks", 4, manager=lambda: manager(budget), build=blocks, batch_fn=batch, pattern=standard)
+    got = run("blocks", 4, manager=lambda: manager(budget), build=blocks, batch_fn=batch)
     assert ref["losses"] == got["losses"]
     assert got["manager"]._joint.regions.stats_of("0").reruns >= 1
