@@ -154,7 +154,7 @@ def test_labels_outside_the_vocabulary_are_refused() -> None:
 
 def test_on_an_accelerator_the_label_check_makes_the_host_wait_for_nothing() -> None:
     """A host read of the check's answer (``bool(bad.any())``) is one device synchronisation per forward on a
-    GPU: off the CPU the check is queued on the device. Run here on CPU tensors, asking for the device path."""
+    GPU: on CUDA the check is queued on the device. Run here on CPU tensors, asking for the device path."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from swap.tiling.run.head import _check_labels
