@@ -1,0 +1,311 @@
+"""The forecast with model state: activations planned by the joint search, model state placed by
+``plan_model_state``, the iteration simulated with a host-step lane, side by side with the offloading
+schedules of other systems on the same simulator.
+
+Note [Offload schedules side by side]
+Each schedule is a placement of every bucket, where the host steps run, and the format the system keeps the
+model in, judged on the same capture, device, host, activation search and simulator (Note [Model-state
+simulation] in swap/schedule/model_state_sim.py):
+
+- ``ours``: placements planned under the budget (``plan_model_state``: a resident prefix, host masters,
+  streamed buckets; the device room and the resident share tried and simulated, the fastest kept), host
+  steps before use (speculative during the backward where host memory holds the staging slots);
+- ``zero_offload`` (DeepSpeed ZeRO-Offload, ZeRO-2 with ``offload_optimizer``): compute copies resident,
+  master and Adam on the host, the host step after the backward; without the one-step delayed update, which
+  changes the math;
+- ``zero3_offload`` (ZeRO-3 with ``offload_param`` and ``offload_optimizer``): weights streamed, the host
+  step after the backward;
+- ``fsdp2_cpu_offload`` (FSDP2 ``CPUOffloadPolicy`` with bf16 parameters and fp32 reduction): everything
+  streamed; the fp32 shard is copied in and cast on the device, gradients leave in fp32; the host step after
+  the backward. Clipping needs a second (gloo) process group;
+- ``torchao_cpu_offload`` (torchao ``CPUOffloadOptimizer``): the model's own parameters stay on the device (in
+  the master's dtype, cast by autocast at each forward), each stepped on the host after the backward and
+  copied back; no gradient clipping.
+
+What is not modelled: DeepSpeed's fixed prefetch sizes (every schedule gets our window), NUMA and thread
+placement on the host, and pinned-memory rounding (our host pool is exact: Note [Exact-size pinned blocks]).
+For every schedule the activations are planned by the same joint search (``activations``: a strategy of
+swap.joint.search, default ``auto``) with the model state's device bytes reserved at every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, replace
+from typing import Callable, Optional, Union
+
+from ..capture import Trace
+from ..devices import DeviceProfile, HostProfile, host_step_bytes
+from ..joint.search import BASELINES, Evaluator, Outcome, search
+from ..schedule.budget import InfeasibleBudget
+from ..schedule.model_state import Bucket, ModelStateDoesNotFit, ModelStatePlan, Placement, plan_bytes, plan_model_state
+from ..schedule.model_state_sim import ModelStatePrices, ModelStateSim, simulate_model_state
+from ..schedule.scheduler import Schedule
+from ..schedule.sequence import Sequence
+from ..schedule.simulator import choose_window
+from ..schedule.weights import BucketUses, Weighted, with_weights
+from .from_trace import sequence_from_trace
+from .model_state import Layout, StateFormat, layout_from_trace
+from .offload_report import OffloadForecast, OffloadResult
+from .ops_from_trace import table_from_trace
+from .pricing import event_seconds
+
+ROOM_SHARES = (0.15, 0.3, 0.45, 0.6)  # of the budget: device room tried for model state (ours)
+RESIDENT_SHARES = (0.0, 0.5, 1.0)  # of that room: the most resident buckets may take
+AUTO_EVALUATIONS = 60  # plans the joint search judges per activation plan
+ROOM_GRID = 64  # rooms are rounded up to a 64th of the budget, so schedules share activation plans
+
+
+@dataclass(frozen=True)
+class OffloadSchedule:
+    """One system's way of placing and stepping model state (Note [Offload schedules side by side])."""
+
+    name: str
+    label: str
+    placement: Optional[Placement]  # None: planned
+    timing: str
+    clipping: str
+    weight_in_master_dtype: bool = False  # the device keeps the model's parameters in the master's dtype
+    cast: Optional[str] = None  # where the master is cast (None: the format's)
+    grad_in_master_dtype: bool = False  # gradients leave the device in the master's dtype
+
+    def format(self, fmt: StateFormat) -> StateFormat:
+        """``fmt`` as this system keeps it."""
+        weight = fmt.master if self.weight_in_master_dtype else fmt.weight
+        grad = fmt.master if self.grad_in_master_dtype else fmt.grad
+        return replace(fmt, weight=weight, grad=grad, cast=self.cast or fmt.cast)
+
+
+SCHEDULES = {
+    s.name: s
+    for s in (
+        OffloadSchedule("ours", "ours (planned)", None, "before_use", "exact (per-bucket partial norms)"),
+        OffloadSchedule("zero_offload", "ZeRO-Offload", Placement.HOST_MASTER, "blocking", "exact"),
+        OffloadSchedule("zero3_offload", "ZeRO-3-offload", Placement.STREAMED, "blocking", "exact"),
+        OffloadSchedule("fsdp2_cpu_offload", "FSDP2 CPUOffloadPolicy", Placement.STREAMED, "blocking",
+                        "needs a gloo process group", cast="device", grad_in_master_dtype=True),
+        OffloadSchedule("torchao_cpu_offload", "torchao CPUOffloadOptimizer", Placement.HOST_MASTER, "blocking",
+                        "not supported", weight_in_master_dtype=True, cast="device", grad_in_master_dtype=True),
+    )
+}  # fmt: skip
+
+
+def prices_for(buckets: Seq[Bucket], fmt: StateFormat, dev: DeviceProfile, host: HostProfile) -> ModelStatePrices:
+    """Per-bucket prices (Note [Model-state simulation]): host steps from the host profile (the compute copy
+    written by the host step when the host casts), device steps and casts on the device's memory bandwidth."""
+    copy = fmt.weight if fmt.cast == "host" and fmt.weight != fmt.master else 0
+    dev_bw = dev.mem_bandwidth * dev.efficiency
+    host_bytes = [host_step_bytes(fmt.optimizer, b.numel, fmt.master, fmt.grad, copy) for b in buckets]
+    rate = host.optimizer_rate(fmt.optimizer)
+    own = fmt.weight if fmt.weight != fmt.master else 0  # the device step writes the compute copy too
+    device_step = [host_step_bytes(fmt.optimizer, b.numel, fmt.master, fmt.grad, own) / dev_bw for b in buckets]
+    cast = [b.numel * (fmt.master + fmt.weight) / dev_bw for b in buckets] if fmt.cast == "device" else []
+    return ModelStatePrices(
+        host.h2d_bandwidth or dev.h2d_bandwidth, host.d2h_bandwidth or dev.d2h_bandwidth,
+        tuple(x / rate for x in host_bytes), tuple(device_step), tuple(cast), tuple(float(x) for x in host_bytes),
+        host.dram_bandwidth, host.duplex_bandwidth or dev.duplex_bandwidth,
+    )  # fmt: skip
+
+
+class _Activations:
+    """Activation plans by device room reserved for model state: the joint search on the sequence with that
+    many bytes added to every step (cached)."""
+
+    def __init__(self, seq: Sequence, table, budget: int, dev: DeviceProfile, strategy: str, evaluations: int) -> None:
+        self.seq, self.table, self.budget, self.dev = seq, table, budget, dev
+        self.strategy, self.evaluations = strategy, evaluations
+        self.plans: dict[int, Optional[Outcome]] = {}
+
+    def grid(self, room: int) -> int:
+        """``room`` rounded up to the grid (more room kept for model state: never less safe)."""
+        q = max(1, self.budget // ROOM_GRID)
+        return -(-room // q) * q
+
+    def at(self, room: int) -> Optional[Outcome]:
+        if room not in self.plans:
+            reserved = replace(self.seq, nonswap=[x + room for x in self.seq.nonswap])
+            ev = Evaluator(reserved, self.table, self.budget, self.dev.h2d_bandwidth, self.dev.d2h_bandwidth)
+            best = search(ev, self.evaluations).best if self.strategy == "auto" else BASELINES[self.strategy](ev)
+            self.plans[room] = best if best.feasible else None
+        return self.plans[room]
+
+
+@dataclass
+class _Prepared:
+    """A model-state plan placed on an activation plan, scheduled under the budget (``_prepare``)."""
+
+    weighted: Weighted
+    schedule: Schedule
+    uses: list[BucketUses]  # the buckets' reads, as steps of the sequence the activation plan was made from
+    pool: int  # host bytes of swapped activations
+
+    def simulate(self, buckets: list[Bucket], plan: ModelStatePlan, prices: ModelStatePrices, timing: str,
+                 in_flight: int) -> ModelStateSim:  # fmt: skip
+        return simulate_model_state(self.weighted, self.schedule, buckets, self.uses, plan, prices, timing=timing,
+                                    in_flight=in_flight)  # fmt: skip
+
+
+def _prepare(acts: _Activations, room: int, buckets: list[Bucket], uses: list[BucketUses], plan: ModelStatePlan,
+             fmt: StateFormat, prices: ModelStatePrices, in_flight: int) -> Union[_Prepared, str]:  # fmt: skip
+    """``plan`` on the activation plan for ``room``, scheduled (window policy, window chosen by simulation)
+    under the budget; or why it does not fit."""
+    act = acts.at(room)
+    if act is None:
+        return f"no activation plan fits with {room / 2**30:.1f} GiB kept for model state"
+    seq = replace(act.sequence, nonswap=[max(0, x - room) for x in act.sequence.nonswap])
+    holds = act.model.holds if act.model is not None and act.model.holds else None
+    fetch = [b.master_bytes if fmt.cast == "device" else b.weight_bytes for b in buckets]
+    w = with_weights(seq, buckets, uses, plan, in_flight, fetch, holds, acts.seq.compute)
+    try:
+        _window, schedule, _ = choose_window(w.seq, acts.budget, prices.h2d_bandwidth, prices.d2h_bandwidth)
+    except InfeasibleBudget as e:
+        return str(e).split(". ")[0]
+    pool = sum(w.seq.sizes[v] for v in {v for step in schedule.swap_out for v in step} if not w.seq.clean[v])
+    return _Prepared(w, schedule, list(uses), pool)
+
+
+def _result(name: str, prep: Union[_Prepared, str], plan: ModelStatePlan, act: str, room: int, tokens: int,
+            host: HostProfile, *, prices: ModelStatePrices, buckets: list[Bucket], timing: str,
+            in_flight: int) -> OffloadResult:  # fmt: skip
+    """Schedule ``name``'s result: ``plan`` simulated on ``prep`` (or why it does not fit)."""
+    s = SCHEDULES[name]
+    r = OffloadResult(name, s.label, False, "", plan=plan, activations=act, room=room, clipping=s.clipping,
+                      timing=timing)  # fmt: skip
+    if isinstance(prep, str):
+        r.why = prep
+        return r
+    sim = prep.simulate(buckets, plan, prices, timing, in_flight)
+    r.fits, r.sim, r.step_time, r.tokens_per_s = True, sim, sim.step_time, tokens / sim.step_time
+    r.device_peak, r.host_bytes, r.pinned_bytes = prep.schedule.peak, plan.host_bytes + prep.pool, plan.pinned_bytes
+    if r.host_bytes > host.memory:
+        r.fits = False
+        r.why = f"needs {r.host_bytes / 1e9:.0f} GB of host memory, the host has {host.memory / 1e9:.0f} GB"
+    return r
+
+
+def forecast_offload(
+    trace: Trace,
+    model_fn: Callable,
+    *,
+    batch: int,
+    tokens: int,
+    budget: int,
+    dev: DeviceProfile,
+    host: HostProfile,
+    fmt: Optional[StateFormat] = None,
+    schedules: Seq[str] = tuple(SCHEDULES),
+    mode: str = "auto",
+    activations: str = "auto",
+    bucket_bytes: int = 32 << 20,
+    min_bytes: int = 1 << 20,
+    in_flight: int = 2,
+    name: str = "model",
+    say: Callable[[str], None] = lambda _m: None,
+) -> OffloadForecast:
+    """Every schedule in ``schedules`` (``SCHEDULES``) on ``trace`` (one training step at ``batch``, captured
+    with a stateless optimizer: ``swap.forecast.model_state.stateless_optimizer``) under ``budget`` (Note
+    [Offload schedules side by side]). ``mode`` is ours: "auto", "offload" or "resident" (``plan_model_state``)."""
+    fmt = fmt or StateFormat()
+    for s in schedules:
+        if s not in SCHEDULES:
+            raise ValueError(f"unknown offload schedule {s!r}: choose among {', '.join(SCHEDULES)}")
+    seq = sequence_from_trace(trace, cost=dev, min_bytes=min_bytes)
+    layout = layout_from_trace(trace, model_fn, fmt, bucket_bytes, min_bytes=min_bytes)
+    seq = replace(seq, nonswap=[max(0, a - b) for a, b in zip(seq.nonswap, layout.trace_bytes)])
+    table = table_from_trace(trace, min_bytes=min_bytes, seconds=event_seconds(trace, dev))
+    acts = _Activations(seq, table, budget, dev, activations, AUTO_EVALUATIONS)
+    out = OffloadForecast(name, batch, tokens, budget, dev.name, host.name, fmt.describe(), layout.numel(),
+                          sum(seq.compute), host.memory)  # fmt: skip
+    for s in schedules:
+        sf = SCHEDULES[s].format(fmt)
+        buckets = rebucket(layout, sf)
+        prices = prices_for(buckets, sf, dev, host)
+        if SCHEDULES[s].placement is None:
+            out.results[s] = _ours(acts, buckets, layout.uses, sf, prices, host, mode, in_flight, tokens, say)
+        else:
+            plan = _with_bytes(buckets, ModelStatePlan.uniform(len(buckets), SCHEDULES[s].placement), in_flight)
+            room = acts.grid(plan.device_bytes)
+            prep = _prepare(acts, room, buckets, layout.uses, plan, sf, prices, in_flight)
+            out.results[s] = _result(s, prep, plan, _describe(acts.plans.get(room)), room, tokens, host, prices=prices,
+                                     buckets=buckets, timing=SCHEDULES[s].timing, in_flight=in_flight)  # fmt: skip
+        r = out.results[s]
+        say(f"{s}: " + (f"{r.tokens_per_s:.0f} tokens/s" if r.fits and r.tokens_per_s else f"does not fit ({r.why})"))
+    return out
+
+
+def _ours(acts: _Activations, buckets: list[Bucket], uses: list[BucketUses], fmt: StateFormat,
+          prices: ModelStatePrices, host: HostProfile, mode: str, in_flight: int, tokens: int,
+          say: Callable[[str], None]) -> OffloadResult:  # fmt: skip
+    """The fastest of our plans over the device rooms and resident shares tried (Note [Offload schedules
+    side by side])."""
+    best: Optional[OffloadResult] = None
+    why = "no plan fits"
+    for share in ROOM_SHARES:
+        room = acts.grid(int(share * acts.budget))
+        for resident in RESIDENT_SHARES if mode == "auto" else (1.0,):
+            try:
+                plan = plan_model_state(buckets, room, mode=mode, resident_room=int(resident * room),
+                                        in_flight=in_flight, host_memory=host.memory)  # fmt: skip
+            except ModelStateDoesNotFit as e:
+                why = str(e)
+                continue
+            prep = _prepare(acts, room, buckets, uses, plan, fmt, prices, in_flight)
+            kw = dict(prices=prices, buckets=buckets, in_flight=in_flight)
+            r = _result("ours", prep, plan, _describe(acts.plans.get(room)), room, tokens, host, timing="before_use",
+                        **kw)  # fmt: skip
+            if r.fits and isinstance(prep, _Prepared):
+                spec = _speculation(buckets, plan, host.memory - r.host_bytes, in_flight)
+                if spec is not None:
+                    trial = _result("ours", prep, spec, r.activations, room, tokens, host, timing="speculative", **kw)
+                    r = trial if trial.fits and trial.step_time < r.step_time else r
+            if r.fits and (best is None or not best.fits or r.step_time < best.step_time):
+                best = r
+            elif best is None:
+                best = r
+            why = r.why or why
+            if mode != "auto" or all(p == Placement.RESIDENT for p in plan.placements):
+                break
+    assert best is not None
+    if best.fits:
+        say(f"ours: room {best.room / 2**30:.1f} GiB, placements resident/host-master/streamed {best.placements()}")
+    return best
+
+
+def _speculation(buckets: list[Bucket], plan: ModelStatePlan, spare: int, in_flight: int) -> Optional[ModelStatePlan]:
+    """``plan`` with speculative host steps staged in ``spare`` host bytes less a 5% margin: as many offloaded
+    buckets as fit, in backward order (``ModelStatePlan.speculated``; Note [Model-state simulation]); None when
+    not one fits."""
+    room, slots = int(spare * 0.95), 0
+    for b, p in zip(reversed(buckets), reversed(plan.placements)):
+        if p == Placement.RESIDENT:
+            continue
+        if b.master_bytes + b.state_bytes > room:
+            break
+        room -= b.master_bytes + b.state_bytes
+        slots += 1
+    if slots < 1:
+        return None
+    return _with_bytes(buckets, replace(plan, speculate=True, staging_slots=slots, notes=list(plan.notes)), in_flight)
+
+
+def _with_bytes(buckets: list[Bucket], plan: ModelStatePlan, in_flight: int) -> ModelStatePlan:
+    plan.device_bytes, plan.host_bytes, plan.pinned_bytes = plan_bytes(buckets, plan.placements, in_flight,
+                                                                       plan.staging_slots if plan.speculate else 0)
+    return plan
+
+
+def _describe(o: Optional[Outcome]) -> str:
+    if o is None:
+        return "-"
+    s = o.strategy
+    return f"{s.plan.describe()}, swap {s.swap}"
+
+
+def rebucket(layout: Layout, fmt: StateFormat) -> list[Bucket]:
+    """``layout``'s buckets (the same parameters in each) with their bytes in ``fmt``."""
+    out = []
+    for b in layout.buckets:
+        p = fmt.param("", b.numel)
+        out.append(replace(b, weight_bytes=p.weight_bytes, master_bytes=p.master_bytes, grad_bytes=p.grad_bytes,
+                           state_bytes=p.state_bytes))  # fmt: skip
+    return out
