@@ -13,7 +13,8 @@ device] in bench/cpu_profile.py):
   seconds, for ``torch.optim.AdamW`` and ``SGD`` (momentum 0.9) on one fp32 parameter of ``STEP_PARAMS``
   elements with an fp32 gradient (so ``grad`` is 4 bytes and there is no separate copy): each
   implementation PyTorch has on CPU (``fused``, ``foreach``, the per-tensor loop), and the fastest kept.
-- ``memory``: physical memory (``os.sysconf``); ``pinnable``: the smaller of that and ``RLIMIT_MEMLOCK``.
+- ``memory``: physical memory (``os.sysconf``); ``pinnable``: the smaller of that and ``RLIMIT_MEMLOCK``,
+  which does not bind root (CAP_IPC_LOCK: page-locking is then limited by memory alone).
 - no link: a CPU-only machine has none (the device profile's apply).
 
 Times are wall-clock medians: a host step's worth is the wall time the training loop waits for it. On a
@@ -28,7 +29,7 @@ import platform
 import resource
 import statistics
 import sys
-import time
+import timeit
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -49,14 +50,10 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def median_seconds(fn: Callable[[], None], repeats: int = REPEATS) -> float:
-    fn()  # warm: first touch of fresh pages is not the step's cost
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def median_seconds(fn: Callable[[], object], repeats: int = REPEATS) -> float:
+    """Wall-clock median of ``repeats`` calls, after one to warm (first touch of fresh pages is not the cost)."""
+    fn()
+    return statistics.median(timeit.repeat(fn, number=1, repeat=repeats))
 
 
 def copy_bandwidth() -> float:
@@ -102,7 +99,8 @@ def measure() -> tuple[HostProfile, dict]:
         rates[name] = max(detail[name].values())
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     lock = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-    pinnable = memory if lock in (resource.RLIM_INFINITY, -1) else min(memory, lock)
+    unlimited = lock in (resource.RLIM_INFINITY, -1) or os.geteuid() == 0
+    pinnable = memory if unlimited else min(memory, lock)
     host = HostProfile(
         f"this machine ({platform.node()}, {threads} threads), measured", dram, rates, memory, pinnable,
         source="bench/host_profile.py: torch copy_ and optimizer steps, wall-clock medians",

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
-from ..capture import Trace
+import torch
+
+from ..capture import Trace, capture
 from ..devices import DeviceProfile, HostProfile, host_step_bytes
 from ..joint.search import BASELINES, Evaluator, Outcome, search
 from ..schedule.budget import InfeasibleBudget
@@ -43,9 +45,9 @@ from ..schedule.model_state_sim import ModelStatePrices, ModelStateSim, simulate
 from ..schedule.scheduler import Schedule
 from ..schedule.sequence import Sequence
 from ..schedule.simulator import choose_window
-from ..schedule.weights import BucketUses, Weighted, with_weights
+from ..schedule.weights import BucketUses, Weighted, reserve, with_weights
 from .from_trace import sequence_from_trace
-from .model_state import Layout, StateFormat, layout_from_trace
+from .model_state import Layout, StateFormat, layout_from_trace, stateless_optimizer
 from .offload_report import OffloadForecast, OffloadResult
 from .ops_from_trace import table_from_trace
 from .pricing import event_seconds
@@ -109,25 +111,40 @@ def prices_for(buckets: Seq[Bucket], fmt: StateFormat, dev: DeviceProfile, host:
 
 class _Activations:
     """Activation plans by device room reserved for model state: the joint search on the sequence with that
-    many bytes added to every step (cached)."""
+    many bytes added to every step (cached), and of the plans it judged, the fastest whose swapped activations
+    the host has room for (the search itself does not count host memory)."""
 
     def __init__(self, seq: Sequence, table, budget: int, dev: DeviceProfile, strategy: str, evaluations: int) -> None:
         self.seq, self.table, self.budget, self.dev = seq, table, budget, dev
         self.strategy, self.evaluations = strategy, evaluations
-        self.plans: dict[int, Optional[Outcome]] = {}
+        self.plans: dict[int, list[Outcome]] = {}
 
     def grid(self, room: int) -> int:
         """``room`` rounded up to the grid (more room kept for model state: never less safe)."""
         q = max(1, self.budget // ROOM_GRID)
         return -(-room // q) * q
 
-    def at(self, room: int) -> Optional[Outcome]:
+    def at(self, room: int, host_room: Optional[int] = None) -> Optional[Outcome]:
+        """The fastest activation plan with ``room`` kept for model state whose swapped activations take at most
+        ``host_room`` host bytes (None: any)."""
         if room not in self.plans:
             reserved = replace(self.seq, nonswap=[x + room for x in self.seq.nonswap])
             ev = Evaluator(reserved, self.table, self.budget, self.dev.h2d_bandwidth, self.dev.d2h_bandwidth)
-            best = search(ev, self.evaluations).best if self.strategy == "auto" else BASELINES[self.strategy](ev)
-            self.plans[room] = best if best.feasible else None
-        return self.plans[room]
+            if self.strategy == "auto":
+                found = search(ev, self.evaluations)
+                judged = [found.best, *found.baselines.values()]
+            else:
+                judged = [BASELINES[self.strategy](ev)]
+            self.plans[room] = sorted((o for o in judged if o.feasible), key=lambda o: o.step_time)
+        fits = [o for o in self.plans[room] if host_room is None or swapped_bytes(o) <= host_room]
+        return fits[0] if fits else None
+
+
+def swapped_bytes(o: Outcome) -> int:
+    """Host bytes of the activations an activation plan swaps out (each once)."""
+    if o.schedule is None or o.sequence is None:
+        return 0
+    return sum(o.sequence.sizes[v] for v in {v for step in o.schedule.swap_out for v in step})
 
 
 @dataclass
@@ -136,8 +153,10 @@ class _Prepared:
 
     weighted: Weighted
     schedule: Schedule
+    activations: Outcome  # the activation plan it is placed on
     uses: list[BucketUses]  # the buckets' reads, as steps of the sequence the activation plan was made from
     pool: int  # host bytes of swapped activations
+    room: int  # device bytes kept for model state while the activations were planned
 
     def simulate(self, buckets: list[Bucket], plan: ModelStatePlan, prices: ModelStatePrices, timing: str,
                  in_flight: int) -> ModelStateSim:  # fmt: skip
@@ -146,34 +165,37 @@ class _Prepared:
 
 
 def _prepare(acts: _Activations, room: int, buckets: list[Bucket], uses: list[BucketUses], plan: ModelStatePlan,
-             fmt: StateFormat, prices: ModelStatePrices, in_flight: int) -> Union[_Prepared, str]:  # fmt: skip
-    """``plan`` on the activation plan for ``room``, scheduled (window policy, window chosen by simulation)
-    under the budget; or why it does not fit."""
-    act = acts.at(room)
-    if act is None:
-        return f"no activation plan fits with {room / 2**30:.1f} GiB kept for model state"
-    seq = replace(act.sequence, nonswap=[max(0, x - room) for x in act.sequence.nonswap])
-    holds = act.model.holds if act.model is not None and act.model.holds else None
+             fmt: StateFormat, prices: ModelStatePrices, in_flight: int,
+             host_room: Optional[int] = None) -> Union[_Prepared, str]:  # fmt: skip
+    """``plan`` on the activation plan for ``room`` (whose swapped activations fit ``host_room``), scheduled
+    (window policy, window chosen by simulation) under the budget; or why it does not fit."""
     fetch = [b.master_bytes if fmt.cast == "device" else b.weight_bytes for b in buckets]
+    room = acts.grid(max(room, reserve(buckets, uses, plan, in_flight, fetch)))
+    act = acts.at(room, host_room)
+    if act is None:
+        where = "" if host_room is None else f" and {host_room / 1e9:.0f} GB of host memory left for activations"
+        return f"no activation plan fits with {room / 2**30:.1f} GiB kept for model state{where}"
+    holds = act.model.holds if act.model is not None and act.model.holds else None
+    seq = replace(act.sequence, nonswap=[max(0, x - room) for x in act.sequence.nonswap])
     w = with_weights(seq, buckets, uses, plan, in_flight, fetch, holds, acts.seq.compute)
     try:
         _window, schedule, _ = choose_window(w.seq, acts.budget, prices.h2d_bandwidth, prices.d2h_bandwidth)
     except InfeasibleBudget as e:
         return str(e).split(". ")[0]
     pool = sum(w.seq.sizes[v] for v in {v for step in schedule.swap_out for v in step} if not w.seq.clean[v])
-    return _Prepared(w, schedule, list(uses), pool)
+    return _Prepared(w, schedule, act, list(uses), pool, room)
 
 
-def _result(name: str, prep: Union[_Prepared, str], plan: ModelStatePlan, act: str, room: int, tokens: int,
+def _result(name: str, prep: Union[_Prepared, str], plan: ModelStatePlan, room: int, tokens: int,
             host: HostProfile, *, prices: ModelStatePrices, buckets: list[Bucket], timing: str,
             in_flight: int) -> OffloadResult:  # fmt: skip
     """Schedule ``name``'s result: ``plan`` simulated on ``prep`` (or why it does not fit)."""
     s = SCHEDULES[name]
-    r = OffloadResult(name, s.label, False, "", plan=plan, activations=act, room=room, clipping=s.clipping,
-                      timing=timing)  # fmt: skip
+    r = OffloadResult(name, s.label, False, "", plan=plan, room=room, clipping=s.clipping, timing=timing)
     if isinstance(prep, str):
         r.why = prep
         return r
+    r.activations, r.room = _describe(prep.activations), prep.room
     sim = prep.simulate(buckets, plan, prices, timing, in_flight)
     r.fits, r.sim, r.step_time, r.tokens_per_s = True, sim, sim.step_time, tokens / sim.step_time
     r.device_peak, r.host_bytes, r.pinned_bytes = prep.schedule.peak, plan.host_bytes + prep.pool, plan.pinned_bytes
@@ -225,9 +247,10 @@ def forecast_offload(
         else:
             plan = _with_bytes(buckets, ModelStatePlan.uniform(len(buckets), SCHEDULES[s].placement), in_flight)
             room = acts.grid(plan.device_bytes)
-            prep = _prepare(acts, room, buckets, layout.uses, plan, sf, prices, in_flight)
-            out.results[s] = _result(s, prep, plan, _describe(acts.plans.get(room)), room, tokens, host, prices=prices,
-                                     buckets=buckets, timing=SCHEDULES[s].timing, in_flight=in_flight)  # fmt: skip
+            spare = host.memory - plan.host_bytes
+            prep = _prepare(acts, room, buckets, layout.uses, plan, sf, prices, in_flight, spare)
+            out.results[s] = _result(s, prep, plan, room, tokens, host, prices=prices, buckets=buckets,
+                                     timing=SCHEDULES[s].timing, in_flight=in_flight)  # fmt: skip
         r = out.results[s]
         say(f"{s}: " + (f"{r.tokens_per_s:.0f} tokens/s" if r.fits and r.tokens_per_s else f"does not fit ({r.why})"))
     return out
@@ -249,14 +272,13 @@ def _ours(acts: _Activations, buckets: list[Bucket], uses: list[BucketUses], fmt
             except ModelStateDoesNotFit as e:
                 why = str(e)
                 continue
-            prep = _prepare(acts, room, buckets, uses, plan, fmt, prices, in_flight)
+            prep = _prepare(acts, room, buckets, uses, plan, fmt, prices, in_flight, host.memory - plan.host_bytes)
             kw = dict(prices=prices, buckets=buckets, in_flight=in_flight)
-            r = _result("ours", prep, plan, _describe(acts.plans.get(room)), room, tokens, host, timing="before_use",
-                        **kw)  # fmt: skip
+            r = _result("ours", prep, plan, room, tokens, host, timing="before_use", **kw)
             if r.fits and isinstance(prep, _Prepared):
                 spec = _speculation(buckets, plan, host.memory - r.host_bytes, in_flight)
                 if spec is not None:
-                    trial = _result("ours", prep, spec, r.activations, room, tokens, host, timing="speculative", **kw)
+                    trial = _result("ours", prep, spec, room, tokens, host, timing="speculative", **kw)
                     r = trial if trial.fits and trial.step_time < r.step_time else r
             if r.fits and (best is None or not best.fits or r.step_time < best.step_time):
                 best = r
@@ -309,3 +331,42 @@ def rebucket(layout: Layout, fmt: StateFormat) -> list[Bucket]:
         out.append(replace(b, weight_bytes=p.weight_bytes, master_bytes=p.master_bytes, grad_bytes=p.grad_bytes,
                            state_bytes=p.state_bytes))  # fmt: skip
     return out
+
+
+OptimizerFn = Callable[[Any], torch.optim.Optimizer]
+
+
+def state_format(optimizer: Optional[OptimizerFn], dtype: Optional[torch.dtype]) -> StateFormat:
+    """The format the user trains in: the optimizer's kind (its class: AdamW, Adam, SGD with or without
+    momentum; default AdamW) and, with bf16/fp16 weights, fp32 master and state (mixed precision), else the
+    weights' dtype throughout."""
+    kind = "adamw"
+    if optimizer is not None:
+        opt = optimizer([torch.nn.Parameter(torch.empty(1, device="meta"))])
+        name = type(opt).__name__.lower()
+        momentum = opt.param_groups[0].get("momentum", 0)
+        kind = {"adamw": "adamw", "adam": "adam", "sgd": "sgd" if momentum else "sgd_plain"}.get(name, "adamw")
+    low = dtype in (torch.bfloat16, torch.float16)
+    weight = 2 if low else 4 if dtype in (None, torch.float32) else torch.empty(0, dtype=dtype).element_size()
+    return StateFormat(kind, weight, 4 if low else weight, weight, 4 if low else weight)
+
+
+def forecast_model(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], Any], loss_fn: Any, *,
+                   batch: int, budget: int, dev: DeviceProfile, host: HostProfile, mode: str,
+                   optimizer: Optional[OptimizerFn] = None,
+                   dtype: Optional[torch.dtype] = None, min_bytes: int = 1 << 20, target: str = "cuda",
+                   name: str = "model", say: Callable[[str], None] = lambda _m: None) -> OffloadForecast:  # fmt: skip
+    """``swap.plan(model_state=...)``: one training step at ``batch`` captured with a stateless optimizer
+    (Note [Model state from a trace]) and every offload schedule forecast on it, in the format the user's
+    optimizer and dtype say (``state_format``). Tokens are the batch's elements of its first input."""
+    trace = capture(model_fn, batch_fn, batch, loss_fn, optimizer=stateless_optimizer, dtype=dtype, target=target,
+                    name=name)  # fmt: skip
+    say(f"model state: captured batch {batch} ({len(trace)} events)")
+    first = batch_fn(batch)
+    if isinstance(first, dict):
+        first = next(iter(first.values()))
+    elif isinstance(first, (tuple, list)):
+        first = first[0]
+    tokens = int(first.numel()) if isinstance(first, torch.Tensor) and not first.is_floating_point() else batch
+    return forecast_offload(trace, model_fn, batch=batch, tokens=tokens, budget=budget, dev=dev, host=host,
+                            fmt=state_format(optimizer, dtype), mode=mode, min_bytes=min_bytes, name=name, say=say)

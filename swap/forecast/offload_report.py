@@ -103,9 +103,12 @@ class OffloadForecast:
         return b / r.step_time if b and r is not None and r.step_time else None
 
     def ratio(self, name: str, other: str) -> Optional[float]:
+        """Tokens/s of ``name`` over ``other``'s; infinite where only ``name`` fits, None where it does not."""
         a, b = self.results.get(name), self.results.get(other)
-        if a is None or b is None or not a.fits or not b.fits or not a.tokens_per_s or not b.tokens_per_s:
+        if a is None or not a.fits or not a.tokens_per_s:
             return None
+        if b is None or not b.fits or not b.tokens_per_s:
+            return float("inf")
         return a.tokens_per_s / b.tokens_per_s
 
     def table(self) -> str:

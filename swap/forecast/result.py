@@ -8,6 +8,7 @@ from typing import Any, Optional, Union
 
 from ..devices import DeviceProfile
 from ..units import fmt_size as fmt_bytes  # one byte formatter for the tables
+from .offload_report import OffloadForecast
 from .strategies import StrategyResult
 from .strategy_report import plot as plot_strategies
 from .strategy_report import pyplot
@@ -52,6 +53,8 @@ class Plan:
             largest batch, and per batch compared its samples/s, planned peak, bytes recomputed and copied
             (Note [Strategies from one capture]).
         batch: the batch the strategies were also compared at (``swap.plan(batch=...)``), if any.
+        model_state: with ``swap.plan(model_state=..., host=...)``, the offload schedules at ``batch``
+            (``swap.forecast.offload_report.OffloadForecast``: tokens/s, placements, host bytes, what binds).
     """
 
     model: str
@@ -69,6 +72,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     strategies: dict[str, StrategyResult] = field(default_factory=dict)
     batch: Optional[int] = None
+    model_state: Optional[OffloadForecast] = None
 
     def __post_init__(self) -> None:
         self.max_batch = {p: r.max_batch for p, r in self.policies.items()}
@@ -99,14 +103,21 @@ class Plan:
         lines += [f"note: {n}" for n in self.notes]
         if self.strategies:
             lines += ["", strategy_table(self.strategies, self.batch)]
+        if self.model_state is not None:
+            lines += ["", "model state under the budget:", self.model_state.table()]
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        ms, self.model_state = self.model_state, None  # its simulations are not plain data: its own to_dict
+        try:
+            d = asdict(self)
+        finally:
+            self.model_state = ms
         d["device"] = asdict(self.device)
+        d["model_state"] = ms.to_dict() if ms is not None else None
         return d
 
     def plot(self, path: Union[str, Path]) -> Path:

@@ -14,7 +14,7 @@ Defined in the project (torchvision's compiled ops do not load with the CPU torc
 Each builder takes small sizes for CPU tests and full sizes for the benchmarks; ``example_batch(model, ...)``
 returns matching inputs and targets. ``ZOO`` names the full-size workloads: how to build each, its batches
 and its optimizer (SGD with momentum, as the window-scheduling paper trains), for ``swap.capture.capture`` and
-``swap.plan``.
+``swap.plan`` (the Llama shapes: AdamW, as fine-tunes train them).
 """
 
 from __future__ import annotations
@@ -393,6 +393,7 @@ class Workload:
     kind: str  # "classify", "segment", "language" or "causal_lm" (a dict: the model returns its loss)
     classes: int  # classes, or vocabulary
     dtype: Optional[torch.dtype] = None
+    optim: str = "sgd"  # "sgd": with momentum, as the window-scheduling paper trains; "adamw": a fine-tune
 
     def model_fn(self) -> Callable[[], nn.Module]:
         return self.build
@@ -415,8 +416,9 @@ class Workload:
 
         return batch_fn
 
-    @staticmethod
-    def optimizer(params: Any) -> torch.optim.Optimizer:
+    def optimizer(self, params: Any) -> torch.optim.Optimizer:
+        if self.optim == "adamw":
+            return torch.optim.AdamW(params, lr=1e-5)
         return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
@@ -430,7 +432,7 @@ ZOO = {
         Workload("gpt2", gpt2, 1024, "language", 50257),
         Workload("gpt2-bf16", gpt2, 1024, "language", 50257, torch.bfloat16),
         Workload("gpt2-medium-bf16", gpt2_medium, 1024, "language", 50257, torch.bfloat16),
-        Workload("llama3-8b-bf16", llama3_8b, 1024, "causal_lm", 128256, torch.bfloat16),
-        Workload("llama3-70b-bf16", llama3_70b, 1024, "causal_lm", 128256, torch.bfloat16),
+        Workload("llama3-8b-bf16", llama3_8b, 1024, "causal_lm", 128256, torch.bfloat16, "adamw"),
+        Workload("llama3-70b-bf16", llama3_70b, 1024, "causal_lm", 128256, torch.bfloat16, "adamw"),
     )
 }

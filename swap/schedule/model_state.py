@@ -176,8 +176,9 @@ def pack_buckets(params: Sequence[ParamInfo], bucket_bytes: int = 32 << 20) -> l
 
     def close() -> None:
         if group:
+            roles = ("weight_bytes", "master_bytes", "grad_bytes", "state_bytes")
             buckets.append(Bucket(len(buckets), tuple(p.name for p in group), sum(p.numel for p in group),
-                                  *(sum(getattr(p, f) for p in group) for f in ParamInfo._fields[2:])))  # fmt: skip
+                                  *(sum(getattr(p, f) for p in group) for f in roles)))  # fmt: skip
             group.clear()
 
     for p in params:

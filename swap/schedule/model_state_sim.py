@@ -142,12 +142,12 @@ class _Run:
         self.t = 0.0
         n = len(w.seq)
         self.bucket_of = {v: k for k, v in w.var_of.items()}
-        self.final_at: dict[int, list[int]] = defaultdict(list)  # step -> offloaded buckets whose grad is final
+        self.final_at: dict[int, list[int]] = defaultdict(list)  # step named by the uses -> buckets made final
         self.gate_at: dict[int, list[int]] = defaultdict(list)  # step -> host masters first read there
         self.offloaded = [k for k, (u, p) in enumerate(zip(uses, plan.placements))
                           if p != Placement.RESIDENT and u.has_grad]  # fmt: skip
         for k in self.offloaded:
-            self.final_at[w.step_of(uses[k].grad_final)].append(k)
+            self.final_at[uses[k].grad_final].append(k)
             if plan.placements[k] == Placement.HOST_MASTER and uses[k].forward:
                 self.gate_at[w.step_of(min(uses[k].forward))].append(k)
         steps = prices.device_step_seconds or (0.0,) * len(buckets)
@@ -251,17 +251,19 @@ class _Run:
                     d2h_done[u] = self.copy(self.d2h, self.t, seq.sizes[u], False, f"v{u}")
                     self.d2h_bytes += seq.sizes[u]
                     self.kinds["activations"][1] += seq.sizes[u]
-            self.busy(seq.compute[i], f"step {i}")
-            for k in self.final_at.get(i, ()):
-                grad_done[k] = self.copy(self.d2h, self.t, b[k].grad_bytes, False, f"g{k}")
-                self.d2h_bytes += b[k].grad_bytes
-                self.kinds["gradients"][1] += b[k].grad_bytes
-                outstanding.append(k)
-                if k in staged:
-                    new_done[k] = self.host_step(k, grad_done[k])
-                    self.speculated += 1
-            while len(outstanding) > self.in_flight:
-                self.wait(grad_done[outstanding.popleft()], "gradients")
+            runs = zip(self.w.runs[i], self.w.seconds[i]) if self.w.runs else [(i, seq.compute[i])]
+            for j, seconds in runs:  # the compute of each step the uses name, and the gradients it finishes
+                self.busy(seconds, f"step {i}")
+                for k in self.final_at.get(j, ()):
+                    grad_done[k] = self.copy(self.d2h, self.t, b[k].grad_bytes, False, f"g{k}")
+                    self.d2h_bytes += b[k].grad_bytes
+                    self.kinds["gradients"][1] += b[k].grad_bytes
+                    outstanding.append(k)
+                    if k in staged:
+                        new_done[k] = self.host_step(k, grad_done[k])
+                        self.speculated += 1
+                while len(outstanding) > self.in_flight:
+                    self.wait(grad_done[outstanding.popleft()], "gradients")
         self.busy(self.device_step, "device step")
         confirm = self.t  # opt.step()
         for k in self.offloaded:  # forward order: what the next forward reads first is stepped first

@@ -21,7 +21,7 @@ swap/schedule/model_state_sim.py).
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from .model_state import Bucket, ModelStatePlan, Placement, device_bytes_of
@@ -61,12 +61,16 @@ class Weighted:
             of ``seq`` that runs its compute.
         var_of: bucket index -> its clean variable in ``seq`` (streamed buckets only).
         model_bytes: per step of ``seq``, the model-state bytes added to ``nonswap``.
+        runs: per step of ``seq``, the steps the uses name whose compute it runs, in order (-1: none named);
+            ``seconds``: how much of its compute each takes.
     """
 
     seq: Sequence
     holds: list[int]
     var_of: dict[int, int]
     model_bytes: list[int]
+    runs: list[list[int]] = field(default_factory=list)
+    seconds: list[list[float]] = field(default_factory=list)
 
     def step_of(self, step: int) -> int:
         """The step of ``seq`` that runs the compute of step ``step`` (as the uses name steps)."""
@@ -105,6 +109,25 @@ def model_state_bytes(n: int, buckets: Seq[Bucket], uses: Seq[BucketUses], plan:
     return out
 
 
+def reserve(buckets: Seq[Bucket], uses: Seq[BucketUses], plan: ModelStatePlan, in_flight: int = 2,
+            fetch_bytes: Optional[Seq[int]] = None) -> int:  # fmt: skip
+    """The device bytes to keep beside the activations at every step so that ``with_weights``' sequence fits
+    wherever the activations alone did: the most, over the steps the uses name, of the model-state bytes no
+    schedule moves (``model_state_bytes``) and the streamed buckets read in that step's compute, with
+    ``in_flight - 1`` of the largest streamed bucket arriving for the next."""
+    n = max((max(u.forward + u.backward, default=-1) for u in uses), default=-1) + 1
+    fixed = model_state_bytes(n, buckets, uses, plan, in_flight)
+    read = [0] * n
+    largest = 0
+    for k, (u, p) in enumerate(zip(uses, plan.placements)):
+        if p == Placement.STREAMED:
+            size = fetch_bytes[k] if fetch_bytes is not None else buckets[k].weight_bytes
+            largest = max(largest, size)
+            for s in set(u.forward) | set(u.backward):
+                read[s] += size
+    return max((f + r for f, r in zip(fixed, read)), default=0) + (in_flight - 1) * largest
+
+
 def with_weights(seq: Sequence, buckets: Seq[Bucket], uses: Seq[BucketUses], plan: ModelStatePlan,
                  in_flight: int = 2, fetch_bytes: Optional[Seq[int]] = None, holds: Optional[Seq[int]] = None,
                  compute: Optional[Seq[float]] = None) -> Weighted:  # fmt: skip
@@ -115,8 +138,9 @@ def with_weights(seq: Sequence, buckets: Seq[Bucket], uses: Seq[BucketUses], pla
     ``uses`` may name the steps of the sequence ``seq`` was made from by a recompute plan (``holds``: each of
     those steps' step in ``seq``, as ``RegionModel.holds`` gives it; ``compute``: their seconds). Where several
     of them run in one step of ``seq`` (the forward of a checkpointed block), that step's compute is split
-    between them in proportion to their seconds, and each one's streamed buckets are a group of their own in
-    its part, so a block's weights are still read one operator after another, not all at once."""
+    between them in proportion to their seconds (``Weighted.runs``), each one's streamed buckets are a group
+    of their own in its part, and each part holds the model-state bytes of the steps it runs: a block's
+    weights are still read, and its gradients made and copied out, one operator after another."""
     if not (len(buckets) == len(uses) == len(plan.placements)):
         raise ValueError(f"{len(buckets)} buckets, {len(uses)} uses and {len(plan.placements)} placements: give "
                          "one of each per bucket")  # fmt: skip
@@ -128,9 +152,8 @@ def with_weights(seq: Sequence, buckets: Seq[Bucket], uses: Seq[BucketUses], pla
     for b, u in zip(buckets, uses):
         if any(not 0 <= s < len(holds) for s in u.forward + u.backward):
             raise ValueError(f"bucket {b.index} is read at a step outside the {len(holds)} steps")
-    mapped = [BucketUses(tuple(holds[s] for s in u.forward), tuple(holds[s] for s in u.backward)) for u in uses]
-    extra = model_state_bytes(n, buckets, mapped, plan, in_flight)
-    at: list[list[int]] = [[] for _ in holds]  # original step -> streamed buckets read in its compute
+    extra = model_state_bytes(len(holds), buckets, uses, plan, in_flight)  # per step the uses name
+    at: list[list[int]] = [[] for _ in holds]  # such a step -> streamed buckets read in its compute
     var_of: dict[int, int] = {}
     for k, (u, p) in enumerate(zip(uses, plan.placements)):
         steps = sorted(set(u.forward) | set(u.backward))
@@ -139,38 +162,44 @@ def with_weights(seq: Sequence, buckets: Seq[Bucket], uses: Seq[BucketUses], pla
         var_of[k] = len(seq.sizes) + len(var_of)
         for s in steps:
             at[s].append(k)
-    parts: list[list[int]] = [[] for _ in range(n)]  # step of seq -> the original steps it runs
+    parts: list[list[int]] = [[] for _ in range(n)]  # step of seq -> the steps it runs
     for j, h in enumerate(holds):
         parts[h].append(j)
-    rows: list[list] = []  # per new step: [var, kind, compute, step of seq, group end (local, None: own)]
+    # per new step: var, kind, step of seq, group end (None: the step's own), model-state bytes, runs
+    rows: list[list] = []
     first, last = [0] * (n + 1), [0] * n
-    piece = [0] * len(holds)  # original step -> the new step running its compute
+    piece = [0] * len(holds)  # step the uses name -> the new step running its compute
     for h in range(n):
         first[h] = len(rows)
-        rows.append([seq.var[h], seq.kind[h], 0.0, h, None])
+        opening = extra[parts[h][0]] if parts[h] else 0
+        rows.append([seq.var[h], seq.kind[h], h, None, opening, []])
         total = sum(before[j] for j in parts[h])
         for j in parts[h]:
             if at[j]:
                 start = len(rows)
-                rows += [[var_of[k], USE, 0.0, h, start + len(at[j]) - 1] for k in at[j]]
-            rows[-1][2] += seq.compute[h] * before[j] / total if total > 0 else 0.0
+                rows += [[var_of[k], USE, h, start + len(at[j]) - 1, extra[j], []] for k in at[j]]
+            share = seq.compute[h] * before[j] / total if total > 0 else 0.0
+            rows[-1][5].append((j, share))
+            rows[-1][4] = max(rows[-1][4], extra[j])
             piece[j] = len(rows) - 1
         if total <= 0:
-            rows[-1][2] += seq.compute[h]
+            rows[-1][5].append((parts[h][-1] if parts[h] else -1, seq.compute[h]))
         last[h] = len(rows) - 1
     first[n] = m = len(rows)
-    node_last = [last[seq.node_last[h]] if end is None else end for _v, _k, _c, h, end in rows]
+    node_last = [last[seq.node_last[r[2]]] if r[3] is None else r[3] for r in rows]
     added = list(var_of)
     sizes = list(seq.sizes) + [fetch_bytes[k] if fetch_bytes is not None else buckets[k].weight_bytes for k in added]
     modules = (list(seq.modules) if seq.modules else [""] * len(seq.sizes)) + [
         buckets[k].params[0].rsplit(".", 1)[0] if buckets[k].params else "" for k in added
     ]
     out = replace(
-        seq, var=[r[0] for r in rows], kind=[r[1] for r in rows], sizes=sizes, compute=[r[2] for r in rows],
-        nonswap=[seq.nonswap[r[3]] + extra[r[3]] for r in rows], transient=[seq.transient[r[3]] for r in rows],
-        kept=[seq.kept[r[3]] for r in rows], node_last=node_last, swappable=list(seq.swappable) + [True] * len(added),
+        seq, var=[r[0] for r in rows], kind=[r[1] for r in rows], sizes=sizes,
+        compute=[sum(sec for _j, sec in r[5]) for r in rows], nonswap=[seq.nonswap[r[2]] + r[4] for r in rows],
+        transient=[seq.transient[r[2]] for r in rows], kept=[seq.kept[r[2]] for r in rows], node_last=node_last,
+        swappable=list(seq.swappable) + [True] * len(added),
         held_until=[first[h] if h else 0 for h in seq.held_until] + [0] * len(added),
         freed=([first[f] for f in seq.freed] + [m] * len(added)) if seq.freed else [],
         modules=modules, clean=list(seq.clean) + [True] * len(added),
     )  # fmt: skip
-    return Weighted(out, piece, var_of, [extra[r[3]] for r in rows])
+    return Weighted(out, piece, var_of, [r[4] for r in rows], [[j for j, _s in r[5]] for r in rows],
+                    [[sec for _j, sec in r[5]] for r in rows])  # fmt: skip
