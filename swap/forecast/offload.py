@@ -40,20 +40,25 @@ from ..capture import Trace, capture
 from ..devices import DeviceProfile, HostProfile, host_step_bytes
 from ..joint.search import BASELINES, Evaluator, Outcome, search
 from ..schedule.budget import InfeasibleBudget
-from ..schedule.model_state import Bucket, ModelStateDoesNotFit, ModelStatePlan, Placement, plan_bytes, plan_model_state
-from ..schedule.model_state_sim import ModelStatePrices, ModelStateSim, simulate_model_state
-from ..schedule.scheduler import Schedule
+from ..schedule.model_state import Bucket, ModelStateDoesNotFit, ModelStatePlan, Placement, plan_model_state
+from ..schedule.model_state_choice import (
+    RESIDENT_SHARES,
+    ROOM_SHARES,
+    Placed,
+    fastest_timing,
+    place,
+    simulate_placed,
+    with_bytes,
+)
+from ..schedule.model_state_sim import ModelStatePrices
 from ..schedule.sequence import Sequence
-from ..schedule.simulator import choose_window
-from ..schedule.weights import BucketUses, Weighted, reserve, with_weights
+from ..schedule.weights import BucketUses, reserve
 from .from_trace import sequence_from_trace
 from .model_state import Layout, StateFormat, layout_from_trace, stateless_optimizer
 from .offload_report import OffloadForecast, OffloadResult
 from .ops_from_trace import table_from_trace
 from .pricing import event_seconds
 
-ROOM_SHARES = (0.15, 0.3, 0.45, 0.6)  # of the budget: device room tried for model state (ours)
-RESIDENT_SHARES = (0.0, 0.5, 1.0)  # of that room: the most resident buckets may take
 AUTO_EVALUATIONS = 60  # plans the joint search judges per activation plan
 ROOM_GRID = 64  # rooms are rounded up to a 64th of the budget, so schedules share activation plans
 
@@ -151,24 +156,16 @@ def swapped_bytes(o: Outcome) -> int:
 class _Prepared:
     """A model-state plan placed on an activation plan, scheduled under the budget (``_prepare``)."""
 
-    weighted: Weighted
-    schedule: Schedule
+    placed: Placed
     activations: Outcome  # the activation plan it is placed on
-    uses: list[BucketUses]  # the buckets' reads, as steps of the sequence the activation plan was made from
-    pool: int  # host bytes of swapped activations
     room: int  # device bytes kept for model state while the activations were planned
-
-    def simulate(self, buckets: list[Bucket], plan: ModelStatePlan, prices: ModelStatePrices, timing: str,
-                 in_flight: int) -> ModelStateSim:  # fmt: skip
-        return simulate_model_state(self.weighted, self.schedule, buckets, self.uses, plan, prices, timing=timing,
-                                    in_flight=in_flight)  # fmt: skip
 
 
 def _prepare(acts: _Activations, room: int, buckets: list[Bucket], uses: list[BucketUses], plan: ModelStatePlan,
              fmt: StateFormat, prices: ModelStatePrices, in_flight: int,
              host_room: Optional[int] = None) -> Union[_Prepared, str]:  # fmt: skip
     """``plan`` on the activation plan for ``room`` (whose swapped activations fit ``host_room``), scheduled
-    (window policy, window chosen by simulation) under the budget; or why it does not fit."""
+    under the budget (``place``); or why it does not fit."""
     fetch = [b.master_bytes if fmt.cast == "device" else b.weight_bytes for b in buckets]
     room = acts.grid(max(room, reserve(buckets, uses, plan, in_flight, fetch)))
     act = acts.at(room, host_room)
@@ -177,18 +174,17 @@ def _prepare(acts: _Activations, room: int, buckets: list[Bucket], uses: list[Bu
         return f"no activation plan fits with {room / 2**30:.1f} GiB kept for model state{where}"
     holds = act.model.holds if act.model is not None and act.model.holds else None
     seq = replace(act.sequence, nonswap=[max(0, x - room) for x in act.sequence.nonswap])
-    w = with_weights(seq, buckets, uses, plan, in_flight, fetch, holds, acts.seq.compute)
     try:
-        _window, schedule, _ = choose_window(w.seq, acts.budget, prices.h2d_bandwidth, prices.d2h_bandwidth)
+        placed = place(seq, buckets, uses, plan, acts.budget, prices, in_flight=in_flight, fetch_bytes=fetch,
+                       holds=holds, compute=acts.seq.compute)  # fmt: skip
     except InfeasibleBudget as e:
         return str(e).split(". ")[0]
-    pool = sum(w.seq.sizes[v] for v in {v for step in schedule.swap_out for v in step} if not w.seq.clean[v])
-    return _Prepared(w, schedule, act, list(uses), pool, room)
+    return _Prepared(placed, act, room)
 
 
 def _result(name: str, prep: Union[_Prepared, str], plan: ModelStatePlan, room: int, tokens: int,
-            host: HostProfile, *, prices: ModelStatePrices, buckets: list[Bucket], timing: str,
-            in_flight: int) -> OffloadResult:  # fmt: skip
+            host: HostProfile, *, prices: ModelStatePrices, buckets: list[Bucket], uses: list[BucketUses],
+            timing: str, in_flight: int) -> OffloadResult:  # fmt: skip
     """Schedule ``name``'s result: ``plan`` simulated on ``prep`` (or why it does not fit)."""
     s = SCHEDULES[name]
     r = OffloadResult(name, s.label, False, "", plan=plan, room=room, clipping=s.clipping, timing=timing)
@@ -196,9 +192,14 @@ def _result(name: str, prep: Union[_Prepared, str], plan: ModelStatePlan, room: 
         r.why = prep
         return r
     r.activations, r.room = _describe(prep.activations), prep.room
-    sim = prep.simulate(buckets, plan, prices, timing, in_flight)
+    if timing == "fastest":  # ours: before use, or speculative where the host holds the staging (and it is faster)
+        plan, timing, sim = fastest_timing(prep.placed, buckets, uses, plan, prices, host.memory, in_flight)
+        r.plan, r.timing = plan, timing
+    else:
+        sim = simulate_placed(prep.placed, buckets, uses, plan, prices, timing, in_flight)
     r.fits, r.sim, r.step_time, r.tokens_per_s = True, sim, sim.step_time, tokens / sim.step_time
-    r.device_peak, r.host_bytes, r.pinned_bytes = prep.schedule.peak, plan.host_bytes + prep.pool, plan.pinned_bytes
+    r.device_peak, r.pinned_bytes = prep.placed.schedule.peak, plan.pinned_bytes
+    r.host_bytes = plan.host_bytes + prep.placed.pool
     if r.host_bytes > host.memory:
         r.fits = False
         r.why = f"needs {r.host_bytes / 1e9:.0f} GB of host memory, the host has {host.memory / 1e9:.0f} GB"
@@ -245,12 +246,12 @@ def forecast_offload(
         if SCHEDULES[s].placement is None:
             out.results[s] = _ours(acts, buckets, layout.uses, sf, prices, host, mode, in_flight, tokens, say)
         else:
-            plan = _with_bytes(buckets, ModelStatePlan.uniform(len(buckets), SCHEDULES[s].placement), in_flight)
+            plan = with_bytes(buckets, ModelStatePlan.uniform(len(buckets), SCHEDULES[s].placement), in_flight)
             room = acts.grid(plan.device_bytes)
             spare = host.memory - plan.host_bytes
             prep = _prepare(acts, room, buckets, layout.uses, plan, sf, prices, in_flight, spare)
             out.results[s] = _result(s, prep, plan, room, tokens, host, prices=prices, buckets=buckets,
-                                     timing=SCHEDULES[s].timing, in_flight=in_flight)  # fmt: skip
+                                     uses=layout.uses, timing=SCHEDULES[s].timing, in_flight=in_flight)  # fmt: skip
         r = out.results[s]
         say(f"{s}: " + (f"{r.tokens_per_s:.0f} tokens/s" if r.fits and r.tokens_per_s else f"does not fit ({r.why})"))
     return out
@@ -273,13 +274,8 @@ def _ours(acts: _Activations, buckets: list[Bucket], uses: list[BucketUses], fmt
                 why = str(e)
                 continue
             prep = _prepare(acts, room, buckets, uses, plan, fmt, prices, in_flight, host.memory - plan.host_bytes)
-            kw = dict(prices=prices, buckets=buckets, in_flight=in_flight)
-            r = _result("ours", prep, plan, room, tokens, host, timing="before_use", **kw)
-            if r.fits and isinstance(prep, _Prepared):
-                spec = _speculation(buckets, plan, host.memory - r.host_bytes, in_flight)
-                if spec is not None:
-                    trial = _result("ours", prep, spec, room, tokens, host, timing="speculative", **kw)
-                    r = trial if trial.fits and trial.step_time < r.step_time else r
+            r = _result("ours", prep, plan, room, tokens, host, prices=prices, buckets=buckets, uses=uses,
+                        timing="fastest", in_flight=in_flight)  # fmt: skip
             if r.fits and (best is None or not best.fits or r.step_time < best.step_time):
                 best = r
             elif best is None:
@@ -291,29 +287,6 @@ def _ours(acts: _Activations, buckets: list[Bucket], uses: list[BucketUses], fmt
     if best.fits:
         say(f"ours: room {best.room / 2**30:.1f} GiB, placements resident/host-master/streamed {best.placements()}")
     return best
-
-
-def _speculation(buckets: list[Bucket], plan: ModelStatePlan, spare: int, in_flight: int) -> Optional[ModelStatePlan]:
-    """``plan`` with speculative host steps staged in ``spare`` host bytes less a 5% margin: as many offloaded
-    buckets as fit, in backward order (``ModelStatePlan.speculated``; Note [Model-state simulation]); None when
-    not one fits."""
-    room, slots = int(spare * 0.95), 0
-    for b, p in zip(reversed(buckets), reversed(plan.placements)):
-        if p == Placement.RESIDENT:
-            continue
-        if b.master_bytes + b.state_bytes > room:
-            break
-        room -= b.master_bytes + b.state_bytes
-        slots += 1
-    if slots < 1:
-        return None
-    return _with_bytes(buckets, replace(plan, speculate=True, staging_slots=slots, notes=list(plan.notes)), in_flight)
-
-
-def _with_bytes(buckets: list[Bucket], plan: ModelStatePlan, in_flight: int) -> ModelStatePlan:
-    plan.device_bytes, plan.host_bytes, plan.pinned_bytes = plan_bytes(buckets, plan.placements, in_flight,
-                                                                       plan.staging_slots if plan.speculate else 0)
-    return plan
 
 
 def _describe(o: Optional[Outcome]) -> str:

@@ -183,3 +183,24 @@ def test_the_weighted_schedule_never_plans_above_the_budget(n, room, share, budg
     check_schedule(w.seq, s)
     sim = simulate_model_state(w, s, buckets, uses, plan, prices(n))
     assert sim.step_time >= sim.lower_bound - 1e-9
+
+
+def test_choose_model_state_keeps_the_fastest_plan_that_fits():
+    from swap.schedule.model_state import ModelStateDoesNotFit
+    from swap.schedule.model_state_choice import choose_model_state
+
+    seq, buckets, uses = layers()
+    slow_host = prices(host=3.0)
+    roomy = choose_model_state(seq, buckets, uses, 10_000, slow_host)
+    assert set(roomy.plan.placements) == {R}  # room for everything: nothing leaves the device, no host steps
+    assert roomy.sim.host_seconds == 0 and roomy.placed.schedule.peak <= 10_000
+    tight = choose_model_state(seq, buckets, uses, 1010, slow_host)
+    offload = choose_model_state(seq, buckets, uses, 1010, slow_host, mode="offload")
+    assert tight.placed.schedule.peak <= 1010 and tight.sim.step_time <= offload.sim.step_time  # never slower
+    # a short forward cannot hide every host step after opt.step(), a long backward can hide most of them
+    seq.compute[:4] = [0.2] * 4
+    plain = choose_model_state(seq, buckets, uses, 1010, prices(host=0.8), mode="offload")
+    spec = choose_model_state(seq, buckets, uses, 1010, prices(host=0.8), mode="offload", host_memory=10**6)
+    assert spec.timing == "speculative" and spec.plan.speculate and spec.sim.step_time < plain.sim.step_time
+    with pytest.raises(ModelStateDoesNotFit, match="host"):
+        choose_model_state(seq, buckets, uses, 1010, slow_host, mode="offload", host_memory=100)
