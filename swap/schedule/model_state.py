@@ -252,6 +252,10 @@ def plan_model_state(
 
     Raises ``ModelStateDoesNotFit`` when even the plan that needs least of the device (or of the host)
     exceeds ``room`` (or ``host_memory``), naming the smallest that fits.
+
+    ``device_bytes`` counts by bucket sizes alone; where the buckets' reads are known, ``weights.reserve`` gives
+    the exact per-step figure (several gradients finished in one step, a module reading several buckets), and a
+    schedule of ``weights.with_weights``' sequence is what holds the budget (``model_state_choice``).
     """
     if mode not in MODES:
         raise ValueError(f"unknown model_state mode {mode!r}: choose one of {', '.join(MODES)}")
