@@ -53,6 +53,15 @@ DEEPSPEED_SOURCE = ("SlideFormer (arXiv 2603.16428), baseline CSV bench/DeepSpee
                     "ds_bench_1024_bf16_on_20260224_211132.csv: Llama-3.1-8B, seq 1024, bf16, Liger kernels, DeepSpeed "
                     "ZeRO-3 with CPU offload, 176 GB host")  # fmt: skip
 T0 = time.perf_counter()
+DEEPSPEED_EXPLAINED = (
+    "What each term of the simulated ZeRO-3-offload step depends on: the fixed part is the host step, which "
+    "the schedule runs after the backward (8.03 B parameters x 28 bytes of DRAM traffic at the desktop profile's "
+    "AdamW rate, 75% of two channels of DDR5-5600: 3.35 s) and what of the link does not hide; the part per "
+    "sequence is the compute on the rtx4090-24gb profile (165.2 TFLOP/s bf16 at the 0.74 efficiency calibrated "
+    "on V100) with the activation plan's recompute. Where the simulated figure is off the published one by more "
+    "than 25%, those are the profile figures to question; within 25%, the comparison says the baseline is priced "
+    "like the real system, so the ratios of ours to it mean what they say."
+)
 
 
 def log(msg: str) -> None:
@@ -83,18 +92,27 @@ def binding(f: OffloadForecast, name: str) -> str:
         return f"does not fit: {r.why}"
     s = r.sim
     stall, seconds = max(s.stalls.items(), key=lambda kv: kv[1], default=("none", 0.0))
-    what = {"fetch": f"weight/activation fetches (host-step-gated: {s.host_exposed:.2f} s)",
+    what = {"fetch": f"fetches waiting for host steps ({s.host_exposed:.2f} s) or the link",
             "host": "waiting for the host steps after the backward", "update": "host masters' update copies",
             "gradients": "gradient copies out", "release": "activation copies out"}.get(stall, stall)  # fmt: skip
     return (f"bound {s.bound} {s.lower_bound:.2f} s; step {s.step_time:.2f} s = compute {s.compute_time:.2f} s "
             f"+ stalls {s.stall_time:.2f} s, most on {what} ({seconds:.2f} s); host steps {s.host_seconds:.2f} s")
 
 
-def target(label: str, value: Optional[float], goal: float, unit: str, why: str) -> dict[str, Any]:
+def target(label: str, value: Optional[float], goal: float, unit: str, why: str, met_note: str = "") -> dict[str, Any]:
+    """A target's row: met, or by how much it was missed and ``why`` (what binds); ``met_note`` when met."""
     ok = value is not None and value >= goal
     miss = "" if ok else (f"missed by {(1 - value / goal) * 100:.1f}% ({value:.3g} vs {goal:.3g}{unit}); "
                           if value is not None else "no figure; ") + why  # fmt: skip
-    return {"target": label, "value": value, "goal": goal, "met": ok, "note": "" if ok else miss}
+    alone = value == float("inf")  # a ratio to a schedule that does not fit (strict JSON has no infinity)
+    return {"target": label, "value": None if alone else value, "only_ours": alone, "goal": goal, "met": ok,
+            "note": met_note if ok else miss}  # fmt: skip
+
+
+def only_ours(f: OffloadForecast, other: str) -> str:
+    """The note for a ratio met because ``other`` does not fit."""
+    r = f.results[other]
+    return "" if r.fits else f"{r.label} does not fit: {r.why}"
 
 
 def llama70_params(layers: int) -> tuple[int, int]:
@@ -139,11 +157,11 @@ def run(quick: bool) -> dict[str, Any]:
     t.append(target("8B on rtx4090-24gb + desktop-ddr5-2ch fits (ours, 8k tokens)",
                     1.0 if f8.results["ours"].fits else 0.0, 1.0, "", binding(f8, "ours")))  # fmt: skip
     t.append(target("ours / ZeRO-Offload tokens/s at 8k tokens >= 1.5", f8.ratio("ours", "zero_offload"), 1.5, "x",
-                    "ours: " + binding(f8, "ours")))  # fmt: skip
+                    "ours: " + binding(f8, "ours"), only_ours(f8, "zero_offload")))  # fmt: skip
     if not quick:
         f32 = cfg["8b-4090-32"]
         t.append(target("ours / ZeRO-Offload tokens/s at 32k tokens >= 1.0", f32.ratio("ours", "zero_offload"), 1.0,
-                        "x", "ours: " + binding(f32, "ours")))  # fmt: skip
+                        "x", "ours: " + binding(f32, "ours"), only_ours(f32, "zero_offload")))  # fmt: skip
         t.append(target("ours at 32k tokens >= 80% of its max(compute, link, host) bound", f32.share_of_bound("ours"),
                         0.8, "", binding(f32, "ours")))  # fmt: skip
         h = cfg["8b-h100-16"] = forecast("Llama-3-8B shape", llama3_8b, 32, 16, "h100-sxm", "server-ddr5-8ch", 80)
@@ -200,9 +218,11 @@ def markdown(out: dict[str, Any], seconds: float, quick: bool) -> str:
              f"- command: `{cmd}` ({seconds / 60:.0f} min); format: {out['format']}; sequences of {out['seq']} tokens",
              "- every figure is simulated on device and host profiles with sources (swap/devices.py); activations "
              "planned by the joint search; nothing is fitted to the targets", "", "## Targets", "",
-             "| target | value | goal | met | binding term where missed |", "|---|---|---|---|---|"]  # fmt: skip
+             "| target | value | goal | met | what binds where missed (or why met) |",
+             "|---|---|---|---|---|"]  # fmt: skip
     for t in out["targets"]:
         v = "-" if t["value"] is None else f"{t['value']:.3g}"
+        v = "only ours fits" if t.get("only_ours") else v
         lines.append(f"| {t['target']} | {v} | {t['goal']:g} | {'yes' if t['met'] else 'no'} | {t['note']} |")
     for key, f in out["configs"].items():
         lines += ["", f"## {key}", "", "```", f.table(), "```"]
@@ -217,8 +237,7 @@ def markdown(out: dict[str, Any], seconds: float, quick: bool) -> str:
                      f"{r['compute'] or 0:.2f} |")  # fmt: skip
     for key, v in d["fit"].items():
         lines.append(f"\n{key}: step = {v['fixed_seconds']:.2f} s fixed + {v['seconds_per_sequence']:.3f} s a sequence")
-    if out.get("explain"):
-        lines += ["", out["explain"]]
+    lines += ["", DEEPSPEED_EXPLAINED]
     lines += ["", "![tokens/s per schedule](model_state_sim.png)"]
     return "\n".join(lines) + "\n"
 
@@ -233,6 +252,11 @@ def plot(out: dict[str, Any], path: Path) -> Path:
         vals = [f.results[name].tokens_per_s or 0 if name in f.results and f.results[name].fits else 0
                 for f in configs.values()]  # fmt: skip
         ax.bar(np.arange(len(configs)) + i * width, vals, width, label=SCHEDULES[name].label)
+    zero3 = names.index("zero3_offload")
+    points = [(k, DEEPSPEED[f.batch]) for k, f in enumerate(configs.values()) if "4090" in f.device]
+    if points:
+        ax.scatter([k + zero3 * width for k, _ in points], [v for _, v in points], marker="x", color="black", zorder=3,
+                   label="DeepSpeed ZeRO-3-offload, published (Llama-3.1-8B, 24 GB card)")  # fmt: skip
     ax.set_xticks(np.arange(len(configs)) + width * (len(names) - 1) / 2)
     ax.set_xticklabels([f"{f.device.split(',')[0]}\n{f.tokens // 1024}k tokens" for f in configs.values()], fontsize=8)
     ax.set_ylabel("tokens/s (simulated)")

@@ -9,7 +9,9 @@ simulation] in swap/schedule/model_state_sim.py):
 
 - ``ours``: placements planned under the budget (``plan_model_state``: a resident prefix, host masters,
   streamed buckets; the device room and the resident share tried and simulated, the fastest kept), host
-  steps before use (speculative during the backward where host memory holds the staging slots);
+  steps before use (speculative during the backward where host memory holds the staging slots); the host
+  memory model state leaves is split between swapped activations and staging, all of it, half or none to
+  the activations (``HOST_SHARES``), the fastest kept;
 - ``zero_offload`` (DeepSpeed ZeRO-Offload, ZeRO-2 with ``offload_optimizer``): compute copies resident,
   master and Adam on the host, the host step after the backward; without the one-step delayed update, which
   changes the math;
@@ -59,6 +61,7 @@ from .offload_report import OffloadForecast, OffloadResult
 from .ops_from_trace import table_from_trace
 from .pricing import event_seconds
 
+HOST_SHARES = (1.0, 0.5, 0.0)  # of the host memory model state leaves: the most swapped activations may take (ours)
 AUTO_EVALUATIONS = 60  # plans the joint search judges per activation plan
 ROOM_GRID = 64  # rooms are rounded up to a 64th of the budget, so schedules share activation plans
 
@@ -273,14 +276,20 @@ def _ours(acts: _Activations, buckets: list[Bucket], uses: list[BucketUses], fmt
             except ModelStateDoesNotFit as e:
                 why = str(e)
                 continue
-            prep = _prepare(acts, room, buckets, uses, plan, fmt, prices, in_flight, host.memory - plan.host_bytes)
-            r = _result("ours", prep, plan, room, tokens, host, prices=prices, buckets=buckets, uses=uses,
-                        timing="fastest", in_flight=in_flight)  # fmt: skip
-            if r.fits and (best is None or not best.fits or r.step_time < best.step_time):
-                best = r
-            elif best is None:
-                best = r
-            why = r.why or why
+            spare = host.memory - plan.host_bytes
+            tried: set[int] = set()
+            for pool in HOST_SHARES:  # host memory for swapped activations; the rest may stage host steps
+                prep = _prepare(acts, room, buckets, uses, plan, fmt, prices, in_flight, int(pool * spare))
+                if isinstance(prep, _Prepared) and id(prep.activations) in tried:
+                    continue  # the same activation plan as with more host memory: the same result
+                tried.add(id(prep.activations) if isinstance(prep, _Prepared) else -len(tried) - 1)
+                r = _result("ours", prep, plan, room, tokens, host, prices=prices, buckets=buckets, uses=uses,
+                            timing="fastest", in_flight=in_flight)  # fmt: skip
+                if r.fits and (best is None or not best.fits or r.step_time < best.step_time):
+                    best = r
+                elif best is None:
+                    best = r
+                why = r.why or why
             if mode != "auto" or all(p == Placement.RESIDENT for p in plan.placements):
                 break
     assert best is not None
