@@ -136,3 +136,21 @@ def test_the_command_line_takes_a_host(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(base + bad)
         assert message in capsys.readouterr().err
+
+
+def test_a_recompute_plan_says_where_each_step_went(trace):
+    from swap.forecast.ops_from_trace import table_from_trace
+    from swap.joint.regions import RecomputePlan, Region, apply_regions
+
+    seq = sequence_from_trace(trace, min_bytes=0)
+    table = table_from_trace(trace, min_bytes=0)
+    for plan in (RecomputePlan(), RecomputePlan((Region("blocks.0"),)), RecomputePlan((Region("blocks.1"),), True)):
+        m = apply_regions(seq, table, plan)
+        assert len(m.holds) == len(seq) and m.holds == sorted(m.holds)  # every step, in order
+        assert all(0 <= h < len(m.sequence) for h in m.holds)
+        kept = [i for i in range(len(seq)) if i == 0 or m.holds[i] != m.holds[i - 1]]
+        for i in kept[1:]:  # a step that kept its own entry is that entry
+            if seq.kind[i] == "use" and not plan.regions:
+                assert m.sequence.kind[m.holds[i]] == "use"
+    whole = apply_regions(seq, table, RecomputePlan((Region("blocks.0"),)))
+    assert len(set(whole.holds)) < len(seq)  # the checkpointed block's saves joined the steps before them
