@@ -3,6 +3,8 @@
     python -m swap.plan --model my_model.py:model_fn --batch my_model.py:batch_fn --budget 24GiB --device h100-pcie
     python -m swap.plan --model resnet50 --budget 16GiB --device v100-16gb
     python -m swap.plan --model vgg16 --budget 11GiB --device rtx2080ti-11gb --largest-image
+    python -m swap.plan --model llama3-8b-bf16 --budget 24GiB --device rtx4090-24gb --host desktop-ddr5-2ch \
+        --at-batch 8 --strategies off --policies none
 
 ``--model`` is a built-in model (resnet50, densenet121, unet, gpt2, gpt2-bf16, gpt2-medium-bf16) or
 ``FILE.py:FUNCTION`` / ``package.module:FUNCTION`` returning an nn.Module; ``--batch`` (``FUNCTION(n)``
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .capture import CaptureError
-from .devices import ALIASES, INTERCONNECTS, PROFILES, refuse_budget_above
+from .devices import ALIASES, HOST_PROFILES, INTERCONNECTS, PROFILES, refuse_budget_above
 from .devices import profile as device_profile
 from .forecast.arguments import check_model_fn
 from .forecast.distributed import SHARDINGS
@@ -35,6 +37,7 @@ from .forecast.replay import ALLOCATORS
 from .forecast.strategies import STRATEGIES
 from .forecast.strategy_report import pyplot
 from .forecast.zoo import ZOO
+from .schedule.model_state import MODES
 from .schedule.scheduler import POLICIES
 from .units import fmt_bytes, parse_size
 
@@ -198,6 +201,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--plot", default=None, help="write a PNG of samples/s against batch, one line per strategy "
                     "(without strategies: one step's memory, unswapped and swapped)")
     ap.add_argument("--plot-memory", default=None, help="write a PNG of one step's memory, unswapped and swapped")
+    ap.add_argument("--host", default=None, help="also plan model state (parameters, gradients, optimizer state) "
+                    f"under the budget at --at-batch, on this host profile ({', '.join(HOST_PROFILES)}, or a JSON "
+                    "file bench/host_profile.py wrote), beside other systems' offload schedules (simulated)")
+    ap.add_argument("--model-state", default=None, choices=MODES,
+                    help="with --host: how to place model state (default auto)")
     ap.add_argument("--json", default=None, help="write the plan as JSON")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     ap.add_argument("--world-size", type=int, default=1, help="forecast one rank of this many (with --shard)")
@@ -222,8 +230,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         if p not in POLICIES:
             ap.error(f"unknown policy {p!r} in --policies: choose among {', '.join(POLICIES)}")
     strategies = _strategies(args.strategies, ap)
-    if args.at_batch is not None and not strategies:
+    if args.model_state and not args.host:
+        ap.error(f"--model-state needs --host (one of {', '.join(HOST_PROFILES)}, or a file bench/host_profile.py "
+                 "wrote)")
+    if args.at_batch is not None and not strategies and not args.host:
         ap.error("--at-batch compares the strategies at a batch: drop --strategies off, or drop --at-batch")
+    if (args.host or args.model_state) and args.at_batch is None:
+        ap.error("--host forecasts model state at one batch: pass --at-batch N")
     if args.plot or args.plot_memory:
         try:  # before the planning, not after it
             pyplot()
@@ -265,6 +278,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             optimizer=optimizer, dtype=dtype, profile=args.profile, policies=policies, min_bytes=args.min_bytes,
             name=name, progress=not args.quiet, strategies=strategies, batch=args.at_batch,
             world_size=args.world_size, shard=args.shard, interconnect=args.interconnect,
+            model_state=args.model_state or ("auto" if args.host else None), host=args.host,
         )  # fmt: skip
     except (CaptureError, ValueError) as e:
         print(f"swap.plan: {e}", file=sys.stderr)

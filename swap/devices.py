@@ -33,13 +33,18 @@ about 25; Gen5 x16 is 64 nominal, about 55 reached.
   memory and host link *measured* on this project's first GPU run (bench/results/gpu/NVIDIA_H200/): torch
   reports 150,109,880,320 bytes; pinned copies of 1 GiB ran at 55.3 GB/s host to device and 55.2 device to host
   (pinned_bandwidth.md; 51.4 + 50.8 = 101 GB/s when both directions run at once, 8 % under two independent
-  lanes, which the simulator assumes).
+  lanes: ``duplex_bandwidth``).
 - l4: fp32 30.3 TF, TF32 60 TF, bf16 121 TF; 300 GB/s GDDR6, 24 GB; PCIe Gen4 x16. Source: NVIDIA L4 datasheet.
-- rtx4090: fp32 82.6 TF, TF32 82.6 TF, bf16 165.2 TF (with fp32 accumulate, what PyTorch uses); 1008 GB/s
-  GDDR6X, 24 GB; PCIe Gen4 x16. Source: NVIDIA Ada Lovelace GPU architecture whitepaper, appendix A.
+- rtx4090-24gb: fp32 82.6 TF, TF32 82.6 TF, bf16 165.2 TF (with fp32 accumulate, what PyTorch uses); 1008
+  GB/s GDDR6X, 24 GB; PCIe Gen4 x16. Source: NVIDIA Ada Lovelace GPU architecture whitepaper, appendix A.
+
+``duplex_bandwidth`` is what the host link carries in both directions at once (0: each direction at its
+full rate, as the datasheet profiles assume). Only the model-state simulation reads it
+(swap/schedule/model_state_sim.py). The PCIe Gen5 profiles take the H200 machine's measured 101 GB/s, the only
+measurement of a Gen5 link in both directions we have; the Gen4 and NVLink profiles have none and leave it 0.
 
 Old short names stay as aliases (``v100``, ``p100``, ``h100`` = h100-sxm: the SXM5 part, whose host link is
-PCIe Gen5 all the same), so earlier commands and results keep their meaning.
+PCIe Gen5 all the same; ``rtx4090``), so earlier commands and results keep their meaning.
 
 Other per-device figures (e.g. the cost of VMM driver calls) belong in tables keyed by these profile names,
 or in fields added here with defaults, so every profile keeps constructing without them.
@@ -82,6 +87,7 @@ class DeviceProfile:
     class_rates: Optional[dict[str, tuple[float, float]]] = None
     attention_flops: tuple[tuple[int, float], ...] = ()
     fresh_page_bandwidth: float = 0.0  # bytes/s at which a large allocation's fresh pages fault in; 0: free
+    duplex_bandwidth: float = 0.0  # bytes/s over the host link in both directions at once; 0: no limit (Note)
 
     def step_seconds(self, flops: Any, nbytes: Any, low_precision: Any = False) -> Any:
         """Roofline: an operator takes the longer of its compute and its memory traffic, plus the per-operator
@@ -102,6 +108,7 @@ class _Profiles(dict):
 
 
 PCIE3, PCIE4, PCIE5 = 12 * GB, 25 * GB, 55 * GB
+PCIE5_DUPLEX = 101 * GB  # measured on the H200 machine (Note [Device profiles])
 PROFILES = _Profiles({
     "v100-16gb": DeviceProfile(
         "V100-16GB, NVLink 2x50 GB/s to a POWER9", 15.7e12, 125e12, 900 * GB, 50 * GB, 50 * GB, 16 << 30,
@@ -122,15 +129,16 @@ PROFILES = _Profiles({
     ),
     "h100-sxm": DeviceProfile(
         "H100-SXM5-80GB, PCIe Gen5 x16 to the host", 67e12, 989e12, 3350 * GB, PCIE5, PCIE5, 80 << 30,
-        tf32_flops=495e12, source="NVIDIA H100 Tensor Core GPU datasheet (H100 SXM); PCI-SIG Gen5 x16",
+        tf32_flops=495e12, duplex_bandwidth=PCIE5_DUPLEX,
+        source="NVIDIA H100 Tensor Core GPU datasheet (H100 SXM); PCI-SIG Gen5 x16",
     ),
     "h100-pcie": DeviceProfile(
         "H100-PCIe-80GB, PCIe Gen5 x16", 51e12, 756e12, 2000 * GB, PCIE5, PCIE5, 80 << 30, tf32_flops=378e12,
-        source="NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe); PCI-SIG Gen5 x16",
+        duplex_bandwidth=PCIE5_DUPLEX, source="NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe); PCI-SIG Gen5 x16",
     ),
     "h200": DeviceProfile(
         "H200-SXM-141GB, PCIe Gen5 x16 to the host (link measured)", 67e12, 989e12, 4800 * GB, 55.3 * GB, 55.2 * GB,
-        150_109_880_320, tf32_flops=495e12,
+        150_109_880_320, tf32_flops=495e12, duplex_bandwidth=PCIE5_DUPLEX,
         source="NVIDIA H200 Tensor Core GPU datasheet (SXM); memory and pinned copy bandwidth measured by make gpu "
                "(bench/results/gpu/NVIDIA_H200)",
     ),
@@ -138,7 +146,7 @@ PROFILES = _Profiles({
         "L4-24GB, PCIe Gen4 x16", 30.3e12, 121e12, 300 * GB, PCIE4, PCIE4, 24 << 30, tf32_flops=60e12,
         source="NVIDIA L4 Tensor Core GPU datasheet",
     ),
-    "rtx4090": DeviceProfile(
+    "rtx4090-24gb": DeviceProfile(
         "GeForce RTX 4090-24GB, PCIe Gen4 x16", 82.6e12, 165.2e12, 1008 * GB, PCIE4, PCIE4, 24 << 30,
         tf32_flops=82.6e12, source="NVIDIA Ada Lovelace GPU architecture whitepaper, appendix A (RTX 4090)",
     ),
@@ -149,7 +157,7 @@ PROFILES = _Profiles({
                "GDDR6, 11 GB); PCI-SIG Gen3 x16; the device of SFT (segmented fused-tiled execution, CC'22)",
     ),
 })  # fmt: skip
-ALIASES = {"v100": "v100-16gb", "p100": "p100-16gb", "h100": "h100-sxm"}
+ALIASES = {"v100": "v100-16gb", "p100": "p100-16gb", "h100": "h100-sxm", "rtx4090": "rtx4090-24gb"}
 
 
 def profile(name: str) -> DeviceProfile:
@@ -268,3 +276,125 @@ def interconnect(name: str) -> InterconnectProfile:
         return INTERCONNECTS[name.lower()]
     except KeyError:
         raise ValueError(f"unknown interconnect {name!r}: choose one of {', '.join(INTERCONNECTS)}") from None
+
+
+# Note [Host profiles]
+# What the host brings to training with model state offloaded (swap/schedule/model_state.py): DRAM bandwidth,
+# the rate at which it runs the optimizer's step, how much memory it has and may pin, and, where it differs
+# from the device profile's, the link. The optimizer's rate is bytes per second of DRAM traffic: a host step
+# is memory-bound (AdamW on fp32 masters moves about 28 bytes a parameter for about a dozen FLOPs), so its
+# seconds are the bytes it moves (``host_step_bytes``) over that rate, whatever the dtypes.
+#
+# - desktop-ddr5-2ch: two channels of DDR5-5600 (JEDEC JESD79-5: 5600 MT/s x 8 bytes a channel = 89.6 GB/s
+#   peak). Sustained: 75% of the wire rate, the share STREAM reaches in TI's measurements (74-78%, SPRAD45A
+#   table 3-2), 67.2 GB/s. AdamW at that rate: CPU AdamW stays DRAM-bound once enough cores run it (prime-rl
+#   PR #3248: "still DRAM-bandwidth-bound" after thread budgeting; DeepSpeed's CPU-Adam and PyTorch's fused
+#   CPU AdamW are single-pass SIMD kernels). 192 GB: four 48 GB DIMMs, what AM5 and LGA1700 desktop boards
+#   take (Intel ARK, Core i9-13900K: max memory 192 GB). Pinnable: all but 16 GiB (an assumption: the OS,
+#   the framework and the data loader's pages).
+# - server-ddr5-8ch: one socket of eight DDR5 channels (4th-generation Xeon), 16 x 64 GiB = 1 TiB at two
+#   DIMMs a channel, where the data rate drops from 4800 to 4400 MT/s (Dell, "Memory Bandwidth for Next-Gen
+#   PowerEdge Servers ... Sapphire Rapids", 2023): 8 x 4400 x 8 = 281.6 GB/s peak, 211.2 sustained (75%, as
+#   above), AdamW at that rate. Pinnable: all but 32 GiB (assumption, as above).
+# - a measured profile (``read_host_profile``): what bench/host_profile.py measures on the machine it runs on
+#   (copy bandwidth, and the optimizers' rates with PyTorch's own CPU kernels and threads), written as JSON.
+#
+# Link figures are None on the built-ins: the device profile's (its PCIe generation) apply. A measured
+# profile of a machine with a GPU may carry its own.
+OPTIMIZER_PASSES = {"adamw": (3, 3), "adam": (3, 3), "sgd": (2, 2), "sgd_plain": (1, 1)}  # tensors read, written
+
+
+def host_step_bytes(optimizer: str, numel: int, master: int, grad: int, copy: int = 0) -> int:
+    """DRAM bytes a host step of ``numel`` parameters moves (Note [Host profiles]): the master and the
+    optimizer's state read and written (``OPTIMIZER_PASSES``, ``master`` bytes each per parameter), the
+    gradient read (``grad`` bytes), and the compute-dtype copy written (``copy`` bytes; 0 when the master is
+    what the device computes with)."""
+    if optimizer not in OPTIMIZER_PASSES:
+        raise ValueError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_PASSES)}")
+    reads, writes = OPTIMIZER_PASSES[optimizer]
+    return numel * ((reads + writes) * master + grad + copy)
+
+
+@dataclass(frozen=True)
+class HostProfile:
+    """The host side of training with offloaded model state (Note [Host profiles]).
+
+    Attributes:
+        name: what it is.
+        dram_bandwidth: sustained DRAM bytes/s (reads plus writes), shared by the host step and the link's DMA.
+        optimizer_rates: optimizer name (``OPTIMIZER_PASSES``) -> bytes/s of DRAM traffic its host step moves.
+        memory: bytes of host memory.
+        pinnable: bytes of it that may be page-locked.
+        h2d_bandwidth, d2h_bandwidth, duplex_bandwidth: the link, when it differs from the device profile's
+            (None: the device profile's).
+        source: where the figures come from.
+    """
+
+    name: str
+    dram_bandwidth: float
+    optimizer_rates: dict[str, float]
+    memory: int
+    pinnable: int
+    h2d_bandwidth: Optional[float] = None
+    d2h_bandwidth: Optional[float] = None
+    duplex_bandwidth: Optional[float] = None
+    source: str = ""
+
+    def optimizer_rate(self, optimizer: str) -> float:
+        """Bytes/s of DRAM traffic of ``optimizer``'s host step (Adam's for AdamW and the other way round when
+        only one was measured; SGD's at the DRAM bandwidth when unmeasured)."""
+        rates = self.optimizer_rates
+        twin = {"adamw": "adam", "adam": "adamw"}.get(optimizer, "")
+        rate = rates.get(optimizer) or rates.get(twin) or (self.dram_bandwidth if optimizer.startswith("sgd") else 0)
+        if not rate:
+            raise ValueError(f"host profile {self.name!r} has no rate for {optimizer!r}: it has {', '.join(rates)}")
+        return float(rate)
+
+    def step_seconds(self, optimizer: str, numel: int, master: int, grad: int, copy: int = 0) -> float:
+        """Seconds of a host step of ``numel`` parameters (``host_step_bytes`` over the optimizer's rate)."""
+        return host_step_bytes(optimizer, numel, master, grad, copy) / self.optimizer_rate(optimizer)
+
+
+def _sustained(peak: float) -> float:
+    return 0.75 * peak  # Note [Host profiles]: STREAM's share of the wire rate
+
+
+HOST_PROFILES = {
+    "desktop-ddr5-2ch": HostProfile(
+        "desktop, 2 channels DDR5-5600, 192 GB", _sustained(89.6 * GB), {"adamw": _sustained(89.6 * GB)},
+        192 * 10**9, 192 * 10**9 - (16 << 30),
+        source="JEDEC JESD79-5 (DDR5-5600: 5600 MT/s x 8 B x 2 channels = 89.6 GB/s); 75% sustained (TI SPRAD45A, "
+               "STREAM 74-78% of the wire rate); AdamW DRAM-bound (prime-rl PR #3248); Intel ARK i9-13900K (192 GB)",
+    ),
+    "server-ddr5-8ch": HostProfile(
+        "server, 8 channels DDR5-4400 (2 DIMMs a channel), 1 TiB", _sustained(281.6 * GB),
+        {"adamw": _sustained(281.6 * GB)}, 1 << 40, (1 << 40) - (32 << 30),
+        source="Dell PowerEdge Sapphire Rapids memory note (8 channels, DDR5-4800 at 1 DPC, 4400 at 2 DPC): 8 x "
+               "4400 MT/s x 8 B = 281.6 GB/s; 75% sustained (TI SPRAD45A); AdamW DRAM-bound (prime-rl PR #3248)",
+    ),
+}
+
+
+def read_host_profile(path: Union[str, Path]) -> HostProfile:
+    """A host profile written by bench/host_profile.py (its ``profile`` object)."""
+    import json
+
+    data = json.loads(Path(path).read_text())
+    fields = data.get("profile", data)
+    try:
+        return HostProfile(**fields)
+    except TypeError as e:
+        raise ValueError(f"{path} is not a host profile written by bench/host_profile.py ({e})") from None
+
+
+def host_profile(name: Union[str, Path, HostProfile]) -> HostProfile:
+    """A built-in host profile by name (``HOST_PROFILES``), or one read from a file bench/host_profile.py wrote."""
+    if isinstance(name, HostProfile):
+        return name
+    key = str(name).lower()
+    if key in HOST_PROFILES:
+        return HOST_PROFILES[key]
+    if str(name).endswith(".json") and Path(name).exists():
+        return read_host_profile(name)
+    raise ValueError(f"unknown host profile {name!r}: choose one of {', '.join(HOST_PROFILES)}, or give the path of "
+                     "a profile bench/host_profile.py wrote (bench/results/host_profile.json)")  # fmt: skip

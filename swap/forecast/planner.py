@@ -18,9 +18,19 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ..capture import CaptureError, LinearTrace, Trace, capture, live_peak
-from ..devices import DeviceProfile, InterconnectProfile, read_measured, refuse_budget_above, with_measured
+from ..devices import (
+    HOST_PROFILES,
+    DeviceProfile,
+    HostProfile,
+    InterconnectProfile,
+    host_profile,
+    read_measured,
+    refuse_budget_above,
+    with_measured,
+)
 from ..devices import profile as device_profile
 from ..schedule.budget import min_budget
+from ..schedule.model_state import MODES
 from ..schedule.scheduler import POLICIES, InfeasibleBudget
 from ..schedule.scheduler import plan as make_schedule
 from ..schedule.sequence import Sequence
@@ -30,6 +40,7 @@ from ..units import fmt_size as fmt_bytes
 from . import distributed
 from .arguments import check_functions, check_model_fn, check_names, with_parameters
 from .from_trace import sequence_from_trace
+from .offload import forecast_model
 from .pricing import iteration_seconds
 from .replay import ALLOCATORS, CHUNK_SIZE, fitting_budget, measure
 from .result import Plan, PolicyResult
@@ -240,6 +251,8 @@ def plan(
     world_size: int = 1,
     shard: Optional[str] = None,
     interconnect: Optional[Union[str, InterconnectProfile]] = None,
+    model_state: Optional[str] = None,
+    host: Union[str, HostProfile, None] = None,
 ) -> Plan:
     """The largest batch of your model that fits ``budget`` on ``device``, per swap policy, and its speed.
 
@@ -271,6 +284,13 @@ def plan(
             ("fsdp2": ``fully_shard`` on each block and the root), its collectives priced on ``interconnect``
             (``swap.devices.INTERCONNECTS``: "nvlink4", "ib-ndr400"; default "nvlink4"): the budget and every
             batch are per rank (Note [One rank of FSDP2] in swap/forecast/distributed.py).
+        batch: also compare the strategies at this batch size (and forecast model state at it).
+        model_state: plan parameters, gradients and optimizer state under the budget too, at ``batch``: "auto"
+            (placements chosen: resident, host master or streamed), "offload" (every bucket streamed) or
+            "resident" (as today), side by side with other systems' offload schedules
+            (``swap.forecast.offload``); the result's ``model_state``. None: model state stays on the device.
+        host: the host profile for ``model_state`` (``swap.devices.HOST_PROFILES``: "desktop-ddr5-2ch",
+            "server-ddr5-8ch", or a file bench/host_profile.py wrote); giving one implies model_state="auto".
     Returns:
         ``swap.Plan``: ``max_batch``, ``throughput``, ``window``, ``strategies``, ``table()``, ``plot(path)``,
         ``plot_strategies(path)``; where no batch fits (``fits_nothing``), ``min_budget``: the smallest budget in
@@ -302,6 +322,7 @@ def plan(
     min_bytes_ = parse_size(min_bytes, "min_bytes", minimum=1) if min_bytes else 0
     label = name or getattr(model_fn, "__name__", "model")
     ranks = distributed.sharding(model_fn, world_size, shard, interconnect, dtype)
+    host_ = _model_state_host(model_state, host, batch)
 
     def capture_at(n: int) -> Trace:
         trace = capture(model_fn, batch_fn, n, loss_fn, optimizer=optimizer, steps=steps, target=target, dtype=dtype,
@@ -343,6 +364,12 @@ def plan(
         result.min_budget, result.min_budget_policy = _smallest_budget(ev, policies, say)
     if ranks is not None:
         result = distributed.with_collectives(result, traces.at, ranks, dev)
+    if host_ is not None:
+        assert batch is not None  # _model_state_host checked it
+        result.model_state = forecast_model(
+            model_fn, batch_fn, loss_fn, batch=batch, budget=budget, dev=dev, host=host_, mode=model_state or "auto",
+            optimizer=optimizer, dtype=dtype, min_bytes=min_bytes_, target=target, name=label, say=say,
+        )  # fmt: skip
     result.seconds = time.perf_counter() - t0
     say(f"done in {result.seconds:.1f} s")
     return result
@@ -372,6 +399,22 @@ def _smallest_budget(ev: _Evaluator, policies: tuple[str, ...], say: _Progress) 
         lo, hi = (lo, mid) if fitting(mid) else (mid, hi)
     say(f"nothing fits: batch 1 fits from a budget of {fmt_bytes(hi)}")
     return hi, fitting(hi)
+
+
+def _model_state_host(model_state: Optional[str], host: Union[str, HostProfile, None],
+                      batch: Optional[int]) -> Optional[HostProfile]:  # fmt: skip
+    """The host profile ``swap.plan``'s model-state forecast runs on (None: no such forecast), or a ValueError
+    saying what to pass."""
+    if model_state is None and host is None:
+        return None
+    if model_state is not None and model_state not in MODES:
+        raise ValueError(f"unknown model_state {model_state!r}: choose one of {', '.join(MODES)}, or None")
+    if host is None:
+        raise ValueError(f"model_state={model_state!r} needs a host profile: host= one of {', '.join(HOST_PROFILES)}, "
+                         "or a file bench/host_profile.py wrote")  # fmt: skip
+    if batch is None:
+        raise ValueError("model state is forecast at one batch: pass batch=N (--at-batch N)")
+    return host_profile(host)
 
 
 def _search_all(traces: _Traces, dev: DeviceProfile, budget: int, allocator: Optional[str], min_bytes: int,

@@ -9,6 +9,7 @@ from typing import Any, Optional, Union
 from ..devices import DeviceProfile
 from ..units import fmt_exact
 from ..units import fmt_size as fmt_bytes  # one byte formatter for the tables
+from .offload_report import OffloadForecast
 from .strategies import StrategyResult
 from .strategy_report import plot as plot_strategies
 from .strategy_report import pyplot
@@ -62,6 +63,8 @@ class Plan:
     counted); the strategies' are planned on the ideal allocator, to compare plans, not allocators. A swap-only
     strategy named after a policy can therefore fit a larger batch than that policy: the table labels both
     (Note [Strategies from one capture]).
+        model_state: with ``swap.plan(model_state=..., host=...)``, the offload schedules at ``batch``
+            (``swap.forecast.offload_report.OffloadForecast``: tokens/s, placements, host bytes, what binds).
     """
 
     model: str
@@ -81,6 +84,7 @@ class Plan:
     batch: Optional[int] = None
     min_budget: Optional[int] = None
     min_budget_policy: str = ""
+    model_state: Optional[OffloadForecast] = None
 
     def __post_init__(self) -> None:
         self.max_batch = {p: r.max_batch for p, r in self.policies.items()}
@@ -124,6 +128,9 @@ class Plan:
             lines += ["", strategy_table(self.strategies, self.batch, self.policies, self.allocator_name)]
         if self.fits_nothing:
             lines.append(self.nothing_fits())
+            lines += ["", strategy_table(self.strategies, self.batch)]
+        if self.model_state is not None:
+            lines += ["", "model state under the budget:", self.model_state.table()]
         return "\n".join(lines)
 
     def nothing_fits(self) -> str:
@@ -139,9 +146,14 @@ class Plan:
         return self.table()
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        ms, self.model_state = self.model_state, None  # its simulations are not plain data: its own to_dict
+        try:
+            d = asdict(self)
+        finally:
+            self.model_state = ms
         d["device"] = asdict(self.device)
         d["strategies_allocator"] = None  # the strategies are planned on the ideal allocator, the policies on this
+        d["model_state"] = ms.to_dict() if ms is not None else None
         return d
 
     def plot(self, path: Union[str, Path]) -> Path:

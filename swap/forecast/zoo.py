@@ -7,11 +7,14 @@ Defined in the project (torchvision's compiled ops do not load with the CPU torc
 - ``unet(depth, width)``: 2-D U-Net, long skip connections by concatenation.
 - ``gpt(n_layer, n_head, d_model, vocab, seq_len)``: GPT-2-style decoder, causal attention through
   ``F.scaled_dot_product_attention``; ``gpt2()`` is GPT-2 small, ``gpt2_medium()`` GPT-2 medium.
+- ``llama(n_layer, d_model, n_head, n_kv_head, d_ff, vocab)``: a Llama-style decoder (RMSNorm, rotary
+  positions, grouped-query attention, SwiGLU MLP, no biases, untied head); ``llama3_8b()`` and ``llama3_70b()``
+  have the shapes of Llama-3-8B and Llama-3-70B (Note [Llama shapes]).
 
 Each builder takes small sizes for CPU tests and full sizes for the benchmarks; ``example_batch(model, ...)``
 returns matching inputs and targets. ``ZOO`` names the full-size workloads: how to build each, its batches
 and its optimizer (SGD with momentum, as the window-scheduling paper trains), for ``swap.capture.capture`` and
-``swap.plan``.
+``swap.plan`` (the Llama shapes: AdamW, as fine-tunes train them).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 # -- ResNet -------------------------------------------------------------------------------------------------
@@ -236,6 +240,95 @@ def gpt2_medium(seq_len: int = 1024) -> GPT:
     return GPT(24, 16, 1024, 50257, seq_len)
 
 
+# -- Llama ----------------------------------------------------------------------------------------------------
+# Note [Llama shapes]
+# The shapes of Meta's published configurations (the ``config.json`` of meta-llama/Meta-Llama-3-8B and
+# Meta-Llama-3-70B on the Hugging Face hub): 8B: 32 layers, d_model 4096, 32 heads, 8 key/value heads, MLP
+# 14336, vocabulary 128256 (8.03 B parameters); 70B: 80 layers, d_model 8192, 64 heads, 8 key/value heads,
+# MLP 28672, the same vocabulary (70.6 B). Llama-3.1 has the same shapes (only the rotary scaling differs,
+# which moves no bytes and no FLOPs). The rotary tables are computed in each forward from positions, as the
+# memory a trainer holds; nothing is loaded: these are shapes for planning, not weights.
+LOSS_CHUNK = 1024  # tokens per chunk of the loss (Note [Llama shapes])
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, d: int, heads: int, kv_heads: int, d_ff: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, d // heads
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(d, eps=1e-5), nn.RMSNorm(d, eps=1e-5)
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+        self.gate_proj, self.up_proj = nn.Linear(d, d_ff, bias=False), nn.Linear(d, d_ff, bias=False)
+        self.down_proj = nn.Linear(d_ff, d, bias=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        a, b = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-b, a), dim=-1) * sin
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.attn_norm(x)
+        q = self.q_proj(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.o_proj(y.transpose(1, 2).reshape(b, t, d))
+        h = self.mlp_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, n_layer: int = 32, d_model: int = 4096, n_head: int = 32, n_kv_head: int = 8,
+                 d_ff: int = 14336, vocab: int = 128256, rope_theta: float = 500000.0) -> None:  # fmt: skip
+        super().__init__()
+        self.head_dim, self.rope_theta = d_model // n_head, rope_theta
+        self.tok = nn.Embedding(vocab, d_model)
+        self.blocks = nn.ModuleList(LlamaBlock(d_model, n_head, n_kv_head, d_ff) for _ in range(n_layer))
+        self.norm = nn.RMSNorm(d_model, eps=1e-5)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, labels: Optional[torch.Tensor] = None) -> Any:
+        hidden = self.norm(self._blocks(idx))
+        if labels is None:
+            return self.head(hidden)
+        h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+        loss = sum(checkpoint(self._chunk_loss, hc, yc, use_reentrant=False)
+                   for hc, yc in zip(h.split(LOSS_CHUNK), y.split(LOSS_CHUNK)))  # fmt: skip
+        return {"loss": loss / y.numel()}
+
+    def _chunk_loss(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(h).float(), y, reduction="sum")
+
+    def _blocks(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx)
+        half = torch.arange(0, self.head_dim, 2, device=idx.device, dtype=torch.float32) / self.head_dim
+        angles = torch.outer(torch.arange(t, device=idx.device, dtype=torch.float32), self.rope_theta ** -half)
+        angles = torch.cat((angles, angles), dim=-1)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return x
+
+
+def llama(n_layer: int = 32, d_model: int = 4096, n_head: int = 32, n_kv_head: int = 8, d_ff: int = 14336,
+          vocab: int = 128256) -> Llama:  # fmt: skip
+    return Llama(n_layer, d_model, n_head, n_kv_head, d_ff, vocab)
+
+
+def llama3_8b(n_layer: int = 32) -> Llama:
+    """Llama-3-8B's shape (Note [Llama shapes]); ``n_layer`` fewer for a scaled capture."""
+    return Llama(n_layer, 4096, 32, 8, 14336, 128256)
+
+
+def llama3_70b(n_layer: int = 80) -> Llama:
+    """Llama-3-70B's shape (Note [Llama shapes]); ``n_layer`` fewer for a scaled capture."""
+    return Llama(n_layer, 8192, 64, 8, 28672, 128256)
+
+
 class VGG(nn.Module):
     """VGG (Simonyan & Zisserman): 3x3 convolutions and ReLU in blocks closed by 2x2 max pooling, then an
     adaptive 7x7 pooling and three linear layers. The network SFT (segmented fused-tiled
@@ -274,7 +367,7 @@ def example_batch(model: nn.Module, batch: int, size: int = 224, generator: torc
                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(input, target) for ``model``: images and labels, images and masks, or tokens and next tokens."""
     g = generator or torch.Generator().manual_seed(0)
-    if isinstance(model, GPT):
+    if isinstance(model, (GPT, Llama)):
         tokens = torch.randint(0, model.tok.num_embeddings, (batch, size + 1), generator=g)
         return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
     x = torch.randn(batch, 3, size, size, generator=g).to(device)
@@ -284,7 +377,7 @@ def example_batch(model: nn.Module, batch: int, size: int = 224, generator: torc
 
 
 def loss_fn(model: nn.Module, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    if isinstance(model, GPT):
+    if isinstance(model, (GPT, Llama)):
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
     return F.cross_entropy(out, target)
 
@@ -297,9 +390,10 @@ class Workload:
     name: str
     build: Callable[[], nn.Module]
     size: int  # image side, or sequence length
-    kind: str  # "classify", "segment" or "language": what a batch holds
+    kind: str  # "classify", "segment", "language" or "causal_lm" (a dict: the model returns its loss)
     classes: int  # classes, or vocabulary
     dtype: Optional[torch.dtype] = None
+    optim: str = "sgd"  # "sgd": with momentum, as the window-scheduling paper trains; "adamw": a fine-tune
 
     def model_fn(self) -> Callable[[], nn.Module]:
         return self.build
@@ -309,9 +403,11 @@ class Workload:
         meta device when captured there (no memory, however large the batch)."""
         side, kind, classes = size or self.size, self.kind, self.classes
 
-        def batch_fn(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-            if kind == "language":
+        def batch_fn(n: int) -> Any:
+            if kind in ("language", "causal_lm"):
                 tokens = torch.randint(0, classes, (n, side + 1))
+                if kind == "causal_lm":
+                    return {"idx": tokens[:, :-1], "labels": tokens[:, 1:]}
                 return tokens[:, :-1], tokens[:, 1:]
             x = torch.randn(n, 3, side, side)
             if kind == "segment":
@@ -320,8 +416,9 @@ class Workload:
 
         return batch_fn
 
-    @staticmethod
-    def optimizer(params: Any) -> torch.optim.Optimizer:
+    def optimizer(self, params: Any) -> torch.optim.Optimizer:
+        if self.optim == "adamw":
+            return torch.optim.AdamW(params, lr=1e-5)
         return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
@@ -335,5 +432,7 @@ ZOO = {
         Workload("gpt2", gpt2, 1024, "language", 50257),
         Workload("gpt2-bf16", gpt2, 1024, "language", 50257, torch.bfloat16),
         Workload("gpt2-medium-bf16", gpt2_medium, 1024, "language", 50257, torch.bfloat16),
+        Workload("llama3-8b-bf16", llama3_8b, 1024, "causal_lm", 128256, torch.bfloat16, "adamw"),
+        Workload("llama3-70b-bf16", llama3_70b, 1024, "causal_lm", 128256, torch.bfloat16, "adamw"),
     )
 }

@@ -73,6 +73,9 @@ class RegionModel:
 
     sequence: Sequence
     recompute_seconds: float = 0.0  # per iteration, regions and rebuilds
+    # per step of the sequence the plan was applied to, the step of ``sequence`` that runs its compute (a step
+    # the plan removes joins the one before); empty: the same steps (what places weights: swap/schedule/weights.py)
+    holds: list[int] = field(default_factory=list)
     recomputed_bytes: dict[str, int] = field(default_factory=dict)  # per region path: saved bytes recomputed
     rebuilt: int = 0  # elementwise rebuilds chosen
 
@@ -119,7 +122,7 @@ def apply_regions(seq: Sequence, table: OpTable, plan: RecomputePlan) -> RegionM
     calls = [_prepare(seq, table, c, keep_of[c.path], saves_at, uses_at) for c in table.calls if c.path in keep_of]
     calls = [c for c in calls if c is not None]
     out = _rewrite(seq, table, calls)
-    model = RegionModel(out[0], sum(c.seconds for c in calls))
+    model = RegionModel(out[0], sum(c.seconds for c in calls), holds=out[2])
     for c in calls:
         b = sum(seq.sizes[v] for v in c.recomputed)
         model.recomputed_bytes[c.call.path] = model.recomputed_bytes.get(c.call.path, 0) + b
@@ -131,6 +134,10 @@ def apply_regions(seq: Sequence, table: OpTable, plan: RecomputePlan) -> RegionM
         chosen = _valid_recipes(out[0], renamed)
         if chosen:
             model.sequence = with_recompute(out[0], chosen, lambda r: seconds.get((r.flops, r.nbytes), 0.0))
+            removed = {i for i, (v, k) in enumerate(zip(out[0].var, out[0].kind)) if v in chosen and k == SAVE}
+            kept_before = list(itertools.accumulate((i not in removed for i in range(len(out[0]))), initial=0))
+            # a removed save's compute joins the kept step before it (with_recompute)
+            model.holds = [max(0, kept_before[h] - (h in removed)) for h in model.holds]
             model.recompute_seconds += sum(seconds.get((r.flops, r.nbytes), 0.0) * _uses(out[0], v)
                                            for v, r in chosen.items())  # fmt: skip
             model.rebuilt = len(chosen)
@@ -248,7 +255,7 @@ def _prepare(seq: Sequence, table: OpTable, c: RegionCall, keep: frozenset, save
     return _Call(c, saved, kept, kept_at, recomputed, uses, sum(table.ops[j].seconds for j in rerun), between)
 
 
-def _rewrite(seq: Sequence, table: OpTable, calls: list[_Call]) -> tuple[Sequence, dict[int, int]]:
+def _rewrite(seq: Sequence, table: OpTable, calls: list[_Call]) -> tuple[Sequence, dict[int, int], list[int]]:
     n = len(seq)
     sizes = dict(enumerate(seq.sizes))
     for c in calls:
@@ -357,6 +364,7 @@ def _rewrite(seq: Sequence, table: OpTable, calls: list[_Call]) -> tuple[Sequenc
             carried = False
         entries.append(e)
 
+    holds = [0] * n  # original step -> the entry its compute is in
     for i in range(n + 1):
         for _key, group in sorted(before.get(i, []), key=lambda x: x[0]):
             for e in group:
@@ -370,6 +378,7 @@ def _rewrite(seq: Sequence, table: OpTable, calls: list[_Call]) -> tuple[Sequenc
             emit(replace(e, kind="merge"))
         else:
             emit(e)
+        holds[i] = max(0, len(entries) - 1)
     # Step indices: an original step maps to the entries standing for its interval.
     first_at = [len(entries)] * (n + 1)  # first entry index with t >= i
     last_at = [-1] * (n + 1)  # last entry index with t <= i
@@ -423,7 +432,7 @@ def _rewrite(seq: Sequence, table: OpTable, calls: list[_Call]) -> tuple[Sequenc
         [e.compute for e in entries], swappable, held_until, freed=freed, modules=modules,
         transient=[e.transient for e in entries], kept=[e.kept for e in entries], base=seq.base, node_last=node_last,
     )  # fmt: skip
-    return out, {old: new for old, new in new_id.items() if old >= 0}
+    return out, {old: new for old, new in new_id.items() if old >= 0}, holds
 
 
 def _size_of(table: OpTable, call: RegionCall, storage: int) -> int:

@@ -30,8 +30,9 @@ What each placement holds, per bucket, on the device between steps and on the ho
 
 Besides, while buckets move: streamed weights in flight (the one in use and the one arriving: ``in_flight``
 of the largest streamed bucket), and gradients of offloaded buckets not yet copied out (``in_flight`` of the
-largest). Speculative host steps stage (master, state) in ``staging_slots`` slots of the largest offloaded
-bucket. Pinned are the bytes a copy engine reads or writes: gradient buffers, the H2D source (the compute
+largest). Speculative host steps stage (master, state) of the buckets they step, one slot each: the first
+``staging_slots`` offloaded buckets whose gradients the backward makes (``speculated``: the last in forward
+order first). Pinned are the bytes a copy engine reads or writes: gradient buffers, the H2D source (the compute
 copy, or the master when there is none) and, when the master is that source, the staging slots' masters.
 """
 
@@ -98,7 +99,8 @@ class ModelStatePlan:
         update_sites: one per bucket: ``DEVICE`` only for ``RESIDENT`` buckets.
         speculate: whether host steps may start during the backward pass, before ``opt.step()`` confirms them
             (results staged, committed when confirmed, redone exactly when not).
-        staging_slots: buckets the speculative host steps may hold staged at once (0 without speculation).
+        staging_slots: buckets the speculative host steps may hold staged at once (0 without speculation): the
+            first offloaded buckets the backward finishes (``speculated``).
         device_bytes: the most device bytes model state takes under this plan (resident buckets, buckets in
             flight, gradients not yet copied out).
         host_bytes: host bytes model state takes (masters, gradient buffers, optimizer state, staging).
@@ -122,6 +124,14 @@ class ModelStatePlan:
         for i, (p, u) in enumerate(zip(self.placements, self.update_sites)):
             if u == UpdateSite.DEVICE and p != Placement.RESIDENT:
                 raise ValueError(f"bucket {i} is {p.value} but updated on the device: only resident buckets are")
+
+    def speculated(self) -> list[int]:
+        """The buckets whose host steps may start in the backward, before ``opt.step()``: the first
+        ``staging_slots`` offloaded ones in backward order (the last in forward order first)."""
+        if not self.speculate:
+            return []
+        offloaded = [i for i in range(len(self.placements) - 1, -1, -1) if self.update_sites[i] == UpdateSite.HOST]
+        return offloaded[: self.staging_slots]
 
     @classmethod
     def uniform(cls, n: int, placement: Placement) -> ModelStatePlan:
@@ -156,7 +166,9 @@ class ParamInfo(NamedTuple):
 def pack_buckets(params: Sequence[ParamInfo], bucket_bytes: int = 32 << 20) -> list[Bucket]:
     """Packs ``params`` (already in first-use order, shared ones once, unread ones last) into buckets of
     about ``bucket_bytes`` of weights (Note [Model-state placements]): a parameter is never split, so a
-    parameter larger than ``bucket_bytes`` is a bucket of its own."""
+    parameter larger than ``bucket_bytes`` is a bucket of its own, and a bucket closes before the parameter
+    that would take it past ``bucket_bytes`` unless it holds less than a quarter of that (a norm's few
+    kilobytes join the projection after them rather than make a bucket alone)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, not {bucket_bytes}")
     buckets: list[Bucket] = []
@@ -164,12 +176,14 @@ def pack_buckets(params: Sequence[ParamInfo], bucket_bytes: int = 32 << 20) -> l
 
     def close() -> None:
         if group:
+            roles = ("weight_bytes", "master_bytes", "grad_bytes", "state_bytes")
             buckets.append(Bucket(len(buckets), tuple(p.name for p in group), sum(p.numel for p in group),
-                                  *(sum(getattr(p, f) for p in group) for f in ParamInfo._fields[2:])))  # fmt: skip
+                                  *(sum(getattr(p, f) for p in group) for f in roles)))  # fmt: skip
             group.clear()
 
     for p in params:
-        if group and sum(q.weight_bytes for q in group) + p.weight_bytes > bucket_bytes:
+        held = sum(q.weight_bytes for q in group)
+        if group and held + p.weight_bytes > bucket_bytes and held >= bucket_bytes // 4:
             close()
         group.append(p)
     close()
@@ -195,8 +209,14 @@ def plan_bytes(buckets: Sequence[Bucket], placements: Sequence[Placement], in_fl
                staging_slots: int = 0) -> tuple[int, int, int]:  # fmt: skip
     """(device, host, pinned) bytes of model state under ``placements`` (Note [Model-state bytes])."""
     device = host = pinned = 0
-    streamed = offloaded = staged = 0
-    staged_pinned = 0
+    streamed = offloaded = 0
+    staged = staged_pinned = 0
+    slots = staging_slots
+    for b, p in zip(reversed(buckets), reversed(placements)):  # staged: the first offloaded in backward order
+        if p != Placement.RESIDENT and slots > 0:
+            slots -= 1
+            staged += b.master_bytes + b.state_bytes
+            staged_pinned += 0 if b.separate_master else b.master_bytes
     for b, p in zip(buckets, placements):
         device += device_bytes_of(b, p)
         h, pin = host_bytes_of(b, p)
@@ -205,10 +225,8 @@ def plan_bytes(buckets: Sequence[Bucket], placements: Sequence[Placement], in_fl
             streamed = max(streamed, b.weight_bytes)
         if p != Placement.RESIDENT:
             offloaded = max(offloaded, b.grad_bytes)
-            staged = max(staged, b.master_bytes + b.state_bytes)
-            staged_pinned = max(staged_pinned, 0 if b.separate_master else b.master_bytes)
     device += in_flight * (streamed + offloaded)
-    return device, host + staging_slots * staged, pinned + staging_slots * staged_pinned
+    return device, host + staged, pinned + staged_pinned
 
 
 def plan_model_state(
@@ -234,6 +252,10 @@ def plan_model_state(
 
     Raises ``ModelStateDoesNotFit`` when even the plan that needs least of the device (or of the host)
     exceeds ``room`` (or ``host_memory``), naming the smallest that fits.
+
+    ``device_bytes`` counts by bucket sizes alone; where the buckets' reads are known, ``weights.reserve`` gives
+    the exact per-step figure (several gradients finished in one step, a module reading several buckets), and a
+    schedule of ``weights.with_weights``' sequence is what holds the budget (``model_state_choice``).
     """
     if mode not in MODES:
         raise ValueError(f"unknown model_state mode {mode!r}: choose one of {', '.join(MODES)}")

@@ -93,13 +93,14 @@ def test_allocators_hold_at_least_the_live_bytes():
 
 
 def test_device_profiles():
-    for name in ("v100-16gb", "a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "l4", "rtx4090"):
+    for name in ("v100-16gb", "a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "l4", "rtx4090-24gb"):
         p = profile(name)
         assert p.fp32_flops > 1e12 and p.lowp_flops > p.fp32_flops and p.mem_bandwidth > 1e11
         assert p.h2d_bandwidth > 1e10 and p.memory >= 16 << 30 and p.source
     assert profile("v100") is PROFILES["v100-16gb"] and profile("H100") is PROFILES["h100-sxm"]
     assert PROFILES["p100"] is PROFILES["p100-16gb"] and "p100" not in PROFILES  # old names index, not listed
-    assert set(ALIASES) == {"v100", "p100", "h100"}
+    assert set(ALIASES) == {"v100", "p100", "h100", "rtx4090"}
+    assert profile("rtx4090") is PROFILES["rtx4090-24gb"] and "rtx4090" not in PROFILES
     assert profile("v100-16gb").h2d_bandwidth == 50e9  # the window-scheduling paper's NVLink to the POWER9
     with pytest.raises(ValueError, match="unknown device profile"):
         profile("tpu")

@@ -28,6 +28,7 @@ ALLOWED = {
     "_orig_mod": "the module a torch.compile wrapper (OptimizedModule) wraps",
     "_get_foreach_kernels_supported_devices": "torch.optim's device list for foreach kernels (meta-device capture)",
     "_destroy": "torch.library.Library has no public way to drop its registrations",
+    "_assert_async": "a check queued on the device, with no host sync (the tiled head's label check on CUDA)",
     # tensors, storages, operators and autograd nodes
     "_base": "a view's base tensor (parameters are recognised through their views)",
     "_version": "a tensor's version counter: in-place writes to saved tensors are detected with it",

@@ -116,11 +116,12 @@ def llm_buckets(n=10, numel=1000):
 
 
 def test_pack_buckets_never_splits_a_parameter_and_keeps_the_order():
-    params = [ParamInfo(f"p{i}", n, 2 * n, 4 * n, 2 * n, 8 * n) for i, n in enumerate([10, 10, 30, 5, 5, 5])]
+    params = [ParamInfo(f"p{i}", n, 2 * n, 4 * n, 2 * n, 8 * n) for i, n in enumerate([10, 10, 30, 2, 20, 5, 5, 5])]
     buckets = pack_buckets(params, bucket_bytes=40)
-    assert [b.params for b in buckets] == [("p0", "p1"), ("p2",), ("p3", "p4", "p5")]
-    assert [b.weight_bytes for b in buckets] == [40, 60, 30]  # p2 alone is over the size: a bucket of its own
-    assert buckets[0].state_bytes == 160 and [b.index for b in buckets] == [0, 1, 2]
+    assert [b.params for b in buckets] == [("p0", "p1"), ("p2",), ("p3", "p4"), ("p5", "p6", "p7")]
+    # p2 alone is over the size: a bucket of its own; p3 (4 bytes, under a quarter of 40) takes p4 in
+    assert [b.weight_bytes for b in buckets] == [40, 60, 44, 30]
+    assert buckets[0].state_bytes == 160 and [b.index for b in buckets] == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="bucket_bytes must be positive"):
         pack_buckets(params, 0)
 

@@ -1,0 +1,354 @@
+"""The forecast with model state: activations planned by the joint search, model state placed by
+``plan_model_state``, the iteration simulated with a host-step lane, side by side with the offloading
+schedules of other systems on the same simulator.
+
+Note [Offload schedules side by side]
+Each schedule is a placement of every bucket, where the host steps run, and the format the system keeps the
+model in, judged on the same capture, device, host, activation search and simulator (Note [Model-state
+simulation] in swap/schedule/model_state_sim.py):
+
+- ``ours``: placements planned under the budget (``plan_model_state``: a resident prefix, host masters,
+  streamed buckets; the device room and the resident share tried and simulated, the fastest kept), host
+  steps before use (speculative during the backward where host memory holds the staging slots); the host
+  memory model state leaves is split between swapped activations and staging, all of it, half or none to
+  the activations (``HOST_SHARES``), the fastest kept;
+- ``zero_offload`` (DeepSpeed ZeRO-Offload, ZeRO-2 with ``offload_optimizer``): compute copies resident,
+  master and Adam on the host, the host step after the backward; without the one-step delayed update, which
+  changes the math;
+- ``zero3_offload`` (ZeRO-3 with ``offload_param`` and ``offload_optimizer``): weights streamed, the host
+  step after the backward;
+- ``fsdp2_cpu_offload`` (FSDP2 ``CPUOffloadPolicy`` with bf16 parameters and fp32 reduction): everything
+  streamed; the fp32 shard is copied in and cast on the device, gradients leave in fp32; the host step after
+  the backward. Clipping needs a second (gloo) process group;
+- ``torchao_cpu_offload`` (torchao ``CPUOffloadOptimizer``): the model's own parameters stay on the device (in
+  the master's dtype, cast by autocast at each forward), each stepped on the host after the backward and
+  copied back; no gradient clipping.
+
+What is not modelled: DeepSpeed's fixed prefetch sizes (every schedule gets our window), NUMA and thread
+placement on the host, and pinned-memory rounding (our host pool is exact: Note [Exact-size pinned blocks]).
+For every schedule the activations are planned by the same joint search (``activations``: a strategy of
+swap.joint.search, default ``auto``) with the model state's device bytes reserved at every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from ..capture import Trace, capture
+from ..devices import DeviceProfile, HostProfile, host_step_bytes
+from ..joint.search import BASELINES, Evaluator, Outcome, search
+from ..schedule.budget import InfeasibleBudget
+from ..schedule.model_state import Bucket, ModelStateDoesNotFit, ModelStatePlan, Placement, plan_model_state
+from ..schedule.model_state_choice import (
+    RESIDENT_SHARES,
+    ROOM_SHARES,
+    Placed,
+    fastest_timing,
+    place,
+    simulate_placed,
+    with_bytes,
+)
+from ..schedule.model_state_sim import ModelStatePrices
+from ..schedule.sequence import Sequence
+from ..schedule.weights import BucketUses, reserve
+from .from_trace import sequence_from_trace
+from .model_state import Layout, StateFormat, layout_from_trace, stateless_optimizer
+from .offload_report import OffloadForecast, OffloadResult
+from .ops_from_trace import table_from_trace
+from .pricing import event_seconds
+
+HOST_SHARES = (1.0, 0.5, 0.0)  # of the host memory model state leaves: the most swapped activations may take (ours)
+AUTO_EVALUATIONS = 60  # plans the joint search judges per activation plan
+ROOM_GRID = 64  # rooms are rounded up to a 64th of the budget, so schedules share activation plans
+
+
+@dataclass(frozen=True)
+class OffloadSchedule:
+    """One system's way of placing and stepping model state (Note [Offload schedules side by side])."""
+
+    name: str
+    label: str
+    placement: Optional[Placement]  # None: planned
+    timing: str
+    clipping: str
+    weight_in_master_dtype: bool = False  # the device keeps the model's parameters in the master's dtype
+    cast: Optional[str] = None  # where the master is cast (None: the format's)
+    grad_in_master_dtype: bool = False  # gradients leave the device in the master's dtype
+
+    def format(self, fmt: StateFormat) -> StateFormat:
+        """``fmt`` as this system keeps it."""
+        weight = fmt.master if self.weight_in_master_dtype else fmt.weight
+        grad = fmt.master if self.grad_in_master_dtype else fmt.grad
+        return replace(fmt, weight=weight, grad=grad, cast=self.cast or fmt.cast)
+
+
+SCHEDULES = {
+    s.name: s
+    for s in (
+        OffloadSchedule("ours", "ours (planned)", None, "before_use", "exact (per-bucket partial norms)"),
+        OffloadSchedule("zero_offload", "ZeRO-Offload", Placement.HOST_MASTER, "blocking", "exact"),
+        OffloadSchedule("zero3_offload", "ZeRO-3-offload", Placement.STREAMED, "blocking", "exact"),
+        OffloadSchedule("fsdp2_cpu_offload", "FSDP2 CPUOffloadPolicy", Placement.STREAMED, "blocking",
+                        "needs a gloo process group", cast="device", grad_in_master_dtype=True),
+        OffloadSchedule("torchao_cpu_offload", "torchao CPUOffloadOptimizer", Placement.HOST_MASTER, "blocking",
+                        "not supported", weight_in_master_dtype=True, cast="device", grad_in_master_dtype=True),
+    )
+}  # fmt: skip
+
+
+def prices_for(buckets: Seq[Bucket], fmt: StateFormat, dev: DeviceProfile, host: HostProfile) -> ModelStatePrices:
+    """Per-bucket prices (Note [Model-state simulation]): host steps from the host profile (the compute copy
+    written by the host step when the host casts), device steps and casts on the device's memory bandwidth."""
+    copy = fmt.weight if fmt.cast == "host" and fmt.weight != fmt.master else 0
+    dev_bw = dev.mem_bandwidth * dev.efficiency
+    host_bytes = [host_step_bytes(fmt.optimizer, b.numel, fmt.master, fmt.grad, copy) for b in buckets]
+    rate = host.optimizer_rate(fmt.optimizer)
+    own = fmt.weight if fmt.weight != fmt.master else 0  # the device step writes the compute copy too
+    device_step = [host_step_bytes(fmt.optimizer, b.numel, fmt.master, fmt.grad, own) / dev_bw for b in buckets]
+    cast = [b.numel * (fmt.master + fmt.weight) / dev_bw for b in buckets] if fmt.cast == "device" else []
+    return ModelStatePrices(
+        host.h2d_bandwidth or dev.h2d_bandwidth, host.d2h_bandwidth or dev.d2h_bandwidth,
+        tuple(x / rate for x in host_bytes), tuple(device_step), tuple(cast), tuple(float(x) for x in host_bytes),
+        host.dram_bandwidth, host.duplex_bandwidth or dev.duplex_bandwidth,
+    )  # fmt: skip
+
+
+class _Activations:
+    """Activation plans by device room reserved for model state: the joint search on the sequence with that
+    many bytes added to every step (cached), and of the plans it judged, the fastest whose swapped activations
+    the host has room for (the search itself does not count host memory)."""
+
+    def __init__(self, seq: Sequence, table, budget: int, dev: DeviceProfile, strategy: str, evaluations: int) -> None:
+        self.seq, self.table, self.budget, self.dev = seq, table, budget, dev
+        self.strategy, self.evaluations = strategy, evaluations
+        self.plans: dict[int, list[Outcome]] = {}
+
+    def grid(self, room: int) -> int:
+        """``room`` rounded up to the grid (more room kept for model state: never less safe)."""
+        q = max(1, self.budget // ROOM_GRID)
+        return -(-room // q) * q
+
+    def at(self, room: int, host_room: Optional[int] = None) -> Optional[Outcome]:
+        """The fastest activation plan with ``room`` kept for model state whose swapped activations take at most
+        ``host_room`` host bytes (None: any)."""
+        if room not in self.plans:
+            reserved = replace(self.seq, nonswap=[x + room for x in self.seq.nonswap])
+            ev = Evaluator(reserved, self.table, self.budget, self.dev.h2d_bandwidth, self.dev.d2h_bandwidth)
+            if self.strategy == "auto":
+                found = search(ev, self.evaluations)
+                judged = [found.best, *found.baselines.values()]
+            else:
+                judged = [BASELINES[self.strategy](ev)]
+            self.plans[room] = sorted((o for o in judged if o.feasible), key=lambda o: o.step_time)
+        fits = [o for o in self.plans[room] if host_room is None or swapped_bytes(o) <= host_room]
+        return fits[0] if fits else None
+
+
+def swapped_bytes(o: Outcome) -> int:
+    """Host bytes of the activations an activation plan swaps out (each once)."""
+    if o.schedule is None or o.sequence is None:
+        return 0
+    return sum(o.sequence.sizes[v] for v in {v for step in o.schedule.swap_out for v in step})
+
+
+@dataclass
+class _Prepared:
+    """A model-state plan placed on an activation plan, scheduled under the budget (``_prepare``)."""
+
+    placed: Placed
+    activations: Outcome  # the activation plan it is placed on
+    room: int  # device bytes kept for model state while the activations were planned
+
+
+def _prepare(acts: _Activations, room: int, buckets: list[Bucket], uses: list[BucketUses], plan: ModelStatePlan,
+             fmt: StateFormat, prices: ModelStatePrices, in_flight: int,
+             host_room: Optional[int] = None) -> Union[_Prepared, str]:  # fmt: skip
+    """``plan`` on the activation plan for ``room`` (whose swapped activations fit ``host_room``), scheduled
+    under the budget (``place``); or why it does not fit."""
+    fetch = [b.master_bytes if fmt.cast == "device" else b.weight_bytes for b in buckets]
+    room = acts.grid(max(room, reserve(buckets, uses, plan, in_flight, fetch)))
+    act = acts.at(room, host_room)
+    if act is None:
+        where = "" if host_room is None else f" and {host_room / 1e9:.0f} GB of host memory left for activations"
+        return f"no activation plan fits with {room / 2**30:.1f} GiB kept for model state{where}"
+    holds = act.model.holds if act.model is not None and act.model.holds else None
+    seq = replace(act.sequence, nonswap=[max(0, x - room) for x in act.sequence.nonswap])
+    try:
+        placed = place(seq, buckets, uses, plan, acts.budget, prices, in_flight=in_flight, fetch_bytes=fetch,
+                       holds=holds, compute=acts.seq.compute)  # fmt: skip
+    except InfeasibleBudget as e:
+        return str(e).split(". ")[0]
+    return _Prepared(placed, act, room)
+
+
+def _result(name: str, prep: Union[_Prepared, str], plan: ModelStatePlan, room: int, tokens: int,
+            host: HostProfile, *, prices: ModelStatePrices, buckets: list[Bucket], uses: list[BucketUses],
+            timing: str, in_flight: int) -> OffloadResult:  # fmt: skip
+    """Schedule ``name``'s result: ``plan`` simulated on ``prep`` (or why it does not fit)."""
+    s = SCHEDULES[name]
+    r = OffloadResult(name, s.label, False, "", plan=plan, room=room, clipping=s.clipping, timing=timing)
+    if isinstance(prep, str):
+        r.why = prep
+        return r
+    r.activations, r.room = _describe(prep.activations), prep.room
+    if timing == "fastest":  # ours: before use, or speculative where the host holds the staging (and it is faster)
+        plan, timing, sim = fastest_timing(prep.placed, buckets, uses, plan, prices, host.memory, in_flight)
+        r.plan, r.timing = plan, timing
+    else:
+        sim = simulate_placed(prep.placed, buckets, uses, plan, prices, timing, in_flight)
+    r.fits, r.sim, r.step_time, r.tokens_per_s = True, sim, sim.step_time, tokens / sim.step_time
+    r.device_peak, r.pinned_bytes = prep.placed.schedule.peak, plan.pinned_bytes
+    r.host_bytes = plan.host_bytes + prep.placed.pool
+    if r.host_bytes > host.memory:
+        r.fits = False
+        r.why = f"needs {r.host_bytes / 1e9:.0f} GB of host memory, the host has {host.memory / 1e9:.0f} GB"
+    return r
+
+
+def forecast_offload(
+    trace: Trace,
+    model_fn: Callable,
+    *,
+    batch: int,
+    tokens: int,
+    budget: int,
+    dev: DeviceProfile,
+    host: HostProfile,
+    fmt: Optional[StateFormat] = None,
+    schedules: Seq[str] = tuple(SCHEDULES),
+    mode: str = "auto",
+    activations: str = "auto",
+    bucket_bytes: int = 32 << 20,
+    min_bytes: int = 1 << 20,
+    in_flight: int = 2,
+    name: str = "model",
+    say: Callable[[str], None] = lambda _m: None,
+) -> OffloadForecast:
+    """Every schedule in ``schedules`` (``SCHEDULES``) on ``trace`` (one training step at ``batch``, captured
+    with a stateless optimizer: ``swap.forecast.model_state.stateless_optimizer``) under ``budget`` (Note
+    [Offload schedules side by side]). ``mode`` is ours: "auto", "offload" or "resident" (``plan_model_state``)."""
+    fmt = fmt or StateFormat()
+    for s in schedules:
+        if s not in SCHEDULES:
+            raise ValueError(f"unknown offload schedule {s!r}: choose among {', '.join(SCHEDULES)}")
+    seq = sequence_from_trace(trace, cost=dev, min_bytes=min_bytes)
+    layout = layout_from_trace(trace, model_fn, fmt, bucket_bytes, min_bytes=min_bytes)
+    seq = replace(seq, nonswap=[max(0, a - b) for a, b in zip(seq.nonswap, layout.trace_bytes)])
+    table = table_from_trace(trace, min_bytes=min_bytes, seconds=event_seconds(trace, dev))
+    acts = _Activations(seq, table, budget, dev, activations, AUTO_EVALUATIONS)
+    out = OffloadForecast(name, batch, tokens, budget, dev.name, host.name, fmt.describe(), layout.numel(),
+                          sum(seq.compute), host.memory)  # fmt: skip
+    for s in schedules:
+        sf = SCHEDULES[s].format(fmt)
+        buckets = rebucket(layout, sf)
+        prices = prices_for(buckets, sf, dev, host)
+        if SCHEDULES[s].placement is None:
+            out.results[s] = _ours(acts, buckets, layout.uses, sf, prices, host, mode, in_flight, tokens, say)
+        else:
+            plan = with_bytes(buckets, ModelStatePlan.uniform(len(buckets), SCHEDULES[s].placement), in_flight)
+            room = acts.grid(plan.device_bytes)
+            spare = host.memory - plan.host_bytes
+            prep = _prepare(acts, room, buckets, layout.uses, plan, sf, prices, in_flight, spare)
+            out.results[s] = _result(s, prep, plan, room, tokens, host, prices=prices, buckets=buckets,
+                                     uses=layout.uses, timing=SCHEDULES[s].timing, in_flight=in_flight)  # fmt: skip
+        r = out.results[s]
+        say(f"{s}: " + (f"{r.tokens_per_s:.0f} tokens/s" if r.fits and r.tokens_per_s else f"does not fit ({r.why})"))
+    return out
+
+
+def _ours(acts: _Activations, buckets: list[Bucket], uses: list[BucketUses], fmt: StateFormat,
+          prices: ModelStatePrices, host: HostProfile, mode: str, in_flight: int, tokens: int,
+          say: Callable[[str], None]) -> OffloadResult:  # fmt: skip
+    """The fastest of our plans over the device rooms and resident shares tried (Note [Offload schedules
+    side by side])."""
+    best: Optional[OffloadResult] = None
+    why = "no plan fits"
+    for share in ROOM_SHARES:
+        room = acts.grid(int(share * acts.budget))
+        for resident in RESIDENT_SHARES if mode == "auto" else (1.0,):
+            try:
+                plan = plan_model_state(buckets, room, mode=mode, resident_room=int(resident * room),
+                                        in_flight=in_flight, host_memory=host.memory)  # fmt: skip
+            except ModelStateDoesNotFit as e:
+                why = str(e)
+                continue
+            spare = host.memory - plan.host_bytes
+            tried: set[int] = set()
+            for pool in HOST_SHARES:  # host memory for swapped activations; the rest may stage host steps
+                prep = _prepare(acts, room, buckets, uses, plan, fmt, prices, in_flight, int(pool * spare))
+                if isinstance(prep, _Prepared) and id(prep.activations) in tried:
+                    continue  # the same activation plan as with more host memory: the same result
+                tried.add(id(prep.activations) if isinstance(prep, _Prepared) else -len(tried) - 1)
+                r = _result("ours", prep, plan, room, tokens, host, prices=prices, buckets=buckets, uses=uses,
+                            timing="fastest", in_flight=in_flight)  # fmt: skip
+                if r.fits and (best is None or not best.fits or r.step_time < best.step_time):
+                    best = r
+                elif best is None:
+                    best = r
+                why = r.why or why
+            if mode != "auto" or all(p == Placement.RESIDENT for p in plan.placements):
+                break
+    assert best is not None
+    if best.fits:
+        say(f"ours: room {best.room / 2**30:.1f} GiB, placements resident/host-master/streamed {best.placements()}")
+    return best
+
+
+def _describe(o: Optional[Outcome]) -> str:
+    if o is None:
+        return "-"
+    s = o.strategy
+    return f"{s.plan.describe()}, swap {s.swap}"
+
+
+def rebucket(layout: Layout, fmt: StateFormat) -> list[Bucket]:
+    """``layout``'s buckets (the same parameters in each) with their bytes in ``fmt``."""
+    out = []
+    for b in layout.buckets:
+        p = fmt.param("", b.numel)
+        out.append(replace(b, weight_bytes=p.weight_bytes, master_bytes=p.master_bytes, grad_bytes=p.grad_bytes,
+                           state_bytes=p.state_bytes))  # fmt: skip
+    return out
+
+
+OptimizerFn = Callable[[Any], torch.optim.Optimizer]
+
+
+def state_format(optimizer: Optional[OptimizerFn], dtype: Optional[torch.dtype]) -> StateFormat:
+    """The format the user trains in: the optimizer's kind (its class: AdamW, Adam, SGD with or without
+    momentum; default AdamW) and, with bf16/fp16 weights, fp32 master and state (mixed precision), else the
+    weights' dtype throughout."""
+    kind = "adamw"
+    if optimizer is not None:
+        opt = optimizer([torch.nn.Parameter(torch.empty(1, device="meta"))])
+        name = type(opt).__name__.lower()
+        momentum = opt.param_groups[0].get("momentum", 0)
+        kind = {"adamw": "adamw", "adam": "adam", "sgd": "sgd" if momentum else "sgd_plain"}.get(name, "adamw")
+    low = dtype in (torch.bfloat16, torch.float16)
+    weight = 2 if low else 4 if dtype in (None, torch.float32) else torch.empty(0, dtype=dtype).element_size()
+    return StateFormat(kind, weight, 4 if low else weight, weight, 4 if low else weight)
+
+
+def forecast_model(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], Any], loss_fn: Any, *,
+                   batch: int, budget: int, dev: DeviceProfile, host: HostProfile, mode: str,
+                   optimizer: Optional[OptimizerFn] = None,
+                   dtype: Optional[torch.dtype] = None, min_bytes: int = 1 << 20, target: str = "cuda",
+                   name: str = "model", say: Callable[[str], None] = lambda _m: None) -> OffloadForecast:  # fmt: skip
+    """``swap.plan(model_state=...)``: one training step at ``batch`` captured with a stateless optimizer
+    (Note [Model state from a trace]) and every offload schedule forecast on it, in the format the user's
+    optimizer and dtype say (``state_format``). Tokens are the batch's elements of its first input."""
+    trace = capture(model_fn, batch_fn, batch, loss_fn, optimizer=stateless_optimizer, dtype=dtype, target=target,
+                    name=name)  # fmt: skip
+    say(f"model state: captured batch {batch} ({len(trace)} events)")
+    first = batch_fn(batch)
+    if isinstance(first, dict):
+        first = next(iter(first.values()))
+    elif isinstance(first, (tuple, list)):
+        first = first[0]
+    tokens = int(first.numel()) if isinstance(first, torch.Tensor) and not first.is_floating_point() else batch
+    return forecast_offload(trace, model_fn, batch=batch, tokens=tokens, budget=budget, dev=dev, host=host,
+                            fmt=state_format(optimizer, dtype), mode=mode, min_bytes=min_bytes, name=name, say=say)

@@ -1,0 +1,156 @@
+"""The model-state forecast: host profiles, buckets and their reads from a captured trace, the offload
+schedules side by side, ``swap.plan(model_state=...)`` and ``python -m swap.plan --host``, on a tiny
+Llama-shaped model (captured in a second)."""
+
+import json
+
+import pytest
+import torch
+
+import swap
+from swap.capture import capture
+from swap.cli import main
+from swap.devices import HOST_PROFILES, HostProfile, host_profile, host_step_bytes, profile
+from swap.forecast.from_trace import sequence_from_trace
+from swap.forecast.model_state import StateFormat, layout_from_trace, stateless_optimizer
+from swap.forecast.offload import SCHEDULES, forecast_offload, state_format
+from swap.forecast.zoo import llama
+from swap.schedule.model_state import Placement
+
+MiB = 1 << 20
+
+
+def tiny():
+    return llama(2, 64, 4, 2, 128, 256)
+
+
+def tiny_batch(n):
+    tokens = torch.randint(0, 256, (n, 33))
+    return {"idx": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return capture(tiny, tiny_batch, 4, dtype=torch.bfloat16, optimizer=stateless_optimizer)
+
+
+def test_host_profiles_price_a_step_by_its_dram_bytes(tmp_path):
+    # AdamW on fp32 masters: master and two states read and written (24 B), a bf16 gradient read, a bf16 copy
+    # written: 28 bytes a parameter, the figure the DRAM-bound argument uses
+    assert host_step_bytes("adamw", 1, 4, 2, 2) == 28 and host_step_bytes("sgd", 1, 4, 4) == 20
+    desk = host_profile("desktop-ddr5-2ch")
+    assert desk.step_seconds("adamw", 8 * 10**9, 4, 2, 2) == pytest.approx(8e9 * 28 / (0.75 * 89.6e9))
+    assert desk.optimizer_rate("adam") == desk.optimizer_rate("adamw") and desk.source
+    assert host_profile("server-ddr5-8ch").memory == 1 << 40 and set(HOST_PROFILES) >= {"desktop-ddr5-2ch"}
+    with pytest.raises(ValueError, match="unknown host profile 'laptop'"):
+        host_profile("laptop")
+    with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
+        host_step_bytes("lion", 1, 4, 4)
+    path = tmp_path / "host.json"  # what bench/host_profile.py writes
+    path.write_text(json.dumps({"profile": {"name": "m", "dram_bandwidth": 1e10, "optimizer_rates": {"adamw": 5e9},
+                                            "memory": 1 << 34, "pinnable": 1 << 33}}))  # fmt: skip
+    assert host_profile(str(path)) == HostProfile("m", 1e10, {"adamw": 5e9}, 1 << 34, 1 << 33)
+
+
+def test_buckets_in_first_use_order_and_where_they_are_read(trace):
+    lay = layout_from_trace(trace, tiny, StateFormat(), bucket_bytes=16 * 1024)
+    names = [p for b in lay.buckets for p in b.params]
+    assert names[0] == "tok.weight" and names[-1] == "head.weight"  # the embedding is read first, the head last
+    params = list(tiny().parameters())
+    assert lay.params == len(params) and lay.numel() == sum(p.numel() for p in params)
+    for b, u in zip(lay.buckets, lay.uses):
+        assert u.forward and u.backward and max(u.forward) < u.grad_final, b.params  # read forward, then backward
+    assert lay.buckets[0].weight_bytes == 256 * 64 * 2 and lay.buckets[0].state_bytes == 256 * 64 * 8
+    seq = sequence_from_trace(trace, min_bytes=0)
+    assert len(lay.trace_bytes) == len(seq)
+    assert all(0 <= m <= n for m, n in zip(lay.trace_bytes, seq.nonswap))  # never more than the step held
+    assert min(lay.trace_bytes) >= sum(p.numel() * 2 for p in tiny().parameters())  # the bf16 weights, always
+
+
+def test_every_schedule_side_by_side_within_the_budget(trace):
+    dev, host = profile("rtx4090"), host_profile("desktop-ddr5-2ch")
+    budget = 2 * MiB
+    f = forecast_offload(trace, tiny, batch=4, tokens=128, budget=budget, dev=dev, host=host, min_bytes=0,
+                         bucket_bytes=16 * 1024)  # fmt: skip
+    assert set(f.results) == set(SCHEDULES)
+    ours = f.results["ours"]
+    assert ours.fits and ours.device_peak <= budget and ours.tokens_per_s > 0
+    assert ours.sim.bytes_by_kind["gradients"][1] > 0 or all(p == Placement.RESIDENT for p in ours.plan.placements)
+    zero3 = f.results["zero3_offload"]
+    assert zero3.fits and set(zero3.plan.placements) == {Placement.STREAMED} and zero3.timing == "blocking"
+    assert "ZeRO-3-offload" in f.table() and "tokens/s" in f.table()
+    assert json.loads(json.dumps(f.to_dict()))["results"]["ours"]["fits"]
+    tight = forecast_offload(trace, tiny, batch=4, tokens=128, budget=budget, dev=dev, min_bytes=0,
+                             host=HostProfile("small", 1e10, {"adamw": 1e10}, 10_000, 10_000),
+                             schedules=("zero3_offload",))  # fmt: skip
+    assert not tight.results["zero3_offload"].fits and "host memory" in tight.results["zero3_offload"].why
+
+
+def test_the_format_follows_the_users_optimizer_and_dtype():
+    sgd = state_format(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), torch.bfloat16)
+    assert (sgd.optimizer, sgd.weight, sgd.master, sgd.state) == ("sgd", 2, 4, 4)
+    assert state_format(lambda p: torch.optim.SGD(p, lr=0.1), None).optimizer == "sgd_plain"
+    fp32 = state_format(None, None)
+    assert (fp32.optimizer, fp32.weight, fp32.master) == ("adamw", 4, 4)
+
+
+def test_swap_plan_with_model_state(capsys):
+    p = swap.plan(tiny, tiny_batch, budget="4MiB", device="rtx4090", model_state="auto", host="desktop-ddr5-2ch",
+                  batch=2, policies=("none",), strategies=(), dtype=torch.bfloat16, min_bytes=0,
+                  progress=False)  # fmt: skip
+    assert p.model_state is not None and p.model_state.results["ours"].fits and p.model_state.tokens == 64
+    assert "model state under the budget" in p.table() and p.to_dict()["model_state"]["batch"] == 2
+    with pytest.raises(ValueError, match="needs a host profile"):
+        swap.plan(tiny, tiny_batch, budget="4MiB", model_state="auto", batch=2, progress=False)
+    with pytest.raises(ValueError, match="pass batch=N"):
+        swap.plan(tiny, tiny_batch, budget="4MiB", host="desktop-ddr5-2ch", progress=False)
+    with pytest.raises(ValueError, match="unknown model_state 'all'"):
+        swap.plan(tiny, tiny_batch, budget="4MiB", model_state="all", host="desktop-ddr5-2ch", batch=2, progress=False)
+
+
+USER_FILE = """
+import torch
+from swap.forecast.zoo import llama
+
+def model_fn():
+    return llama(2, 64, 4, 2, 128, 256)
+
+def batch_fn(n):
+    tokens = torch.randint(0, 256, (n, 33))
+    return {"idx": tokens[:, :-1], "labels": tokens[:, 1:]}
+"""
+
+
+def test_the_command_line_takes_a_host(tmp_path, capsys):
+    f = tmp_path / "m.py"
+    f.write_text(USER_FILE)
+    base = ["--model", f"{f}:model_fn", "--batch", f"{f}:batch_fn", "--budget", "4MiB", "--device", "rtx4090",
+            "--quiet", "--strategies", "off", "--policies", "none", "--min-bytes", "1",
+            "--dtype", "bfloat16"]  # fmt: skip
+    assert main(base + ["--host", "desktop-ddr5-2ch", "--at-batch", "2", "--json", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "model state under the budget" in out and "ZeRO-Offload" in out
+    assert json.loads((tmp_path / "p.json").read_text())["model_state"]["host"].startswith("desktop")
+    for bad, message in ((["--host", "desktop-ddr5-2ch"], "pass --at-batch N"),
+                         (["--model-state", "offload", "--at-batch", "2"], "--model-state needs --host")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            main(base + bad)
+        assert message in capsys.readouterr().err
+
+
+def test_a_recompute_plan_says_where_each_step_went(trace):
+    from swap.forecast.ops_from_trace import table_from_trace
+    from swap.joint.regions import RecomputePlan, Region, apply_regions
+
+    seq = sequence_from_trace(trace, min_bytes=0)
+    table = table_from_trace(trace, min_bytes=0)
+    for plan in (RecomputePlan(), RecomputePlan((Region("blocks.0"),)), RecomputePlan((Region("blocks.1"),), True)):
+        m = apply_regions(seq, table, plan)
+        assert len(m.holds) == len(seq) and m.holds == sorted(m.holds)  # every step, in order
+        assert all(0 <= h < len(m.sequence) for h in m.holds)
+        kept = [i for i in range(len(seq)) if i == 0 or m.holds[i] != m.holds[i - 1]]
+        for i in kept[1:]:  # a step that kept its own entry is that entry
+            if seq.kind[i] == "use" and not plan.regions:
+                assert m.sequence.kind[m.holds[i]] == "use"
+    whole = apply_regions(seq, table, RecomputePlan((Region("blocks.0"),)))
+    assert len(set(whole.holds)) < len(seq)  # the checkpointed block's saves joined the steps before them
