@@ -37,6 +37,8 @@ from .executor import Executor
 from .hooks import SavedTensorHooks
 from .joint import JointRuntime
 from .memory import DeviceMemory, vmalloc_arena
+from .model_state.runtime import ModelStateRuntime, check_model_state
+from .model_state.streaming import ParamPacked
 from .notices import Notices
 from .recompute import RecomputeHooks
 from .report import SwapReport
@@ -73,6 +75,18 @@ class SwapManager:
         strategy: "auto" (what runs when no policy is given): keep, swap or recompute each saved tensor,
             checkpointing modules of the model where that is faster than swapping them (Note [Applying a joint
             plan] in swap.runtime.joint). ``policy="auto"`` still means this, with a DeprecationWarning.
+        model, optimizer: the model and the torch optimizer that steps it (both or neither): their parameters,
+            gradients and optimizer state then count against the budget too (swap.runtime.model_state). The loop
+            is unchanged: ``opt.step()``, an LR scheduler, gradient accumulation, ``zero_grad``,
+            ``torch.nn.utils.clip_grad_norm_`` (or ``sm.clip_grad_norm_``) and both state dicts work as in plain
+            torch. Adam, AdamW and SGD are supported.
+        model_state: with ``model=``: "offload" streams every parameter through the device and steps it on the
+            host (exact: the very optimizer, bitwise on CPU runs); "resident" keeps the state on the device (as
+            without ``model=``); "auto" (the default) chooses per bucket under the budget, starting offloaded.
+        bucket_bytes: parameters are moved and stepped in buckets of about this many bytes (packed in the order
+            the forward pass reads them).
+        host_memory: host bytes the offloaded model state may take; None: what the kernel reports available.
+            The manager refuses at construction (``HostMemoryError``) if the state would not fit.
 
     Raises ``InfeasibleBudget`` (at the first saved tensor of the iteration after the one that showed it)
     when no schedule can keep the budget; warns once with ``BudgetWarning`` per cause when it cannot help
@@ -95,6 +109,11 @@ class SwapManager:
         arena: Any = None,
         recompute: bool = False,
         strategy: Optional[str] = None,
+        model: Optional[torch.nn.Module] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        model_state: str = "auto",
+        bucket_bytes: Size = "32MiB",
+        host_memory: Size = None,
     ) -> None:
         policy = self.policy = check_strategy(strategy, policy)  # "auto" or a policy
         self.device = check_device(device)
@@ -121,6 +140,15 @@ class SwapManager:
         self._active = False
         self._joint: Optional[JointRuntime] = JointRuntime(self.device, self.budget) if policy == "auto" else None
         self._final: Optional[dict[str, Any]] = None
+        self.model_state: Optional[ModelStateRuntime] = None
+        if check_model_state(model, optimizer, model_state) in ("auto", "offload"):
+            if policy == "none":
+                raise ValueError("policy='none' turns the manager off, so it cannot place model state: pass another "
+                                 "policy, or model_state='resident'")  # fmt: skip
+            self.model_state = ModelStateRuntime(
+                model, optimizer, self.device, parse_size(bucket_bytes, "bucket_bytes", minimum=1),
+                parse_size(host_memory, "host_memory", minimum=1, none="what the kernel reports available"),
+            )  # fmt: skip
 
     @property
     def _recompute(self) -> Optional[RecomputeHooks]:
@@ -163,9 +191,23 @@ class SwapManager:
                                  replanner=s.schedule, warn=self._notices.warn, unmanaged=s.unmanaged)  # fmt: skip
         if self.arena is not None:
             self.arena.set_oom_handler(self.executor.evict)
+        ms = self.model_state
+        if ms is not None:  # before the operator profiler: its dispatch mode must sit above the guard's
+            counters = self.executor.counters
+            ms.start(engine, self.hooks.own_work, self._fits,
+                     lambda: (counters.swapped_in_bytes, counters.swapped_out_bytes))  # fmt: skip
+            self.hooks.manage_params(ms.streamer, ParamPacked)
         self.hooks.install(self.executor, self._joint)
         if self._joint is not None:
             self._joint.start(self.executor, self.hooks)
+
+    def _fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more on the device now keeps the budget, with room for the most a step of the last
+        profile allocated on top of what was live (weights are prefetched only then)."""
+        seq = self.executor.lifecycle.latest
+        if seq is None:
+            return False
+        return self.memory.current() + nbytes + max(seq.transient, default=0) <= self.budget
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         """Removes the hooks, drains the copy lanes and frees the host pool, also after an exception."""
@@ -190,18 +232,49 @@ class SwapManager:
                 self.arena.set_oom_handler(None)
             ex = self.executor
             self.memory.window_peak()
+            try:
+                if self.model_state is not None:
+                    self.model_state.close()  # needs the copy engine; its guard sits below the profiler (closed)
+            finally:
+                self._stop_engine(ex)
+
+    def _stop_engine(self, ex: Executor) -> None:
+        try:
             ex.engine.drain()
             ex.close()
             ex.engine.close()
             self._final = self._snapshot()
+        finally:
             ex.pool.close()
             self.memory.close()
 
     # -- results ----------------------------------------------------------------------------------------
     def _snapshot(self) -> dict[str, Any]:
         window = self._scheduling.window_used if self._scheduling is not None else self.window
-        return snapshot.snapshot(self.policy, self.device, self.budget, window, self.executor, self._joint,
+        data = snapshot.snapshot(self.policy, self.device, self.budget, window, self.executor, self._joint,
                                  self.hooks.recompute)  # fmt: skip
+        if self.model_state is not None:
+            data["model_state"] = self.model_state.snapshot()
+        return data
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, parameters: Any = None,
+                        error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:  # fmt: skip
+        """``torch.nn.utils.clip_grad_norm_`` over ``parameters`` (default: the model's), exact with gradients on
+        the host (Note [Exact clipping] in swap.runtime.model_state.clipping); returns the total norm."""
+        ms = self.model_state
+        if parameters is None:
+            if ms is None:
+                raise ValueError("no model to clip: pass parameters=, or model= and optimizer= to the SwapManager")
+            parameters = ms.model.parameters()
+        if ms is not None and ms.started:
+            return ms.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def flush(self) -> None:
+        """Waits for every pending host step (Note [Host step after confirmation]); nothing to do without model
+        state."""
+        if self.model_state is not None and self.model_state.started:
+            self.model_state.flush()
 
     def report(self) -> SwapReport:
         """Counters of the run so far (or of the whole run, after exit); ``print`` it for a table."""

@@ -11,6 +11,13 @@ The meter counts storages an operator *returns*; memory an operator allocates an
 peak of live tensor bytes *between* operators, a lower bound on the allocator's peak. On a GPU the swap
 runtime reads the allocator's own peak instead, which is the truth.
 
+Note [Storages resized in place]
+Model state streamed through the device keeps each parameter's storage object and resizes it: to zero bytes
+when its weights are dropped, back to full size when they are fetched (the storage-resize trick, so the
+parameter keeps its shape and every view of it). The resize is issued as ``torch.ops.inductor.
+resize_storage_bytes_``, an operator the meter sees: a counted storage's bytes change by the difference, and a
+storage seen first at zero bytes is counted from its first resize up.
+
 Note [Meter and torch.compile]
 ``ignore_compile_internals`` is True: torch.compile does not fall back to eager because of the meter
 (it would, for any other dispatch mode, silently); the meter is off while compiling and on while the
@@ -33,6 +40,8 @@ try:  # fake tensors are the compiler's, never memory on a device
     from torch._subclasses.fake_tensor import FakeTensor
 except ImportError:  # pragma: no cover - every supported torch has it
     FakeTensor = ()  # type: ignore[assignment,misc]
+
+RESIZE = torch.ops.inductor.resize_storage_bytes_.default  # Note [Storages resized in place]
 
 
 class LiveBytesMeter(TorchDispatchMode):
@@ -84,15 +93,32 @@ class LiveBytesMeter(TorchDispatchMode):
             ref = weakref.ref(st, self._died)
             self._seen[key] = ref
             self._sizes[ref] = (key, nbytes)
-            live = self.live = self.live + nbytes
-            if live > self.window_peak:
-                self.window_peak = live
-                if live > self.peak:
-                    self.peak = live
-            if live + self.shadow > self.shadow_window_peak:
-                self.shadow_window_peak = live + self.shadow
-            if live + self.held > self.held_window_peak:
-                self.held_window_peak = live + self.held
+            self.live += nbytes
+            self._raise_peaks()
+
+    def _resized(self, t: Any) -> None:
+        """``t``'s storage was resized in place (Note [Storages resized in place]): count its new size."""
+        st = t.untyped_storage()
+        ref = self._seen.get(id(st))
+        if ref is None or ref() is not st:
+            self._add(t)
+            return
+        with self._lock:
+            key, old = self._sizes[ref]
+            self._sizes[ref] = (key, st.nbytes())
+            self.live += st.nbytes() - old
+            self._raise_peaks()
+
+    def _raise_peaks(self) -> None:
+        live = self.live
+        if live > self.window_peak:
+            self.window_peak = live
+            if live > self.peak:
+                self.peak = live
+        if live + self.shadow > self.shadow_window_peak:
+            self.shadow_window_peak = live + self.shadow
+        if live + self.held > self.held_window_peak:
+            self.held_window_peak = live + self.held
 
     def _died(self, ref: weakref.ref) -> None:
         with self._lock:
@@ -161,6 +187,9 @@ class LiveBytesMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         out = func(*args, **kwargs) if kwargs else func(*args)
+        if func is RESIZE:
+            self._resized(args[0])
+            return out
         if isinstance(out, torch.Tensor):
             self._add(out)
         elif isinstance(out, (tuple, list)):
