@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ...schedule.model_state import Placement
-from ..host_pool import ALIGN, HostPool
+from ..host_pool import ALIGN, HostPool, Pinner
 from ..resources import available_host_memory
 from . import clipping
 from .buckets import collect_entries, specs
@@ -77,6 +77,9 @@ class ModelStateRuntime:
         self._last = self._totals(lambda: (0, 0))
         self.started = False
         self.final: Optional[dict[str, Any]] = None
+        # Page-locks the host masters and gradient buffers: the CUDA driver on CUDA runs (None), or one given
+        # (tests, a host with its own way to pin).
+        self.pinner: Optional[Pinner] = None
 
     # -- starting ---------------------------------------------------------------------------------------
     def start(self, engine: Any, own_work: Callable[[], Any], fits: Callable[[int], bool],
@@ -84,10 +87,11 @@ class ModelStateRuntime:
         """Host masters and buffers allocated, weights dropped off the device, hooks installed. ``own_work()``: a
         context in which the saved-tensor hooks know the runtime's own operators run; ``fits(n)``: whether ``n``
         more device bytes keep the budget; ``activation_bytes()``: activation bytes (in, out) so far."""
-        pinned = self.device.type == "cuda"
+        pinned = self.pinned
         pred = self.prediction
         # Exact sizes, one block each (Note [Host memory before allocating]); staging may not grow past its own.
-        pools = [HostPool(pinned, limit=n if limited else None, block_size=max(n, ALIGN), device=self.device)
+        pools = [HostPool(pinned, limit=n if limited else None, block_size=max(n, ALIGN), pinner=self.pinner,
+                          device=self.device)
                  for n, limited in ((pred.masters, False), (pred.grads, False), (pred.staging, True))]  # fmt: skip
         self.pools = pools
         self.activation_bytes = activation_bytes
@@ -129,6 +133,11 @@ class ModelStateRuntime:
         self._restore.append(self.state_dicts.uninstall)
         clipping.route(self)
         self._restore.append(lambda: clipping.unroute(self))
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the host masters and gradient buffers are page-locked (CUDA runs, or a ``pinner`` given)."""
+        return self.device.type == "cuda" or self.pinner is not None
 
     @contextlib.contextmanager
     def busy(self) -> Iterator[None]:
@@ -280,7 +289,7 @@ class ModelStateRuntime:
         data: dict[str, Any] = {
             "mode": "offload",
             "host_bytes_predicted": pred.total,
-            "pinned_bytes_predicted": pred.pinned if self.device.type == "cuda" else 0,
+            "pinned_bytes_predicted": pred.pinned if self.pinned else 0,
             "state_bytes_predicted": pred.state,
             "bucket_bytes": self.bucket_bytes,
         }

@@ -123,7 +123,7 @@ def train(build: Callable[[], torch.nn.Module] = gpt, optimizer: Any = "adamw", 
             if step_hook is not None:
                 step_hook(step, model, opt, sched)
     return {
-        "losses": losses, "norms": norms, "peaks": peaks, "manager": sm, "model": model, "opt": opt,
+        "losses": losses, "norms": norms, "peaks": peaks, "manager": sm,
         "params": [copy(p) for p in model.parameters()],
         "grads": [copy(p.grad) for p in model.parameters()],
         "state": state_arrays(opt.state_dict()),
