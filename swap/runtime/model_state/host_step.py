@@ -72,9 +72,9 @@ class HostStepper:
         self.host_of = host_of
         self.grads = grads
         self.worker = worker
-        self.pending: dict[int, Future] = {}  # bucket -> its queued host step
-        self.seconds = 0.0  # host optimizer time, on the worker
-        self.exposed_seconds = 0.0  # time something waited for a pending update
+        self.pending: dict[int, tuple[Future, int]] = {}  # bucket -> its queued host step, and the step's number
+        self.seconds: dict[int, float] = {}  # step number -> host optimizer seconds, on the worker
+        self.exposed: dict[int, float] = {}  # step number -> seconds something waited for its updates
         self.steps = 0
         self.shadow = self._build()
 
@@ -108,9 +108,10 @@ class HostStepper:
             if not work:
                 continue
             # One worker, first in first out: a step queued earlier for this bucket is done before this one runs.
-            self.pending[b] = self.worker.submit(self._step, work, hyper)
+            self.pending[b] = (self.worker.submit(self._step, work, hyper, self.steps), self.steps)
 
-    def _step(self, work: list[tuple[int, torch.Tensor, torch.Tensor]], hyper: dict[int, dict[str, Any]]) -> None:
+    def _step(self, work: list[tuple[int, torch.Tensor, torch.Tensor]], hyper: dict[int, dict[str, Any]],
+              number: int) -> None:  # fmt: skip
         t0 = time.perf_counter()
         shadow = self.shadow
         try:
@@ -125,22 +126,23 @@ class HostStepper:
                 hp.grad = None
             for s, group in enumerate(shadow.param_groups):
                 group["params"] = self.full[s]
-            self.seconds += time.perf_counter() - t0
+            self.seconds[number] = self.seconds.get(number, 0.0) + time.perf_counter() - t0
 
     # -- waiting ----------------------------------------------------------------------------------------
     def updated(self, bucket: int) -> bool:
-        f = self.pending.get(bucket)
-        return f is None or f.done()
+        pending = self.pending.get(bucket)
+        return pending is None or pending[0].done()
 
     def wait(self, bucket: int) -> None:
         """Update-before-use: returns once ``bucket``'s pending host step is done (raising what it raised)."""
-        f = self.pending.pop(bucket, None)
-        if f is None:
+        pending = self.pending.pop(bucket, None)
+        if pending is None:
             return
+        f, number = pending
         if not f.done():
             t0 = time.perf_counter()
             f.result()
-            self.exposed_seconds += time.perf_counter() - t0
+            self.exposed[number] = self.exposed.get(number, 0.0) + time.perf_counter() - t0
         else:
             f.result()
 

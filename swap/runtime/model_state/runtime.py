@@ -221,6 +221,16 @@ class ModelStateRuntime:
         self._last = now
         self.records.append(row)
 
+    def _step_row(self, record: dict[str, Any]) -> dict[str, Any]:
+        """A per-step row with its host step's seconds, the part something waited for (exposed) and the rest
+        (hidden behind other work); ``exposed_stall_seconds``: those waits plus waits for weights to land."""
+        k = record["step"]
+        seconds = self.stepper.seconds.get(k, 0.0)
+        exposed = self.stepper.exposed.get(k, 0.0)
+        return {**record, "host_step_seconds": seconds, "host_step_exposed_seconds": exposed,
+                "host_step_hidden_seconds": max(0.0, seconds - exposed),
+                "exposed_stall_seconds": record["stall_seconds"] + exposed}  # fmt: skip
+
     def flush(self) -> None:
         """Every pending host step done, every written device copy back on the host."""
         self.stepper.flush()
@@ -303,11 +313,11 @@ class ModelStateRuntime:
             **data,
             "placements": {Placement.STREAMED.value: len(buckets)},
             "buckets": len(buckets),
-            "host_step_seconds": stepper.seconds,
-            "host_step_exposed_seconds": stepper.exposed_seconds,
+            "host_step_seconds": sum(stepper.seconds.values()),
+            "host_step_exposed_seconds": sum(stepper.exposed.values()),
             "host_bytes": sum(p.reserved for p in self.pools) + state_bytes,
             "pinned_bytes": sum(p.pinned_bytes for p in self.pools),
             "state_bytes": state_bytes,
-            "steps": [dict(r) for r in self.records],
+            "steps": [self._step_row(r) for r in self.records],
             **self._totals(self.activation_bytes),
         }
