@@ -45,6 +45,7 @@ class GradSink:
         self.busy = busy
         self.lock = threading.Lock()
         self.params = [p for e in entries for _, p in e.params]
+        self.offloaded = {id(p) for p in self.params}  # whose gradients leave the device (not resident ones)
         self.entry_of = {id(p): e.index for e in entries for _, p in e.params}
         self.blocks: dict[int, HostBlock] = {}
         self.host: dict[int, torch.Tensor] = {}  # id(p) -> host gradient buffer
@@ -75,7 +76,8 @@ class GradSink:
     # -- gradients arriving -----------------------------------------------------------------------------
     def _arrived(self, p: torch.nn.Parameter) -> None:
         self.in_backward()
-        self.take(p)
+        if id(p) in self.offloaded:
+            self.take(p)
 
     def take(self, p: torch.nn.Parameter) -> None:
         """Note [Gradients on the host]."""
@@ -134,14 +136,28 @@ class GradSink:
         return self.host[id(p)] if self.has.get(id(p)) else None
 
     def manages(self, p: torch.Tensor) -> bool:
-        return id(p) in self.host
+        """Whether ``p``'s gradient lives in a host buffer (an offloaded parameter's)."""
+        return id(p) in self.offloaded
+
+    def to_device(self, p: torch.nn.Parameter, device: torch.device) -> int:
+        """``p`` becomes resident: its host gradient (if any) becomes ``p.grad`` again, made on ``device`` where
+        the meter sees it; returns the bytes copied in."""
+        self.settle()
+        self.offloaded.discard(id(p))
+        g = self.grad(p)
+        self.has[id(p)] = False
+        if g is None:
+            return 0
+        with torch.no_grad():
+            p.grad = g.to(device, copy=True)
+        return g.numel() * g.element_size()
 
     def zero(self, params: Any, set_to_none: bool) -> None:
         """``zero_grad`` for the managed ones of ``params`` (Note [Gradients on the host])."""
         with self.lock:
             for p in params:
                 k = id(p)
-                if k not in self.host or not self.has[k]:
+                if k not in self.offloaded or not self.has[k]:
                     continue
                 if set_to_none:
                     self.has[k] = False

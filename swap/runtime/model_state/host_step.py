@@ -90,8 +90,9 @@ class HostStepper:
         return type(self.user)(groups)
 
     # -- queueing ---------------------------------------------------------------------------------------
-    def queue(self, buckets: list[list[torch.nn.Parameter]]) -> None:
-        """Note [Host step after confirmation]: one host step per bucket (lists of user parameters), in order."""
+    def queue(self, buckets: dict[int, list[torch.nn.Parameter]]) -> None:
+        """Note [Host step after confirmation]: one host step per bucket (its number -> its parameters), in the
+        order given."""
         self.steps += 1
         groups = self.user.param_groups
         if len(groups) != len(self.shadow_group) and any(
@@ -102,7 +103,7 @@ class HostStepper:
         hyper = {s: hyperparameters(groups[g]) for g, s in self.shadow_group.items()}
         group_of = {id(p): self.shadow_group[g] for g, grp in enumerate(groups) if g in self.shadow_group
                     for p in grp["params"]}  # fmt: skip
-        for b, params in enumerate(buckets):
+        for b, params in buckets.items():
             work = [(group_of[id(p)], self.host_of[id(p)], self.grads.grad(p)) for p in params]
             work = [w for w in work if w[2] is not None]
             if not work:
@@ -156,6 +157,10 @@ class HostStepper:
 
     def set_state(self, p: torch.nn.Parameter, state: dict[str, Any]) -> None:
         self.shadow.state[self.host_of[id(p)]] = state
+
+    def take_state(self, p: torch.nn.Parameter) -> dict[str, Any]:
+        """Removes and returns ``p``'s host state (it becomes resident: the user's optimizer steps it now)."""
+        return self.shadow.state.pop(self.host_of[id(p)], {})
 
 
 def run_on(worker: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Any:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ...schedule.model_state import Placement
+from ...schedule.model_state import ModelStatePlan, Placement
 from ..host_pool import ALIGN, HostPool, Pinner
 from ..resources import available_host_memory
 from . import clipping
@@ -28,6 +28,18 @@ from .storage import Copies, Masters
 from .streaming import Streamer
 
 MODES = ("auto", "resident", "offload")
+
+
+def device_state_value(key: str, value: Any, p: torch.nn.Parameter, group: dict[str, Any]) -> Any:
+    """A host state value for resident parameter ``p``, as torch's ``Optimizer.load_state_dict`` places it (a
+    copy, made on this thread, where a meter counting the device sees it)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if key == "step":
+        if group.get("capturable") or group.get("fused"):
+            return value.to(dtype=torch.float32, device=p.device, copy=True)
+        return value.clone()
+    return value.to(dtype=p.dtype if p.is_floating_point() else value.dtype, device=p.device, copy=True)
 
 
 def check_model_state(model: Any, optimizer: Any, mode: Any) -> Optional[str]:
@@ -77,6 +89,10 @@ class ModelStateRuntime:
         self._last = self._totals(lambda: (0, 0))
         self.started = False
         self.final: Optional[dict[str, Any]] = None
+        self.plan: Optional[ModelStatePlan] = None  # the plan applied (None: the conservative one, all streamed)
+        self._proposed: Optional[ModelStatePlan] = None
+        # Asked at each optimizer step until it returns a plan (the manager's, once the activations are planned).
+        self.decide: Optional[Callable[[list[Any]], Optional[ModelStatePlan]]] = None
         # Page-locks the host masters and gradient buffers: the CUDA driver on CUDA runs (None), or one given
         # (tests, a host with its own way to pin).
         self.pinner: Optional[Pinner] = None
@@ -113,7 +129,6 @@ class ModelStateRuntime:
                                  fits, copies, backward_ended=self.grads.settle,
                                  before_repack=self.stepper.flush)  # fmt: skip
         self.guard.watched = self.streamer.watched
-        self.masters.streamed = {e.index for e in entries}
         for e in entries:
             self.masters.drop(e)
         self.started = True
@@ -128,7 +143,8 @@ class ModelStateRuntime:
         for obj in (self.optimizer, self.model):
             self._wrap_zero_grad(obj)
         self.state_dicts = StateDictHooks(self.model, self.optimizer, entries, self.flush, self._host_param,
-                                          self.stepper.state_of, self.stepper.set_state, self._settle)  # fmt: skip
+                                          self.stepper.state_of, self.stepper.set_state, self._settle,
+                                          self.grads.manages)  # fmt: skip
         self.state_dicts.install()
         self._restore.append(self.state_dicts.uninstall)
         clipping.route(self)
@@ -176,7 +192,7 @@ class ModelStateRuntime:
 
     # -- the guard's callbacks --------------------------------------------------------------------------
     def _dropped(self, entry: int) -> bool:
-        return not self.masters.resident[entry]
+        return not self.masters.current[entry]
 
     def _demand(self, entry: int) -> None:
         self.streamer.demand(entry)
@@ -201,15 +217,67 @@ class ModelStateRuntime:
             raise RuntimeError("opt.step(closure) re-evaluates the model inside the step, and the SwapManager steps "
                                "offloaded parameters on the host after their gradients are final: call the closure "
                                "yourself (loss = closure()), then opt.step()")  # fmt: skip
-        self.streamer.drop_all()
         s = self.streamer
-        self.stepper.queue([[p for i in members for _, p in self.entries[i].params] for members in s.buckets])
+        s.drop_all(stale=True)
+        if self._proposed is None and self.plan is None and self.decide is not None:
+            self._proposed = self.decide(specs(self.entries, s.buckets, self.optimizer))
+        if self._proposed is not None:
+            self._apply(self._proposed)
+        offloaded = [b for b, p in enumerate(s.placements) if p != Placement.RESIDENT]
+        self.stepper.queue({b: [p for i in s.buckets[b] for _, p in self.entries[i].params] for b in offloaded})
         self._record()
+
+    def propose(self, plan: ModelStatePlan) -> None:
+        """Places the buckets as ``plan`` says from the next ``opt.step()`` on (Note [Changing placements])."""
+        if len(plan.placements) != len(self.streamer.buckets):
+            raise ValueError(f"the plan places {len(plan.placements)} buckets, the model has "
+                             f"{len(self.streamer.buckets)}")  # fmt: skip
+        self._proposed = plan
+
+    # Note [Changing placements]
+    # Every bucket starts streamed (the conservative plan: it holds the least of the device). A plan made later
+    # is applied at an ``opt.step()``, before the host steps are queued and before the user's optimizer runs:
+    # the gradients are final and on the host then, and the weights off the device. A bucket made resident
+    # waits for its pending host update, fetches its weights for good, and hands its host gradients and
+    # optimizer state to the user's optimizer on the device (copied there, cast as torch's load casts them), so
+    # this very step is a device step; a bucket made a host master keeps its compute copy from its next use on.
+    # Placements only move towards the device (a plan is made once, from the profiled iterations).
+    def _apply(self, plan: ModelStatePlan) -> None:
+        s = self.streamer
+        self._proposed = None
+        for b, placement in enumerate(plan.placements):
+            old = s.placements[b]
+            if placement == old or old == Placement.RESIDENT:
+                continue
+            self.stepper.wait(b)
+            for i in s.buckets[b]:
+                e = self.entries[i]
+                if placement == Placement.RESIDENT:
+                    self._make_resident(e)
+                else:
+                    self.masters.placement[i] = placement
+            s.placements[b] = placement
+        self.plan = plan
+
+    def _make_resident(self, e: Any) -> None:
+        self.masters.make_resident(e)
+        self.streamer.watched.pop(e.key, None)
+        state = self.optimizer.state
+        groups = self.optimizer.param_groups
+        group_of = {id(p): g for g in groups for p in g["params"]}
+        for _, p in e.params:
+            self.copies.state_in += self.grads.to_device(p, self.device)
+            moved = {k: device_state_value(k, v, p, group_of[id(p)]) for k, v in self.stepper.take_state(p).items()}
+            if moved:
+                state[p] = moved
+                self.copies.state_in += sum(v.numel() * v.element_size() for v in moved.values()
+                                            if isinstance(v, torch.Tensor))  # fmt: skip
 
     def _totals(self, activations: Callable[[], tuple[int, int]]) -> dict[str, Any]:
         c = self.copies
         a_in, a_out = activations()
         return {"weights_in_bytes": c.weights_in, "weights_out_bytes": c.weights_out, "grads_out_bytes": c.grads_out,
+                "state_in_bytes": c.state_in,
                 "activations_in_bytes": a_in, "activations_out_bytes": a_out, "stall_seconds": c.stall_seconds,
                 "demand_fetches": c.demand_fetches}  # fmt: skip
 
@@ -217,7 +285,7 @@ class ModelStateRuntime:
         """The bytes moved since the last optimizer step (the report's per-step rows)."""
         now = self._totals(self.activation_bytes)
         row = {k: now[k] - self._last[k] for k in now}
-        row.update(step=self.stepper.steps, state_in_bytes=0, state_out_bytes=0)
+        row.update(step=self.stepper.steps, state_out_bytes=0)
         self._last = now
         self.records.append(row)
 
@@ -271,7 +339,7 @@ class ModelStateRuntime:
             self.grads.settle()
             saved = self.optimizer.state_dict()  # with the host state (Note [State dicts of offloaded model state])
             for e in self.entries:
-                self.masters.restore(e)
+                self.masters.make_resident(e)
             self.streamer.held.clear()
             with torch.no_grad():
                 for p in self.grads.params:
@@ -311,7 +379,7 @@ class ModelStateRuntime:
         buckets = specs(self.entries, self.streamer.buckets, self.optimizer)
         return {
             **data,
-            "placements": {Placement.STREAMED.value: len(buckets)},
+            "placements": {p.value: n for p in Placement if (n := self.streamer.placements.count(p))},
             "buckets": len(buckets),
             "host_step_seconds": sum(stepper.seconds.values()),
             "host_step_exposed_seconds": sum(stepper.exposed.values()),

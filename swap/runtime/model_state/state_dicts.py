@@ -51,12 +51,13 @@ def host_state_value(key: str, value: Any, like: torch.Tensor) -> Any:
 class StateDictHooks:
     """The hooks of Note [State dicts of offloaded model state]. ``flush()`` lands every pending host step and
     dirty device copy; ``host_param(p)`` is ``p``'s host master; ``state_of(p)`` / ``set_state(p, s)`` read and set
-    its host optimizer state; ``settle(entries)`` copies written device copies of ``entries`` back and drops them."""
+    its host optimizer state; ``settle(entries)`` copies written device copies of ``entries`` back and drops them;
+    ``offloaded(p)`` says whether ``p`` is offloaded now (a resident parameter is plain torch's business)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, entries: list[Entry],
                  flush: Callable[[], None], host_param: Callable[[Any], torch.Tensor],
                  state_of: Callable[[Any], dict], set_state: Callable[[Any, dict], None],
-                 settle: Callable[[list[int]], None]) -> None:  # fmt: skip
+                 settle: Callable[[list[int]], None], offloaded: Callable[[Any], bool]) -> None:  # fmt: skip
         self.model = model
         self.optimizer = optimizer
         self.entries = entries
@@ -65,6 +66,7 @@ class StateDictHooks:
         self.state_of = state_of
         self.set_state = set_state
         self.settle = settle
+        self.offloaded = offloaded
         self.managed = {id(p): p for e in entries for _, p in e.params}
         self.entry_of = {id(p): e.index for e in entries for _, p in e.params}
         self._stash: dict[int, dict[str, Any]] = {}
@@ -92,7 +94,7 @@ class StateDictHooks:
         def hook(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
             self.flush()
             for name, p in own:
-                if prefix + name in state_dict:
+                if prefix + name in state_dict and self.offloaded(p):
                     state_dict[prefix + name] = self.host_param(p)
 
         return hook
@@ -123,7 +125,7 @@ class StateDictHooks:
         state, self._stash = {}, {}
         for i, value in state_dict["state"].items():
             k = by_index.get(i)
-            if k in self.managed:
+            if k in self.managed and self.offloaded(self.managed[k]):
                 self._stash[k] = value
             else:
                 state[i] = value

@@ -12,7 +12,10 @@ library owns) is replaced once, at the start, by a resizable copy.
 
 A drop is *clean*: the host master is the truth, nothing is copied back, unless something wrote the device copy
 since it was fetched (``dirty``: ``model.load_state_dict``, a user's in-place edit; the parameter guard sees the
-write), in which case it is copied back first.
+write), in which case it is copied back first. What a drop does depends on the entry's placement (Note
+[Model-state placements] in swap.schedule.model_state): a ``STREAMED`` entry's storage is freed; a
+``HOST_MASTER`` entry keeps its device memory and is only marked stale (its next fetch refreshes it in place);
+a ``RESIDENT`` entry is never dropped: its device copy is the truth.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ...schedule.model_state import Placement
 from ..host_pool import HostBlock, HostPool
 from .buckets import Entry, span_bytes
 
@@ -48,14 +52,16 @@ class Copies:
         self.weights_in = 0
         self.weights_out = 0
         self.grads_out = 0
+        self.state_in = 0  # optimizer state (and gradients) brought to the device for a resident placement
         self.demand_fetches = 0
         self.stall_seconds = 0.0  # waiting for a fetch to land
 
 
 class Masters:
-    """The host master of every entry (from ``pool``) and the state of its device copy: resident or dropped,
-    fetched with ``engine``, dirty. ``busy()`` is a context in which the parameter guard lets our own operators
-    through. Thread-safe: the fetches and drops of a backward pass may run on autograd's device threads."""
+    """The host master of every entry (from ``pool``) and the state of its device copy: ``current`` (it holds the
+    weights now), ``allocated`` (it has its bytes), fetched with ``engine``, ``dirty``; ``placement`` per entry.
+    ``busy()`` is a context in which the parameter guard lets our own operators through. Thread-safe: the
+    fetches and drops of a backward pass may run on autograd's device threads."""
 
     def __init__(self, entries: list[Entry], pool: HostPool, engine: Any, device: torch.device,
                  busy: Callable[[], Any], copies: Copies) -> None:  # fmt: skip
@@ -67,11 +73,12 @@ class Masters:
         self.copies = copies
         self.lock = threading.RLock()
         self.blocks: list[Optional[HostBlock]] = [None] * len(entries)
-        self.resident = [True] * len(entries)
+        self.current = [True] * len(entries)
+        self.allocated = [True] * len(entries)
         self.dirty = [False] * len(entries)
         self.h2d: list[Any] = [None] * len(entries)
         self._flat: list[Optional[torch.Tensor]] = [None] * len(entries)  # uint8 views over the device storages
-        self.streamed: set[int] = set()  # entries whose device copy may be dropped
+        self.placement = [Placement.STREAMED] * len(entries)
 
     # -- setting up -------------------------------------------------------------------------------------
     def allocate(self) -> None:
@@ -107,12 +114,15 @@ class Masters:
         """Starts bringing ``e``'s weights back (False if they are on the device already)."""
         i = e.index
         with self.lock:
-            if self.resident[i]:
+            if self.current[i]:
                 return False
+            if not self.allocated[i]:
+                with self.busy():
+                    RESIZE(self._param0(e), e.nbytes)
+                self.allocated[i] = True
+            self.current[i] = True
             with self.busy():
-                RESIZE(self._param0(e), e.nbytes)
-            self.resident[i] = True
-            self.h2d[i] = self.engine.h2d(self._flat[i], self.blocks[i].view)
+                self.h2d[i] = self.engine.h2d(self._flat[i], self.blocks[i].view)
             self.copies.weights_in += e.nbytes
             return True
 
@@ -125,11 +135,11 @@ class Masters:
             self.h2d[i] = None
 
     def drop(self, e: Entry) -> None:
-        """Frees ``e``'s device copy (copying it back first only if it was written: Note [Device copies by storage
-        resize])."""
+        """``e``'s device copy no longer holds the weights: freed if streamed, stale if a host master's compute
+        copy (copied back first only if it was written: Note [Device copies by storage resize])."""
         i = e.index
         with self.lock:
-            if not self.resident[i] or i not in self.streamed:
+            if not self.current[i] or self.placement[i] == Placement.RESIDENT:
                 return
             ticket = self.h2d[i]
             if ticket is not None:  # fetched but not read: the copy must land before the memory goes
@@ -137,29 +147,33 @@ class Masters:
                 self.h2d[i] = None
             if self.dirty[i]:
                 self.write_back(e)
-            with self.busy():
-                RESIZE(self._param0(e), 0)
-            self.resident[i] = False
+            if self.placement[i] == Placement.STREAMED:
+                with self.busy():
+                    RESIZE(self._param0(e), 0)
+                self.allocated[i] = False
+            self.current[i] = False
 
     def write_back(self, e: Entry) -> None:
         """The device copy was written: the host master takes its bytes."""
         i = e.index
         self.ready(e)
-        self.engine.wait_host(self.engine.d2h(self.blocks[i].view, self._flat[i]))
+        with self.busy():
+            self.engine.wait_host(self.engine.d2h(self.blocks[i].view, self._flat[i]))
         self.copies.weights_out += e.nbytes
         self.dirty[i] = False
 
     def write_back_dirty(self) -> None:
         with self.lock:
             for e in self.entries:
-                if self.dirty[e.index] and self.resident[e.index]:
+                if self.dirty[e.index] and self.current[e.index]:
                     self.write_back(e)
 
-    def restore(self, e: Entry) -> None:
-        """``e``'s weights on the device for good (the manager exits): fetched and no longer streamed."""
+    def make_resident(self, e: Entry) -> None:
+        """``e``'s weights on the device for good (a resident placement, or the manager exits): fetched, and its
+        device copy is the truth from now on."""
         self.fetch(e)
         self.ready(e)
-        self.streamed.discard(e.index)
+        self.placement[e.index] = Placement.RESIDENT
 
     @staticmethod
     def _param0(e: Entry) -> torch.nn.Parameter:

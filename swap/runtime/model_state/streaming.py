@@ -10,7 +10,9 @@ bucket one of them aliases must stay until the node has run); fetches the bucket
 its pending host update (update-before-use: Note [Host step after confirmation] in
 swap.runtime.model_state.host_step); and asks the prefetcher for what to fetch ahead. Demand fetches drop nothing
 (they run inside an operator). A backward pass's end drops everything, so no weights are held across the optimizer
-step. The uses of a pass (a forward and its backward) are recorded entry by entry: the next pass's prefetcher reads
+step. Only ``STREAMED`` buckets are held and dropped that way: a ``HOST_MASTER`` bucket keeps its device copy
+(refreshed in place at its first use after a host step) and a ``RESIDENT`` one is never touched. The uses of a
+pass (a forward and its backward) are recorded entry by entry: the next pass's prefetcher reads
 them, and the first forward's order of first uses is the order buckets are re-packed in (Note [Entries and
 buckets]).
 """
@@ -22,7 +24,8 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from ..tracer import current_autograd_node
+from ...schedule.model_state import Placement
+from ..tracer import backward_running, current_autograd_node
 from .buckets import Entry, pack
 from .storage import Copies, Masters
 
@@ -90,6 +93,7 @@ class Streamer:
         self.lock = threading.RLock()
         self.buckets: list[list[int]] = []
         self.bucket_of: list[int] = []
+        self.placements: list[Placement] = []
         self.repack(range(len(entries)))
         self.packed_by_use = False
         self.held: set[int] = set()  # buckets on the device
@@ -108,6 +112,7 @@ class Streamer:
     def repack(self, order: Any) -> None:
         """Buckets of entries in ``order`` (Note [Entries and buckets])."""
         self.buckets = pack([e.nbytes for e in self.entries], order, self.bucket_bytes)
+        self.placements = [Placement.STREAMED] * len(self.buckets)
         self.bucket_of = [0] * len(self.entries)
         for b, members in enumerate(self.buckets):
             for i in members:
@@ -203,9 +208,13 @@ class Streamer:
                 self.first_use.append(i)
 
     def fetch_bucket(self, b: int) -> None:
+        placement = self.placements[b]
+        if placement == Placement.RESIDENT:
+            return
         if b not in self.held:
             self.gate(b)
-            self.held.add(b)
+            if placement == Placement.STREAMED:
+                self.held.add(b)
         for i in self.buckets[b]:
             self.masters.fetch(self.entries[i])
 
@@ -214,23 +223,33 @@ class Streamer:
             self.masters.drop(self.entries[i])
         self.held.discard(b)
 
-    def drop_all(self) -> None:
-        """Every streamed bucket off the device (dirty ones copied back)."""
+    def drop_all(self, stale: bool = False) -> None:
+        """Every streamed bucket off the device (dirty ones copied back); ``stale``: host masters' compute copies
+        marked stale too (their masters are about to change)."""
         with self.lock:
             for b in list(self.held):
                 self.drop_bucket(b)
+            if stale:
+                for b, placement in enumerate(self.placements):
+                    if placement == Placement.HOST_MASTER:
+                        self.drop_bucket(b)
 
     def _prefetch(self, step: int, used: tuple[int, ...]) -> None:
         wanted = self.prefetcher.ahead(step, used)
         for b in dict.fromkeys(self.bucket_of[i] for i in wanted):
-            if b in self.held or not self.updated(b) or not self.fits(self.bucket_bytes_of(b)):
+            placement = self.placements[b]
+            if placement == Placement.RESIDENT or b in self.held or not self.updated(b):
                 continue
+            if placement == Placement.STREAMED and not self.fits(self.bucket_bytes_of(b)):
+                continue  # a host master's refresh takes no new memory
             self.fetch_bucket(b)
 
     # -- passes -----------------------------------------------------------------------------------------
     def _maybe_begin_pass(self, used: tuple[int, ...]) -> None:
         """A pass begins at the first forward use after a backward pass, or when a forward starts over without
         one (an evaluation loop repeats its first use), so a pass never grows without bound."""
+        if self._in_backward and not backward_running():
+            self._backward_end()  # Note [A backward that raised] (swap.runtime.executor): no end callback came
         if self._in_backward:
             return
         if self._pass_over or (not self._backward_in_pass and self.uses and used == self.uses[0]):
@@ -246,7 +265,7 @@ class Streamer:
             self._node, self._node_buckets = None, set()
             self.drop_all()
             self._pass_over = True
-            if not self.packed_by_use and self.first_use:
+            if not self.packed_by_use and self.first_use and all(p == Placement.STREAMED for p in self.placements):
                 self.packed_by_use = True  # Note [Entries and buckets]: once, after the first pass
                 self.before_repack()
                 self.repack(self.first_use)  # the recorded uses are of entries: they stand
