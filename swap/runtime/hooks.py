@@ -98,8 +98,9 @@ class SavedTensorHooks:
         """Whether the caller runs inside these hooks (the operator profiler skips what runs there)."""
         return self._depth > 0
 
-    def manage_params(self, params: ParamSaves, packed_type: type) -> None:
-        """Saved tensors aliasing managed parameters go to ``params`` (which packs them as ``packed_type``)."""
+    def manage_params(self, params: Optional[ParamSaves], packed_type: Any = ()) -> None:
+        """Saved tensors aliasing managed parameters go to ``params`` (which packs them as ``packed_type``);
+        None: no longer (the hooks must not keep the model alive once the manager has exited)."""
         self.params, self._param_packed = params, packed_type
 
     @contextlib.contextmanager

@@ -234,6 +234,7 @@ class SwapManager:
             self.memory.window_peak()
             try:
                 if self.model_state is not None:
+                    self.hooks.manage_params(None)
                     self.model_state.close()  # needs the copy engine; its guard sits below the profiler (closed)
             finally:
                 self._stop_engine(ex)
@@ -263,8 +264,8 @@ class SwapManager:
         the host (Note [Exact clipping] in swap.runtime.model_state.clipping); returns the total norm."""
         ms = self.model_state
         if parameters is None:
-            if ms is None:
-                raise ValueError("no model to clip: pass parameters=, or model= and optimizer= to the SwapManager")
+            if ms is None or ms.model is None:
+                raise ValueError("no model to clip: pass parameters= (the manager was given no model=, or has exited)")
             parameters = ms.model.parameters()
         if ms is not None and ms.started:
             return ms.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)

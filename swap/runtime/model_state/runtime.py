@@ -357,6 +357,11 @@ class ModelStateRuntime:
         self.masters.close()
         for pool in self.pools:
             pool.close()
+        # The report keeps ``final``; nothing here may keep the model, its state or host memory alive.
+        self.model = self.optimizer = self.decide = None
+        self.entries, self.pools, self.host_of, self.records = [], [], {}, []
+        for part in ("masters", "grads", "stepper", "streamer", "state_dicts", "guard", "worker"):
+            delattr(self, part)
 
     # -- the report -------------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
