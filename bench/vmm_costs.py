@@ -19,8 +19,15 @@ are published ones:
   remapping involves synchronous work with the GPU (PyTorch's expandable-segments note, pytorch#96995). So
   map, set_access, unmap and release cost the same per chunk whatever its size, while cuMemCreate, which
   must clear the pages it hands out, is taken to scale with bytes (193 us per 2 MiB, about 10.9 GB/s).
-- No per-call figures were found for V100 or H100. Their entries use the A100 figures (same driver
+- No per-call figures were found for V100. Its entry (and Ada's, Pascal's) uses the A100 figures (same driver
   code path); ``source`` says so, and a measured file replaces them.
+- Hopper is measured (bench/results/gpu/NVIDIA_H200/vmm_latency.json, an H200 with driver 580.159, ``make
+  gpu``): per call, median of 200, 2 / 4 / 20 / 64 MiB chunks: cuMemCreate 14.7 / 14.0 / 14.3 / 17.5 us,
+  cuMemMap 2.7 / 2.7 / 2.8 / 1.6, cuMemSetAccess 30.3 / 30.5 / 31.2 / 37.9, cuMemUnmap 20.0 / 20.1 / 20.4 /
+  23.2, cuMemRelease 14.6 / 17.4 / 30.5 / 41.3. Creating a chunk is *not* priced by its bytes there (13x
+  cheaper than the A100 figure at 2 MiB, and flat from 2 to 64 MiB), so a measured table is used at its
+  nearest measured chunk size as it stands, never scaled; the byte scaling stays an assumption of the
+  published single-size figures only.
 
 For scale: GMLake users report 20-40 ms per stitch (antgroup/glake#22), and this project's host backend
 takes 10-110 us per 2 MiB chunk reclaimed (measured on this project's host backend).
@@ -35,8 +42,8 @@ each call timed alone, for each chunk size)::
                     "20": {...}}}
 
 Keys of ``results_us`` are chunk sizes in MiB; every call maps or sets access on one whole chunk. ``load`` takes
-the medians for the measured chunk size nearest to the one asked for (creating scaled by bytes, Note [VMM
-cost figures]).
+the medians for the measured chunk size nearest to the one asked for, unscaled (Note [VMM cost figures]), and
+keeps the whole table, so ``for_chunk`` on a measured entry picks its nearest size again.
 """
 
 from __future__ import annotations
@@ -62,12 +69,18 @@ class VmmCosts:
     set_access: float
     unmap: float
     release: float
+    # Measured per chunk size (bytes -> create, map, set_access, unmap, release seconds); empty for the published
+    # single-size figures.
+    by_size: tuple[tuple[int, tuple[float, float, float, float, float]], ...] = ()
 
     def for_chunk(self, chunk_size: int) -> VmmCosts:
-        """The same device with chunks of ``chunk_size`` bytes (Note [VMM cost figures]: only creating a
-        chunk costs more for a larger one)."""
+        """The same device with chunks of ``chunk_size`` bytes (Note [VMM cost figures]): a measured table's
+        nearest size as measured; else only creating a chunk costs more for a larger one."""
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, not {chunk_size}")
+        if self.by_size:
+            _, costs = min(self.by_size, key=lambda e: abs(e[0] - chunk_size))
+            return replace(self, chunk_size=chunk_size, **dict(zip(CALLS, costs)))
         return replace(self, chunk_size=chunk_size, create=self.create * chunk_size / self.chunk_size)
 
     def seconds(self, maps: int, unmaps: int, creates: int = 0, releases: int = 0) -> float:
@@ -116,18 +129,29 @@ CALLS = {"create": "cuMemCreate", "map": "cuMemMap", "set_access": "cuMemSetAcce
 
 
 def load(path: Union[str, Path], chunk_size: int = 2 * MiB) -> VmmCosts:
-    """Costs measured on a GPU (Note [vmm_latency.json])."""
+    """Costs measured on a GPU (Note [vmm_latency.json]), at the measured chunk size nearest ``chunk_size``."""
     data: dict[str, Any] = json.loads(Path(path).read_text())
     results = data.get("results_us")
     if not isinstance(results, dict) or not results:
         raise ValueError(f"{path} is not a VMM latency file (no 'results_us'; see Note [vmm_latency.json])")
-    mib = min(results, key=lambda k: abs(int(k) * MiB - chunk_size))
-    per_op: dict[str, float] = {}
-    for op, call in CALLS.items():
-        rec = results[mib].get(call)
-        if not rec or "median_us" not in rec:
-            raise ValueError(f"{path}: no median for {call} at {mib} MiB")
-        per_op[op] = float(rec["median_us"]) * US
-    per_op["create"] *= chunk_size / (int(mib) * MiB)
+    table = []
+    for mib, calls in sorted(results.items(), key=lambda kv: int(kv[0])):
+        per_op = []
+        for call in CALLS.values():
+            rec = calls.get(call)
+            if not rec or "median_us" not in rec:
+                raise ValueError(f"{path}: no median for {call} at {mib} MiB")
+            per_op.append(float(rec["median_us"]) * US)
+        table.append((int(mib) * MiB, tuple(per_op)))
     device = data.get("environment", {}).get("device", "measured")
-    return VmmCosts(f"{device} (measured)", f"{path}, {mib} MiB chunks", chunk_size, **per_op)
+    first = table[0]
+    base = VmmCosts(f"{device} (measured)", f"{path}, per measured chunk size", first[0], *first[1],
+                    by_size=tuple(table))  # fmt: skip
+    return base.for_chunk(chunk_size)
+
+
+# Hopper from the first real GPU run (Note [VMM cost figures]); the A100 figures where that file is absent.
+_HOPPER_FILE = Path(__file__).resolve().parent / "results" / "gpu" / "NVIDIA_H200" / "vmm_latency.json"
+if _HOPPER_FILE.exists():
+    COSTS["hopper"] = replace(load(_HOPPER_FILE), name="H100/H200 (measured on an H200)",
+                              source="bench/results/gpu/NVIDIA_H200/vmm_latency.json (make gpu, driver 580.159)")

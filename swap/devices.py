@@ -29,6 +29,11 @@ about 25; Gen5 x16 is 64 nominal, about 55 reached.
   joins GPUs, not the CPU). Source: NVIDIA H100 Tensor Core GPU datasheet (SXM5).
 - h100-pcie: fp32 51 TF, TF32 378 TF, bf16 756 TF; 2000 GB/s HBM2e, 80 GB; PCIe Gen5 x16. Source: NVIDIA H100
   Tensor Core GPU datasheet (PCIe).
+- h200: fp32 67 TF, TF32 495 TF, bf16 989 TF; 4800 GB/s HBM3e (NVIDIA H200 Tensor Core GPU datasheet, SXM);
+  memory and host link *measured* on this project's first GPU run (bench/results/gpu/NVIDIA_H200/): torch
+  reports 150,109,880,320 bytes; pinned copies of 1 GiB ran at 55.3 GB/s host to device and 55.2 device to host
+  (pinned_bandwidth.md; 51.4 + 50.8 = 101 GB/s when both directions run at once, 8 % under two independent
+  lanes, which the simulator assumes).
 - l4: fp32 30.3 TF, TF32 60 TF, bf16 121 TF; 300 GB/s GDDR6, 24 GB; PCIe Gen4 x16. Source: NVIDIA L4 datasheet.
 - rtx4090: fp32 82.6 TF, TF32 82.6 TF, bf16 165.2 TF (with fp32 accumulate, what PyTorch uses); 1008 GB/s
   GDDR6X, 24 GB; PCIe Gen4 x16. Source: NVIDIA Ada Lovelace GPU architecture whitepaper, appendix A.
@@ -122,6 +127,12 @@ PROFILES = _Profiles({
     "h100-pcie": DeviceProfile(
         "H100-PCIe-80GB, PCIe Gen5 x16", 51e12, 756e12, 2000 * GB, PCIE5, PCIE5, 80 << 30, tf32_flops=378e12,
         source="NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe); PCI-SIG Gen5 x16",
+    ),
+    "h200": DeviceProfile(
+        "H200-SXM-141GB, PCIe Gen5 x16 to the host (link measured)", 67e12, 989e12, 4800 * GB, 55.3 * GB, 55.2 * GB,
+        150_109_880_320, tf32_flops=495e12,
+        source="NVIDIA H200 Tensor Core GPU datasheet (SXM); memory and pinned copy bandwidth measured by make gpu "
+               "(bench/results/gpu/NVIDIA_H200)",
     ),
     "l4": DeviceProfile(
         "L4-24GB, PCIe Gen4 x16", 30.3e12, 121e12, 300 * GB, PCIE4, PCIE4, 24 << 30, tf32_flops=60e12,

@@ -33,8 +33,9 @@ def parse_size(value: Size, what: str, *, minimum: int = 0, none: str = "") -> O
     else:
         from vmalloc import parse_size as vparse
 
-        try:
-            n = vparse(value)
+        text = value.strip()
+        try:  # "-1GiB" is a size, refused below as negative, not a string that is no size
+            n = -vparse(text[1:]) if text.startswith("-") else vparse(text)
         except ValueError:
             raise ValueError(f"{what} must be {forms}, not {value!r} (invalid size)") from None
     if n < 0:

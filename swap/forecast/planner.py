@@ -17,20 +17,22 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from ..capture import CaptureError, LinearTrace, Trace, capture
+from ..capture import CaptureError, LinearTrace, Trace, capture, live_peak
 from ..devices import DeviceProfile, read_measured, refuse_budget_above, with_measured
 from ..devices import profile as device_profile
+from ..schedule.budget import min_budget
 from ..schedule.scheduler import POLICIES, InfeasibleBudget
 from ..schedule.scheduler import plan as make_schedule
 from ..schedule.sequence import Sequence
 from ..schedule.simulator import Scheduled, schedule_for
 from ..units import Size, parse_size
 from ..units import fmt_size as fmt_bytes
+from .arguments import check_functions, check_model_fn, check_names, with_parameters
 from .from_trace import sequence_from_trace
 from .pricing import iteration_seconds
-from .replay import ALLOCATORS, fitting_budget, measure
+from .replay import ALLOCATORS, CHUNK_SIZE, fitting_budget, measure
 from .result import Plan, PolicyResult
-from .strategies import STRATEGIES, StrategyBook, check_strategies, compare
+from .strategies import STRATEGIES, StrategyBook, compare
 
 LINEAR_BATCHES = (2, 4)  # fitted
 LINEAR_CHECK = 3  # checked at once; the chosen batches are checked at the end
@@ -114,8 +116,10 @@ class _Evaluator:
         """The budget the plan is made for if batch ``n`` fits under ``policy`` (lowered below the budget
         when the allocator needs room), else None."""
         seq = self.sequence(n)
+        if self.allocator and self.allocator.startswith("vmalloc") and self.budget < CHUNK_SIZE:
+            return None  # vmalloc maps whole chunks: an arena smaller than one holds nothing
         if policy == "none":
-            if seq.no_swap_peak() > self.budget:
+            if (seq.no_swap_peak() if len(seq) else live_peak(self.traces.at(n))) > self.budget:
                 return None
             if self.allocator and not measure(self.traces.at(n), self.allocator, capacity=self.budget)["ok"]:
                 return None
@@ -236,7 +240,8 @@ def plan(
     """The largest batch of your model that fits ``budget`` on ``device``, per swap policy, and its speed.
 
     Args:
-        model_fn: ``model_fn()`` builds the model (it is called under ``torch.device("meta")``: no memory).
+        model_fn: ``model_fn()`` builds the model (it is called under ``torch.device("meta")``: no memory): a class
+            or a function, not a model already built. The model must have parameters (a training step updates them).
         batch_fn: ``batch_fn(n)`` returns a batch of n samples: a dict (Hugging Face style, with labels) or an
             ``(input, target)`` pair, or what ``loss_fn`` takes. Tensors made with factory functions land on the
             meta device; others are moved there.
@@ -260,10 +265,13 @@ def plan(
         batch: also compare the strategies at this batch size.
     Returns:
         ``swap.Plan``: ``max_batch``, ``throughput``, ``window``, ``strategies``, ``table()``, ``plot(path)``,
-        ``plot_strategies(path)``.
+        ``plot_strategies(path)``; where no batch fits (``fits_nothing``), ``min_budget``: the smallest budget in
+        which batch 1 fits.
     Raises:
         swap.capture.CaptureError: the model's training step cannot run on the meta device (says which
             operator, where, and what to do).
+        TypeError: an argument of the wrong kind (a built model as ``model_fn``, a string as ``policies``).
+        ValueError: a value out of range, an unknown name, or a model without parameters.
     """
     t0 = time.perf_counter()
     say = _Progress(progress)
@@ -274,12 +282,13 @@ def plan(
         allocator = None
     if allocator is not None and allocator not in ALLOCATORS:
         raise ValueError(f"unknown allocator {allocator!r}: choose one of {', '.join(ALLOCATORS)}, or None (ideal)")
-    for p in policies:
-        if p not in POLICIES:
-            raise ValueError(f"unknown policy {p!r}: choose among {', '.join(POLICIES)}")
+    check_model_fn(model_fn)
+    check_functions(batch_fn, loss_fn)
+    policies = check_names(policies, "policies", "policy", POLICIES)
+    strategies = check_names(strategies, "strategies", "strategy", STRATEGIES)
     if max_batch is not None and max_batch < 1:
         raise ValueError(f"max_batch must be at least 1, not {max_batch}")
-    check_strategies(strategies)
+    optimizer = with_parameters(optimizer)
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise ValueError(f"batch must be a positive int, not {batch!r}")
     min_bytes_ = parse_size(min_bytes, "min_bytes", minimum=1) if min_bytes else 0
@@ -320,9 +329,37 @@ def plan(
     memory = _memory(ev, results.get("window"))
     result = Plan(label, budget, dev, allocator, results, memory=memory, linear=traces.linear is not None,
                   captures=sorted(traces.captured), notes=notes, strategies=compared, batch=batch)  # fmt: skip
+    if policies and result.fits_nothing:
+        result.min_budget, result.min_budget_policy = _smallest_budget(ev, policies, say)
     result.seconds = time.perf_counter() - t0
     say(f"done in {result.seconds:.1f} s")
     return result
+
+
+def _smallest_budget(ev: _Evaluator, policies: tuple[str, ...], say: _Progress) -> tuple[Optional[int], str]:
+    """When no batch fits: the smallest budget (to within 1/256 of it) in which batch 1 fits under one of the
+    policies planned, on the allocator, and that policy; (None, "") when not even the device's memory holds it.
+    From the budget's floor (no schedule fits below the largest step floor), galloping up, then bisecting."""
+    probe = _Evaluator(ev.traces, ev.dev, ev.budget, ev.allocator, ev.min_bytes)
+    probe.seqs = ev.seqs
+
+    def fitting(budget: int) -> str:
+        probe.budget = budget
+        return next((p for p in policies if probe.fits(1, p) is not None), "")
+
+    seq = probe.sequence(1)
+    floors = [seq.no_swap_peak() if p == "none" else min_budget(seq) for p in policies] if len(seq) else []
+    lo = min(floors, default=live_peak(ev.traces.at(1))) - 1  # below every floor: does not fit
+    if not fitting(ev.dev.memory):
+        return None, ""
+    hi, step = lo + 1, max(1 << 20, lo // 64)
+    while not fitting(hi):
+        lo, hi, step = hi, min(ev.dev.memory, hi + step), step * 2
+    while hi - lo > max(1, hi >> 8):
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fitting(mid) else (mid, hi)
+    say(f"nothing fits: batch 1 fits from a budget of {fmt_bytes(hi)}")
+    return hi, fitting(hi)
 
 
 def _search_all(traces: _Traces, dev: DeviceProfile, budget: int, allocator: Optional[str], min_bytes: int,

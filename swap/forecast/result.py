@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from ..devices import DeviceProfile
+from ..units import fmt_exact
 from ..units import fmt_size as fmt_bytes  # one byte formatter for the tables
 from .strategies import StrategyResult
 from .strategy_report import plot as plot_strategies
@@ -52,6 +53,15 @@ class Plan:
             largest batch, and per batch compared its samples/s, planned peak, bytes recomputed and copied
             (Note [Strategies from one capture]).
         batch: the batch the strategies were also compared at (``swap.plan(batch=...)``), if any.
+        min_budget: when no batch fits (``fits_nothing``): the smallest budget in which batch 1 fits under one of
+            the policies, replayed on the allocator (to within 1/256); None when not even the device's memory
+            holds it, or when something fits.
+        min_budget_policy: the policy that fits batch 1 at ``min_budget``.
+
+    The policies' largest batches replay the swapped run on ``allocator`` (its fragmentation and rounding
+    counted); the strategies' are planned on the ideal allocator, to compare plans, not allocators. A swap-only
+    strategy named after a policy can therefore fit a larger batch than that policy: the table labels both
+    (Note [Strategies from one capture]).
     """
 
     model: str
@@ -69,6 +79,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     strategies: dict[str, StrategyResult] = field(default_factory=dict)
     batch: Optional[int] = None
+    min_budget: Optional[int] = None
+    min_budget_policy: str = ""
 
     def __post_init__(self) -> None:
         self.max_batch = {p: r.max_batch for p, r in self.policies.items()}
@@ -76,10 +88,21 @@ class Plan:
         w = self.policies.get("window")
         self.window = w.window if w is not None else None
 
+    @property
+    def fits_nothing(self) -> bool:
+        """Not even batch 1 fits, under any policy or strategy planned."""
+        results = [*self.policies.values(), *self.strategies.values()]
+        return bool(results) and not any(r.max_batch for r in results)
+
+    @property
+    def allocator_name(self) -> str:
+        return self.allocator or "the ideal allocator (no fragmentation)"
+
     def table(self) -> str:
-        alloc = self.allocator or "ideal (no fragmentation)"
         lines = [
-            f"{self.model} on {self.device.name}: budget {fmt_bytes(self.budget)}, allocator {alloc}",
+            f"{self.model} on {self.device.name}: budget {fmt_bytes(self.budget)}, allocator {self.allocator_name}",
+            "swap policies: " + (f"each swapped run replayed on {self.allocator}" if self.allocator
+                                 else "planned on the ideal allocator (no fragmentation)"),
             f"{'policy':<16}{'largest batch':>14}{'samples/s':>12}{'step time':>12}{'stall':>10}"
             f"{'planned peak':>14}{'swapped/step':>15}",
         ]
@@ -98,8 +121,19 @@ class Plan:
         )
         lines += [f"note: {n}" for n in self.notes]
         if self.strategies:
-            lines += ["", strategy_table(self.strategies, self.batch)]
+            lines += ["", strategy_table(self.strategies, self.batch, self.policies, self.allocator_name)]
+        if self.fits_nothing:
+            lines.append(self.nothing_fits())
         return "\n".join(lines)
+
+    def nothing_fits(self) -> str:
+        """Why no batch fits, and the smallest budget that does (``min_budget``), in words."""
+        said = f"nothing fits a budget of {fmt_bytes(self.budget)}: "
+        if self.min_budget is None:
+            return said + (f"batch 1 does not fit in all of the device's memory ({fmt_bytes(self.device.memory)}) "
+                           f"under any policy planned, on {self.allocator_name}")  # fmt: skip
+        return said + (f"batch 1 fits from a budget of {fmt_exact(self.min_budget)}, under policy "
+                       f"{self.min_budget_policy!r} on {self.allocator_name}")  # fmt: skip
 
     def __str__(self) -> str:
         return self.table()
@@ -107,6 +141,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["device"] = asdict(self.device)
+        d["strategies_allocator"] = None  # the strategies are planned on the ideal allocator, the policies on this
         return d
 
     def plot(self, path: Union[str, Path]) -> Path:

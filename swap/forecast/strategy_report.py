@@ -27,12 +27,17 @@ def _speed(p: Any) -> str:
     return f"{p.samples_per_s:.4g}" if p is not None and p.fits and p.samples_per_s else "-"
 
 
-def table(results: dict[str, StrategyResult], batch: Optional[int] = None) -> str:
-    """One row per strategy: largest batch, samples/s there and at ``batch``, and what it costs there."""
+def table(results: dict[str, StrategyResult], batch: Optional[int] = None, policies: Optional[dict[str, Any]] = None,
+          allocator: str = "the allocator") -> str:  # fmt: skip
+    """One row per strategy: largest batch, samples/s there and at ``batch``, and what it costs there. With
+    ``policies`` (policy -> its result, replayed on ``allocator``), a strategy named after a policy whose largest
+    batch differs from the policy's says so: the two are found on different allocators."""
     if not results:
         return ""
     at = f"at batch {batch}" if batch else ""
-    lines = [f"{'strategy':<20}{'largest batch':>14}{'samples/s':>11}" + (f"{at:>16}" if at else "")
+    lines = ["strategies: whole keep / swap / recompute plans, planned on the ideal allocator (no fragmentation, "
+             "no VMM mapping costs)",
+             f"{'strategy':<20}{'largest batch':>14}{'samples/s':>11}" + (f"{at:>16}" if at else "")
              + f"{'planned peak':>14}{'recomputed':>12}{'copied':>12}  plan at the largest batch"]  # fmt: skip
     plain = results.get("none")
     for name, r in results.items():
@@ -44,14 +49,18 @@ def table(results: dict[str, StrategyResult], batch: Optional[int] = None) -> st
         row += (f"{fmt_bytes(p.peak) if fits else '-':>14}{fmt_bytes(p.recomputed_bytes) if fits else '-':>12}"
                 f"{fmt_bytes(p.copied_bytes) if fits else '-':>12}  {p.plan if fits else ''}")  # fmt: skip
         lines.append(row)
-    ideal = ("per step; simulated on the ideal allocator (no fragmentation, no VMM mapping costs: the policies' "
-             "rows replay the allocator)")  # fmt: skip
+    ideal = "recomputed and copied: bytes per step"
     if plain is not None and plain.max_batch:
-        ideal += f"; {plain.max_batch} fits without swapping or recomputing"
+        ideal += f"; {plain.max_batch} fits without swapping or recomputing (on the ideal allocator)"
     lines.append(ideal)
+    differ = [f"{name} {p.max_batch} vs {results[name].max_batch}" for name, p in (policies or {}).items()
+              if name in results and results[name].max_batch != p.max_batch]  # fmt: skip
+    if differ:
+        lines.append(f"largest batch as a policy (its run replayed on {allocator}) vs as a strategy (on the ideal "
+                     f"allocator): {', '.join(differ)}")  # fmt: skip
     auto = results.get("auto")
     if auto is not None and auto.blocker:
-        lines.append(f"past batch {auto.max_batch}: {auto.blocker}")
+        lines.append(f"auto (on the ideal allocator), past batch {auto.max_batch}: {auto.blocker}")
     return "\n".join(lines)
 
 

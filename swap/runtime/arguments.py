@@ -65,15 +65,32 @@ def check_device(device: Any) -> torch.device:
     forms = "'cpu', 'cuda', 'cuda:N', an int or a torch.device"
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
         raise TypeError(f"device must be {forms}, not {type(device).__name__}")
-    try:
-        dev = torch.device(device)
+    try:  # an int is a CUDA device's index (torch.device(0) asks for an accelerator, and fails without one)
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     except (RuntimeError, ValueError):
         raise ValueError(f"device must be {forms}, not {device!r}") from None
     if dev.type not in ("cuda", "cpu"):
         raise ValueError(f"device must be a CUDA device or 'cpu', not {dev}")
+    if dev.type == "cuda":
+        check_cuda(dev, device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+def check_cuda(dev: torch.device, asked: Any) -> None:
+    """A CUDA ``device=`` this process can use, or a ValueError that says why not: torch's own check fails later,
+    inside torch, with a bare AssertionError ("Torch not compiled with CUDA enabled")."""
+    if torch.version.cuda is None and torch.version.hip is None:
+        why = f"this PyTorch ({torch.__version__}) is built without CUDA: install a CUDA build of PyTorch"
+    elif not torch.cuda.is_available():
+        why = "no CUDA device is visible (see nvidia-smi, and CUDA_VISIBLE_DEVICES)"
+    elif dev.index is not None and dev.index >= torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        why = f"this process sees {n} CUDA device{'s' if n != 1 else ''} (cuda:0 to cuda:{n - 1})"
+    else:
+        return
+    raise ValueError(f"device={asked!r} cannot be used: {why}, or pass device='cpu'")
 
 
 def check_arena(arena: Any) -> Any:

@@ -3,12 +3,14 @@ source the budget is measured against, the copy engine and the host pool."""
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 from typing import Any, Optional
 
 import torch
 
-from ..schedule.budget import refuse_over_memory
+from ..schedule.budget import InfeasibleBudget, refuse_over_memory
 from ..units import size_arg
 from .engines import CudaEngine, HostEngine
 from .host_pool import HostPool
@@ -54,11 +56,55 @@ def refuse_budget_above_memory(budget: int, device: torch.device, arena: Any) ->
     refuse_over_memory(budget, limit, what, f"pass budget={size_arg(limit)!r} or less, or {otherwise}")
 
 
+# Note [Retrying inside except InfeasibleBudget]
+# Users retry where they catch: ``except swap.InfeasibleBudget as e: train(budget=e.min_budget)``. While that
+# except block runs, the exception's traceback holds every frame it passed through: the failed run's training
+# function (its model, optimizer and batch), the model's forward calls (their activations; a finished frame
+# also keeps its function, and torch's Module._call_impl closure keeps the module's arguments) and the hooks.
+# The retry's manager would measure those tensors as memory it cannot move, so its smallest budget is larger
+# than the e.min_budget it was given and it fails again (a U-Net: "not swappable" 1.10 MiB, then 2.34 MiB).
+# So a manager that starts while an InfeasibleBudget is being handled (itself, or as the cause or context of
+# the exception handled, as torch_oom raises it) first cuts the traceback of each exception in that chain down
+# to the frames still running (the one that caught it, and its callers), and collects the garbage: the failed
+# run's frames go with their tensors, and the traceback, if printed later, ends where it was caught. Clearing
+# the frames' locals instead (traceback.clear_frames) leaves the closures, and with them a module's input.
+def release_failed_run() -> bool:
+    """Note [Retrying inside except InfeasibleBudget]; whether an ``InfeasibleBudget`` was being handled."""
+    chain: list[BaseException] = []
+    handled = sys.exc_info()[1]
+    while handled is not None and all(handled is not e for e in chain):
+        chain.append(handled)
+        handled = handled.__cause__ or handled.__context__
+    if not any(isinstance(e, InfeasibleBudget) for e in chain):
+        return False
+    running: set[int] = set()  # the frames of this thread's stack, which must keep their entries
+    frame: Any = sys._getframe()
+    while frame is not None:
+        running.add(id(frame))
+        frame = frame.f_back
+    for e in chain:
+        e.__traceback__ = _running_part(e.__traceback__, running)
+    gc.collect()  # the failed run's hooks, executor and graph refer to each other
+    return True
+
+
+def _running_part(tb: Any, running: set[int]) -> Any:
+    """The entries of traceback ``tb`` whose frames still run (those that catch it), without the rest."""
+    if tb is None or id(tb.tb_frame) not in running:
+        return None
+    last = tb
+    while last.tb_next is not None and id(last.tb_next.tb_frame) in running:
+        last = last.tb_next
+    last.tb_next = None
+    return tb
+
+
 def open_resources(
     device: torch.device, arena: Any, host_pool_limit: Optional[int]
 ) -> tuple[DeviceMemory, Any, HostPool]:
     """The device-memory source (vmalloc's arena, torch's CUDA statistics, or a live-bytes meter on the CPU),
     the copy engine and the host pool (pinned on CUDA) for ``device``."""
+    release_failed_run()  # before the memory is measured
     cuda = device.type == "cuda"
     if cuda:
         memory: DeviceMemory = ArenaMemory(arena) if arena is not None else TorchCudaMemory(device)

@@ -48,7 +48,10 @@ class InfeasibleBudget(ValueError):
 
     Raised by the scheduler, and by ``SwapManager`` as soon as a profiled iteration shows it (at the first
     saved tensor of the next iteration, before that iteration adds anything). The figures are for the step
-    whose floor is the *largest*, so ``budget=e.min_budget`` is enough for every step.
+    whose floor is the *largest*, so ``budget=e.min_budget`` is enough for every step. Retry with it inside the
+    ``except`` or after it: a manager that starts while this is handled first drops the failed run's frames from
+    its traceback, which would otherwise keep that run's tensors alive (Note [Retrying inside except
+    InfeasibleBudget] in swap/runtime/resources.py).
 
     Attributes:
         budget: the budget that was asked for, in bytes.

@@ -18,6 +18,10 @@ def test_published_figures_and_chunk_scaling():
     assert a100.map == pytest.approx(1.45 * US) and a100.unmap == pytest.approx(25.63 * US)
     for name in ("v100", "v100-16gb", "h100-sxm", "a100-80gb", "l4", "rtx4090", "hopper"):
         assert for_device(name).set_access > 0
+    # Hopper is the H200 measurement: creating a chunk is flat in its size there (14-18 us from 2 to 64 MiB).
+    hopper = for_device("h100-sxm")
+    assert "measured" in hopper.name and hopper.create == pytest.approx(14.713 * US)
+    assert for_device("h200", 20 * MiB).create == pytest.approx(14.2595 * US, rel=0.01)
     big = a100.for_chunk(20 * MiB)
     # Per handle, map/unmap cost the same whatever the chunk size (pytorch#96995); creating clears bytes.
     assert big.map == a100.map and big.create == pytest.approx(10 * a100.create)
@@ -42,7 +46,8 @@ def test_load_reads_the_file_make_gpu_writes(tmp_path):
                                                                                   30 * US))  # fmt: skip
     assert "GPU X" in c.name
     assert load(path, chunk_size=8 * MiB).map == pytest.approx(8 * US)  # the nearest measured chunk size
-    assert load(path, chunk_size=4 * MiB).create == pytest.approx(200 * US)  # 2 MiB's, scaled by bytes
+    assert load(path, chunk_size=4 * MiB).create == pytest.approx(100 * US)  # 2 MiB's as measured: never scaled
+    assert c.for_chunk(7 * MiB).map == pytest.approx(8 * US)  # the whole table travels with the costs
     path.write_text(json.dumps({"format": "other"}))
     with pytest.raises(ValueError, match="not a VMM latency file"):
         load(path)

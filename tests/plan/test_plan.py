@@ -144,7 +144,7 @@ def test_the_command_line_on_a_users_file(tmp_path, capsys):
             "--min-bytes", "16KiB", "--quiet", "--plot", str(tmp_path / "m.png")]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
-    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[2:6]}
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[3:7]}
     assert set(rows) == {"none", "window", "fixed_distance", "all"}
     assert int(rows["window"]) >= int(rows["none"]) > 0
     assert (tmp_path / "m.png").stat().st_size > 0
@@ -160,7 +160,7 @@ def test_the_command_line_keeps_the_built_in_models(capsys):
             "--policies", "none,window", "--strategies", "off", "--quiet"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
-    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[2:4]}
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[3:5]}
     assert int(rows["window"]) > int(rows["none"]) > 0
 
 

@@ -122,7 +122,7 @@ def test_strategies_can_be_chosen_or_left_out_and_bad_ones_are_named():
 
 USER_FILE = """
 import torch
-from swap import zoo
+from swap.forecast import zoo
 
 def model_fn():
     return zoo.gpt(n_layer=2, n_head=2, d_model=32, vocab=64, seq_len=32)

@@ -1,6 +1,8 @@
 """Every SwapManager argument is checked at construction, with a message that names the accepted forms, and
 the accepted forms all work (a single module, tensor or predicate for ``exclude`` included)."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -96,17 +98,43 @@ class FakeDeviceProperties:
     total_memory = 16 << 30
 
 
-def test_a_budget_above_the_device_memory_is_refused_naming_what_fits(monkeypatch):
+@pytest.fixture
+def one_cuda_device(monkeypatch):
+    """torch as a CUDA build that sees one 16 GiB device, for the checks made at construction."""
+    monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: FakeDeviceProperties())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only torch, or one that sees no GPU")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", 0, torch.device("cuda")])
+def test_a_cuda_device_without_cuda_is_refused_saying_why(device):
+    # On a CPU-only torch, SwapManager(device="cuda") raised torch's bare AssertionError ("Torch not compiled
+    # with CUDA enabled") from inside torch; device=0 was refused as not a device at all.
+    why = "is built without CUDA: install a CUDA build of PyTorch" if torch.version.cuda is None else "no CUDA device"
+    with pytest.raises(ValueError, match=rf"device={re.escape(repr(device))} cannot be used: .*{why}.*, or pass "
+                                         "device='cpu'"):  # fmt: skip
+        swap.SwapManager(device=device)
+
+
+def test_a_cuda_device_index_past_the_visible_ones_is_refused(one_cuda_device):
+    with pytest.raises(ValueError, match=r"device='cuda:1' cannot be used: this process sees 1 CUDA device "
+                                         r"\(cuda:0 to cuda:0\), or pass device='cpu'"):  # fmt: skip
+        swap.SwapManager(device="cuda:1")
+    assert swap.SwapManager(device=0, budget="1GiB").device == torch.device("cuda", 0)
+
+
+def test_a_budget_above_the_device_memory_is_refused_naming_what_fits(one_cuda_device):
     # A budget above the device's memory was once planned without a word (Note [A budget above the
     # device's memory] in swap/schedule/budget.py).
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: FakeDeviceProperties())
     with pytest.raises(ValueError, match=r"a budget of 500.00 GiB is more than the memory of cuda:0 \(16.00 GiB\): "
                                          r"pass budget='16GiB' or less, or budget=None"):  # fmt: skip
         swap.SwapManager(device="cuda:0", budget="500GiB")
     assert swap.SwapManager(device="cuda:0", budget="16GiB").budget == 16 << 30  # all of it is allowed
 
 
-def test_a_budget_above_vmalloc_capacity_is_refused_naming_how_to_raise_it():
+def test_a_budget_above_vmalloc_capacity_is_refused_naming_how_to_raise_it(one_cuda_device):
     import vmalloc
 
     arena = vmalloc.Arena("sim", capacity="1GiB")  # vmalloc as the CUDA allocator holds at most its capacity

@@ -2,6 +2,7 @@
 before the budget is exceeded, with the smallest budget that works (``min_budget``), where (the module) and
 what would help. Budgets are checked by an independent LiveBytesMeter, iteration by iteration."""
 
+import contextlib
 import functools
 
 import pytest
@@ -10,6 +11,7 @@ from training import KiB, assert_bitwise_equal, assert_within, run
 
 import swap
 from swap.forecast import zoo as models
+from swap.integrations.oom import torch_oom
 
 
 @functools.cache
@@ -62,6 +64,27 @@ def bert_step(model, x, y, it):
     loss = model(input_ids=x, labels=y).loss
     loss.backward()
     return loss
+
+
+@pytest.mark.parametrize("wrap", [contextlib.nullcontext, torch_oom], ids=["InfeasibleBudget", "torch_oom"])
+def test_a_retry_with_min_budget_inside_the_except_fits(wrap):
+    # Users retry where they catch. The exception's traceback held the failed run's frames (its model, its
+    # optimizer, the forward's activations), so the retry's manager counted them as not swappable and failed
+    # again: 1.10 MiB, then 2.34 MiB (Note [Retrying inside except InfeasibleBudget] in swap/runtime/resources.py).
+    # The same when torch_oom raises it as torch.OutOfMemoryError, for trainers that retry on that.
+    def manager(budget):
+        return lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB)
+
+    try:
+        with wrap():
+            run("unet", 3, manager=manager("64KiB"))
+    except (swap.InfeasibleBudget, torch.OutOfMemoryError) as caught:
+        e = caught if isinstance(caught, swap.InfeasibleBudget) else caught.__cause__
+        got = run("unet", 5, manager=manager(e.min_budget), meter=swap.LiveBytesMeter("cpu"))
+        assert caught.__traceback__ is not None  # it still says where it was caught
+    assert got["manager"].report()["status"] == "planned"
+    assert_bitwise_equal(reference("unet"), got)
+    assert_within(got["peaks"], e.min_budget)
 
 
 def test_min_budget_on_hugging_face_bert_names_the_module():

@@ -123,7 +123,10 @@ def test_profile_file_round_trips_into_the_simulator(tmp_path, capsys):
     from bench import swap_schedule
 
     budget, _ = budget_for("resnet")
-    got = run("resnet", 3, manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB))
+    # Swap only: strategy "auto" may choose a recompute region from the measured times and profile again, and
+    # then nothing is planned yet after three iterations (a timing-dependent outcome, not this test's subject).
+    got = run("resnet", 3, manager=lambda: swap.SwapManager(budget=budget, policy="window", device="cpu",
+                                                            min_bytes=16 * KiB))  # fmt: skip
     path = got["manager"].save_profile(tmp_path / "profile.json")
     seq, meta = swap.Sequence.load(path)
     assert seq.signature() == got["manager"].sequence.signature() and sum(seq.compute) > 0

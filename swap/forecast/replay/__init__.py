@@ -3,10 +3,10 @@ caching allocator policies; used by ``swap.plan`` to tell whether a run fits a d
 
 from __future__ import annotations
 
-from .replay import ALLOCATORS, BUDGET_FRACTIONS, fitting_budget, make_allocator, measure, replay
+from .replay import ALLOCATORS, BUDGET_FRACTIONS, CHUNK_SIZE, fitting_budget, make_allocator, measure, replay
 from .torch_policy import ExpandableSegmentsModel, NativeCachingModel
 
 __all__ = [
-    "ALLOCATORS", "BUDGET_FRACTIONS", "ExpandableSegmentsModel", "NativeCachingModel", "fitting_budget",
+    "ALLOCATORS", "BUDGET_FRACTIONS", "CHUNK_SIZE", "ExpandableSegmentsModel", "NativeCachingModel", "fitting_budget",
     "make_allocator", "measure", "replay",
 ]  # fmt: skip

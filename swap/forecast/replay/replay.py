@@ -27,9 +27,10 @@ from ..from_trace import swapped
 from .torch_policy import ExpandableSegmentsModel, NativeCachingModel
 
 ALLOCATORS = ("vmalloc", "pytorch_native", "pytorch_expandable")
+CHUNK_SIZE = 2 << 20  # bytes: vmalloc's chunk in the replays (its default): an arena holds whole chunks
 
 
-def make_allocator(name: str, capacity: int, chunk_size: str | int = "2MiB") -> Any:
+def make_allocator(name: str, capacity: int, chunk_size: str | int = CHUNK_SIZE) -> Any:
     if name == "vmalloc":
         return vmalloc.Arena("sim", capacity=capacity, chunk_size=chunk_size)
     if name == "vmalloc-host":
@@ -80,7 +81,7 @@ def replay(trace: Trace, allocator: Any, series_every: int = 0) -> dict[str, Any
             "ops": n_ops, "seconds": t_ops}  # fmt: skip
 
 
-def measure(trace: Trace, allocator_name: str, capacity: Optional[int] = None, chunk_size: str | int = "2MiB",
+def measure(trace: Trace, allocator_name: str, capacity: Optional[int] = None, chunk_size: str | int = CHUNK_SIZE,
             series_every: int = 0) -> dict[str, Any]:  # fmt: skip
     """Replays ``trace`` on a fresh allocator and returns the metrics (capacity None: unlimited, 4 TiB)."""
     cap = capacity or (4 << 40)
