@@ -19,6 +19,9 @@ copy is started after their last access, in hindsight: the plan is made offline)
 do not fit wait. A plan therefore never exceeds the budget; when the step's own working set (the memory
 that is not ours plus the variable it touches) exceeds it, no plan can, and ``InfeasibleBudget`` says which
 step and by how much (``swap.schedule.budget``: the largest failing step, its module, and what would help).
+
+Clean variables (Note [Clean variables] in swap/schedule/sequence.py) start on the host: every policy fetches
+them ahead of their uses like any swapped-out variable, and they leave the device with no copy out.
 """
 
 from __future__ import annotations
@@ -118,13 +121,20 @@ def _plan_none(seq: Sequence, budget: int, window: int, options: dict) -> Schedu
         i = totals.index(max(totals))
         raise InfeasibleBudget(i, totals[i], budget, "policy 'none' keeps every saved tensor on the device")
     empty: list[list[int]] = [[] for _ in range(len(seq))]
+    swap_in: list[list[int]] = [[] for _ in seq.var]
+    fetched: set[int] = set()
+    for i, v in enumerate(seq.var):  # a clean variable comes from the host at its first use, then stays
+        if seq.clean[v] and seq.swappable[v] and v not in fetched:
+            fetched.add(v)
+            if seq.kind[i] != SAVE:
+                swap_in[i].append(v)
     return Schedule(
         "none",
         budget,
         window,
         empty,
         [[] for _ in seq.var],
-        [[] for _ in seq.var],
+        swap_in,
         live,
         max(totals, default=0),
         options,
@@ -145,10 +155,14 @@ class _Planner:
         self.resident_trace: list[int] = [0] * n
         self.resident: dict[int, int] = {}  # var -> bytes, on the device
         self.resident_bytes = 0
-        self.host: set[int] = set()  # vars with a host copy (made or being made)
+        # vars with a host copy (made or being made); clean ones have theirs from the start
+        self.host: set[int] = {v for v, c in enumerate(seq.clean) if c}
         self.pending: OrderedDict[int, int] = OrderedDict()  # reserved swap-outs still resident, oldest first
         self.eager: list[list[int]] = [[] for _ in range(n + 1)]  # releases due at a step (all/fixed)
         self.last_access: dict[int, int] = {}
+        self.first: dict[int, int] = {}  # var -> its first access
+        for i, v in enumerate(seq.var):
+            self.first.setdefault(v, i)
         self.pinned: dict[int, int] = {}  # var -> first step its node no longer holds it
         self.wanted: list[tuple[int, int]] = []  # heap of (use step, var) to prefetch
         self.triggers = self._prefetch_triggers()
@@ -243,6 +257,8 @@ class _Planner:
         return self._free() >= need
 
     def _next_use_of(self, v: int) -> int:
+        if v not in self.last_access:  # a clean variable fetched ahead of its first access
+            return self.first[v]
         return self.next[self.last_access[v]]
 
     def run(self, options: dict) -> Schedule:

@@ -51,6 +51,15 @@ class Sequence:
             it unpacked until it has run, so the variable used at step i frees nothing if released before
             ``node_last[i] + 1`` (a compiled region's backward unpacks all its saved tensors at once).
             Default: the step itself.
+        clean: per variable, True when its host copy is always valid (Note [Clean variables]). Default all
+            False (every variable is an activation the forward makes).
+
+    Note [Clean variables]
+    A clean variable is one whose host copy is its home and stays valid: a bucket of weights streamed from
+    the host master. It starts the iteration on the host, not on the device, so its first access may be a
+    use (a fetch from the host, prefetched by the window like any other use); leaving the device is a drop,
+    with no copy out (its device bytes are free at once, nothing to wait for); the simulator charges it no
+    D2H time or bytes. Everything else about it (its bytes, its uses, the budget) is a variable's.
     """
 
     var: list[int]
@@ -66,6 +75,7 @@ class Sequence:
     kept: list[int] = field(default_factory=list)
     base: int = 0
     node_last: list[int] = field(default_factory=list)
+    clean: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.var)
@@ -94,12 +104,17 @@ class Sequence:
             raise ValueError("node_last[i] must not be before step i")
         if any(v < 0 or v >= len(self.sizes) for v in self.var):
             raise ValueError("a step names a variable that has no size")
-        seen: set[int] = set()
+        if not self.clean:
+            self.clean = [False] * len(self.sizes)
+        if len(self.clean) != len(self.sizes):
+            raise ValueError("clean must have one entry per variable")
+        seen: set[int] = {v for v, c in enumerate(self.clean) if c}  # on the host from the start
         for i, (v, k) in enumerate(zip(self.var, self.kind)):
             if k not in (SAVE, USE):
                 raise ValueError(f"step {i}: kind must be 'save' or 'use', not {k!r}")
             if v not in seen and k != SAVE:
-                raise ValueError(f"step {i}: variable {v} is used before it is saved")
+                raise ValueError(f"step {i}: variable {v} is used before it is saved (only a clean variable, whose "
+                                 "home is the host, may be fetched first)")
             seen.add(v)
 
     def __len__(self) -> int:

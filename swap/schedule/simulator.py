@@ -4,7 +4,8 @@ It replays exactly the actions the executor issues, in the same order (``Schedul
 compute stream waits for the D2H copies of ``release[i]``, spends ``vmm[i]`` seconds of host time in the
 allocator's driver calls, queues the H2D copies of ``swap_in[i]``, waits for the H2D copy of the variable it
 uses, queues the D2H copies of ``swap_out[i]``, then computes for ``compute[i]`` seconds. Copies on one
-engine run one after another at the link's bandwidth.
+engine run one after another at the link's bandwidth. A clean variable (Note [Clean variables] in
+swap/schedule/sequence.py) has no D2H copy: leaving the device costs it nothing.
 
 Note [Where VMM work is charged]
 vmalloc's cuMemMap/cuMemSetAccess/cuMemUnmap calls are synchronous host work: while the allocator maps, the
@@ -107,6 +108,8 @@ def simulate(
         if seq.kind[i] != "save":
             wait(h2d_done.get(seq.var[i], 0.0), i, "h2d", seq.var[i])
         for v in schedule.swap_out[i]:
+            if seq.clean[v]:  # its host copy is valid: nothing to copy, nothing to wait for
+                continue
             d2h_free = d2h_done[v] = copy(v, d2h_free, d2h_bandwidth, "d2h")
             d2h_bytes += seq.sizes[v]
         if timeline and seq.compute[i] > 0:

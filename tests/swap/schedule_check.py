@@ -8,7 +8,7 @@ def check_schedule(seq: Sequence, s: Schedule) -> None:
     ends = seq.ends()  # a variable is gone at its end (after its last access, or when freed)
     pinned: dict[int, int] = {}  # var -> first step the backward node that used it no longer holds it
     resident: set[int] = set()
-    host: set[int] = set()
+    host: set[int] = {v for v, c in enumerate(seq.clean) if c}  # a clean variable's home is the host
     for i in range(n):
         for v in list(resident):
             if ends[v] <= i:
