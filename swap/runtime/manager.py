@@ -28,12 +28,13 @@ from typing import Any, Optional, Union
 import torch
 
 from ..schedule.budget import InfeasibleBudget
+from ..schedule.model_state import Bucket, ModelStateDoesNotFit, ModelStatePlan, Placement, plan_model_state
 from ..schedule.scheduler import Schedule, validate
 from ..schedule.sequence import Sequence
 from ..units import Size, parse_size
 from . import snapshot
 from .arguments import check_arena, check_device, check_flag, check_steps, check_strategy, parse_window
-from .executor import Executor
+from .executor import DECLINED, PLANNED, Executor
 from .hooks import SavedTensorHooks
 from .joint import JointRuntime
 from .memory import DeviceMemory, vmalloc_arena
@@ -148,7 +149,10 @@ class SwapManager:
             self.model_state = ModelStateRuntime(
                 model, optimizer, self.device, parse_size(bucket_bytes, "bucket_bytes", minimum=1),
                 parse_size(host_memory, "host_memory", minimum=1, none="what the kernel reports available"),
+                model_state,
             )  # fmt: skip
+            if model_state == "auto":
+                self.model_state.decide = self._place_model_state
 
     @property
     def _recompute(self) -> Optional[RecomputeHooks]:
@@ -208,6 +212,31 @@ class SwapManager:
         if seq is None:
             return False
         return self.memory.current() + nbytes + max(seq.transient, default=0) <= self.budget
+
+    # Note [Placing model state under the budget]
+    # With model_state="auto" every bucket starts streamed, the placement that needs least of the device, so
+    # the profiling iterations keep the budget whatever the model. Once the activations are planned (or the
+    # manager declined to swap them), what the plan leaves of the budget at its tightest step is the room
+    # (``schedule.peak`` was measured with the streamed weights in flight, so those bytes are counted twice:
+    # the room errs small); ``plan_model_state`` fills it with resident buckets first (forward order: the last
+    # of the backward pass, whose host step nothing could hide), then host masters. Applied at that optimizer
+    # step (Note [Changing placements]); the activation plan then grows by what became resident
+    # (Note [Learning from an overrun] in swap.runtime.lifecycle).
+    def _place_model_state(self, buckets: list[Bucket]) -> Optional[ModelStatePlan]:
+        ex = self.executor
+        if ex.mode == PLANNED and ex.schedule is not None:
+            peak = ex.schedule.peak
+        elif ex.mode == DECLINED and ex.counters.iterations >= 2:
+            peak = self.memory.peak
+        else:
+            return None  # still profiling: asked again at the next step
+        try:
+            plan = plan_model_state(buckets, max(0, self.budget - peak), mode="auto")
+        except ModelStateDoesNotFit as e:
+            plan = ModelStatePlan.uniform(len(buckets), Placement.STREAMED)
+            plan.notes.append(f"every bucket stays streamed: {e}")
+        self._notices.note("model state: " + "; ".join(plan.notes))
+        return plan
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         """Removes the hooks, drains the copy lanes and frees the host pool, also after an exception."""

@@ -68,7 +68,8 @@ class ModelStateRuntime:
     the state would not fit."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 bucket_bytes: int, host_memory: Optional[int] = None) -> None:  # fmt: skip
+                 bucket_bytes: int, host_memory: Optional[int] = None, mode: str = "offload") -> None:  # fmt: skip
+        self.mode = mode
         self.model = model
         self.optimizer = optimizer
         self.device = device
@@ -370,7 +371,7 @@ class ModelStateRuntime:
             return dict(self.final)
         pred = self.prediction
         data: dict[str, Any] = {
-            "mode": "offload",
+            "mode": self.mode,
             "host_bytes_predicted": pred.total,
             "pinned_bytes_predicted": pred.pinned if self.pinned else 0,
             "state_bytes_predicted": pred.state,

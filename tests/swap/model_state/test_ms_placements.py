@@ -73,3 +73,16 @@ def test_resident_buckets_are_stepped_by_the_users_optimizer_on_the_device():
     train(steps=3, manager=make, step_hook=look)
     assert seen["resident"][:2] == (True, True) and seen["resident"][2] > 0
     assert seen["streamed"] == (True, True, 0)
+
+
+def test_auto_makes_buckets_resident_where_the_budget_leaves_room():
+    """model_state="auto": every bucket starts streamed; once the activations are planned (here: the run fits,
+    the manager declines to swap them) the room left makes them resident, and the run stays bitwise."""
+    got = train(steps=4, manager=lambda m, o: swap.SwapManager(budget="1GiB", device="cpu", policy="window", model=m,
+                                                                optimizer=o, bucket_bytes="64KiB"))  # fmt: skip
+    assert_bitwise(plain(), got)
+    report = got["manager"].report()
+    ms = report["model_state"]
+    assert ms["mode"] == "auto" and ms["placements"] == {"resident": ms["buckets"]}
+    assert ms["steps"][-1]["weights_in_bytes"] == 0 and ms["steps"][-1]["grads_out_bytes"] == 0
+    assert any(n.startswith("model state: auto:") for n in report["notes"])
