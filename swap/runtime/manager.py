@@ -201,6 +201,9 @@ class SwapManager:
             ms.start(engine, self.hooks.own_work, self._fits,
                      lambda: (counters.swapped_in_bytes, counters.swapped_out_bytes))  # fmt: skip
             self.hooks.manage_params(ms.streamer, ParamPacked)
+            streamer, ex = ms.streamer, self.executor  # Note [Clean variables at run time]: weights in the plan
+            streamer.step_hook = lambda bucket, nbytes, module: ex.use_clean(bucket, nbytes, streamer, module)
+            ex.clean_mover = streamer
         self.hooks.install(self.executor, self._joint)
         if self._joint is not None:
             self._joint.start(self.executor, self.hooks)

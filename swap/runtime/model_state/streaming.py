@@ -15,6 +15,12 @@ step. Only ``STREAMED`` buckets are held and dropped that way: a ``HOST_MASTER``
 pass (a forward and its backward) are recorded entry by entry: the next pass's prefetcher reads
 them, and the first forward's order of first uses is the order buckets are re-packed in (Note [Entries and
 buckets]).
+
+While the executor plans (it profiles or follows a schedule, with gradients on), each use of a streamed bucket is a
+step of its iteration instead (``step_hook``; Note [Clean variables at run time] in swap.runtime.clean): the
+window schedules the bucket's fetches and drops with the activations', and the streamer only carries them out, as
+the executor's ``CleanMover``. A bucket is pinned while a module whose forward pre-hook used it runs, or while the
+backward node that read it runs; a drop asked for then waits for the pin to end.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from ...schedule.model_state import Placement
+from ..clean import CleanVariable
 from ..tracer import backward_running, current_autograd_node
 from .buckets import Entry, pack
 from .storage import Copies, Masters
@@ -78,7 +85,8 @@ class Streamer:
     def __init__(self, entries: list[Entry], masters: Masters, bucket_bytes: int, gate: Callable[[int], None],
                  updated: Callable[[int], bool], fits: Callable[[int], bool], copies: Copies,
                  prefetcher: Optional[Prefetcher] = None, backward_ended: Callable[[], None] = lambda: None,
-                 before_repack: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+                 before_repack: Callable[[], None] = lambda: None,
+                 step_hook: Optional[Callable[[int, int, str], bool]] = None) -> None:  # fmt: skip
         self.entries = entries
         self.masters = masters
         self.bucket_bytes = bucket_bytes
@@ -89,6 +97,8 @@ class Streamer:
         self.prefetcher: Prefetcher = prefetcher or LookAhead()
         self.backward_ended = backward_ended
         self.before_repack = before_repack
+        # step_hook(bucket, bytes, module): the executor takes the use as a step (True), or leaves it to us
+        self.step_hook = step_hook
         self.watched = {e.key: e.index for e in entries}  # storage identity -> entry
         self.lock = threading.RLock()
         self.buckets: list[list[int]] = []
@@ -106,6 +116,9 @@ class Streamer:
         self._backward_in_pass = False
         self._node: Any = None  # the backward node running at the last use, and the buckets it read
         self._node_buckets: set[int] = set()
+        self._spans: dict[int, int] = {}  # bucket -> forwards under way of modules that used it
+        self._deferred: set[int] = set()  # drops asked for while pinned
+        self._vars: dict[int, CleanVariable] = {}  # bucket -> the executor's variable of it, this iteration
         self._handles: list[Any] = []
 
     # -- buckets ----------------------------------------------------------------------------------------
@@ -123,20 +136,27 @@ class Streamer:
 
     # -- hooks ------------------------------------------------------------------------------------------
     def install(self, model: torch.nn.Module) -> None:
-        """Forward pre-hooks on every module that owns managed parameters."""
+        """Forward pre- and post-hooks on every module that owns managed parameters."""
         owned = {id(p): e.index for e in self.entries for _, p in e.params}
-        seen: set[int] = set()
-        for module in model.modules():
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
+        for path, module in model.named_modules():
             mine = tuple(dict.fromkeys(owned[id(p)] for p in module.parameters(recurse=False) if id(p) in owned))
             if mine:
-                self._handles.append(module.register_forward_pre_hook(self._pre_hook(mine)))
+                self._handles.append(module.register_forward_pre_hook(self._pre_hook(mine, path)))
+                self._handles.append(module.register_forward_hook(self._post_hook(mine), always_call=True))
 
-    def _pre_hook(self, mine: tuple[int, ...]) -> Callable[..., None]:
+    def _pre_hook(self, mine: tuple[int, ...], path: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any) -> None:
-            self.use(mine)
+            self.use(mine, path, span=True)
+
+        return hook
+
+    def _post_hook(self, mine: tuple[int, ...]) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            with self.lock:
+                for b in dict.fromkeys(self.bucket_of[i] for i in mine):
+                    if self._spans.get(b, 0) > 0:
+                        self._spans[b] -= 1
+                self._drop_deferred()
 
         return hook
 
@@ -163,30 +183,40 @@ class Streamer:
                 self._in_backward = self._backward_in_pass = True
 
     # -- uses -------------------------------------------------------------------------------------------
-    def use(self, used: tuple[int, ...]) -> None:
-        """Note [Weight uses]."""
+    def use(self, used: tuple[int, ...], module: str = "", span: bool = False) -> None:
+        """Note [Weight uses]; ``span``: a module's forward pre-hook (its post-hook ends the pin)."""
         with self.lock:
             self._maybe_begin_pass(used)
             step = len(self.uses)
             self.uses.append(used)
             if not self._in_backward:
                 self._note_first_use(used)
-            buckets = {self.bucket_of[i] for i in used}
+            buckets = list(dict.fromkeys(self.bucket_of[i] for i in used))
+            for b in buckets:
+                if span:
+                    self._spans[b] = self._spans.get(b, 0) + 1
             keep = set(buckets)
             node = current_autograd_node()
             if node is not None:
                 if node is not self._node:
                     self._node, self._node_buckets = node, set()
+                    self._drop_deferred()
                 keep |= self._node_buckets
-                self._node_buckets |= buckets
-            for b in list(self.held - keep):
-                self.drop_bucket(b)
-            for b in buckets:
-                self.fetch_bucket(b)
-            for b in buckets:
-                for i in self.buckets[b]:
-                    self.masters.ready(self.entries[i])
-            self._prefetch(step, used)
+                self._node_buckets |= set(buckets)
+        # Outside our lock: the executor takes its own, and its callbacks (a backward's end) take ours.
+        hook = self.step_hook
+        taken = [hook is not None and self.placements[b] == Placement.STREAMED
+                 and hook(b, self.bucket_bytes_of(b), module) for b in buckets]  # fmt: skip
+        with self.lock:
+            if not any(taken):
+                for b in list(self.held - keep):
+                    self.drop_bucket(b)
+            for b, by_executor in zip(buckets, taken):
+                if not by_executor:
+                    self.fetch_bucket(b)
+                    self.ready(b)
+            if not any(taken):
+                self._prefetch(step, used)
 
     def demand(self, entry: int) -> None:
         """The parameter guard found ``entry`` dropped under an operator: fetched now, nothing dropped."""
@@ -198,8 +228,7 @@ class Streamer:
                 self._note_first_use((entry,))
             b = self.bucket_of[entry]
             self.fetch_bucket(b)
-            for i in self.buckets[b]:
-                self.masters.ready(self.entries[i])
+            self.ready(b)
 
     def _note_first_use(self, used: tuple[int, ...]) -> None:
         for i in used:
@@ -218,10 +247,52 @@ class Streamer:
         for i in self.buckets[b]:
             self.masters.fetch(self.entries[i])
 
-    def drop_bucket(self, b: int) -> None:
+    def drop_bucket(self, b: int, by_executor: bool = False) -> None:
+        if b in self.held and not by_executor and (var := self._vars.get(b)) is not None:
+            var.owner.clean_dropped(var)  # Note [Clean variables at run time]: a drop between the executor's steps
         for i in self.buckets[b]:
             self.masters.drop(self.entries[i])
         self.held.discard(b)
+        self._deferred.discard(b)
+
+    # -- the executor's mover (swap.runtime.clean.CleanMover) -----------------------------------------------
+    def fetch(self, key: int, prefetch: bool) -> None:
+        with self.lock:
+            self._deferred.discard(key)
+            if not (prefetch and not self.updated(key)):  # a prefetch never waits for a host update
+                self.fetch_bucket(key)
+
+    def ready(self, key: int) -> float:
+        before = self.copies.stall_seconds
+        for i in self.buckets[key]:
+            self.masters.ready(self.entries[i])
+        return self.copies.stall_seconds - before
+
+    def drop(self, key: int) -> None:
+        with self.lock:
+            if self.pinned(key):
+                self._deferred.add(key)
+            else:
+                self.drop_bucket(key, by_executor=True)
+
+    def on_device(self, key: int) -> bool:
+        current = self.masters.current
+        return all(current[i] for i in self.buckets[key])
+
+    def pinned(self, key: int) -> bool:
+        return self._spans.get(key, 0) > 0 or (key in self._node_buckets and current_autograd_node() is self._node)
+
+    def variables(self, first_id: int, iteration: int, owner: Any) -> list[CleanVariable]:
+        streamed = [b for b, p in enumerate(self.placements) if p == Placement.STREAMED]
+        made = [CleanVariable(first_id + k, b, self.bucket_bytes_of(b), self, iteration, owner)
+                for k, b in enumerate(streamed)]  # fmt: skip
+        self._vars = {v.key: v for v in made}
+        return made
+
+    def _drop_deferred(self) -> None:
+        for b in list(self._deferred):
+            if not self.pinned(b):
+                self.drop_bucket(b)
 
     def drop_all(self, stale: bool = False) -> None:
         """Every streamed bucket off the device (dirty ones copied back); ``stale``: host masters' compute copies
@@ -257,12 +328,13 @@ class Streamer:
                 self.previous = self.uses
             self.uses = []
             self._pass_over = self._backward_in_pass = False
+            self._spans = {}  # a forward that raised leaves no pin behind
             self.prefetcher.new_pass(self.previous)
 
     def _backward_end(self) -> None:
         with self.lock:
             self._in_backward = False
-            self._node, self._node_buckets = None, set()
+            self._node, self._node_buckets, self._spans = None, set(), {}
             self.drop_all()
             self._pass_over = True
             if not self.packed_by_use and self.first_use and all(p == Placement.STREAMED for p in self.placements):
