@@ -491,7 +491,7 @@ class Executor:
                 self.closed = True
                 self.transfers.close()
                 # Our references go; autograd's handles keep what a late unpack may still need.
-                self.vars, self.by_storage = [], {}
+                self.vars, self.by_storage, self.clean, self.clean_mover, self._span = [], {}, {}, None, None
 
 
 __all__ = ["Counters", "Executor", "Profiled", "WholeModelCompiled", "PROFILE", "PLANNED", "FALLBACK", "DECLINED"]

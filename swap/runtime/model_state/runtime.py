@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from typing import Any, Callable, Optional
 
 import torch
@@ -387,6 +388,7 @@ class ModelStateRuntime:
             **data,
             "placements": {p.value: n for p in Placement if (n := self.streamer.placements.count(p))},
             "buckets": len(buckets),
+            "bucket_specs": [asdict(b) for b in buckets],  # swap.schedule.model_state.Bucket, for a planner
             "host_step_seconds": sum(stepper.seconds.values()),
             "host_step_exposed_seconds": sum(stepper.exposed.values()),
             "host_bytes": sum(p.reserved for p in self.pools) + state_bytes,
