@@ -21,6 +21,11 @@ step of its iteration instead (``step_hook``; Note [Clean variables at run time]
 window schedules the bucket's fetches and drops with the activations', and the streamer only carries them out, as
 the executor's ``CleanMover``. A bucket is pinned while a module whose forward pre-hook used it runs, or while the
 backward node that read it runs; a drop asked for then waits for the pin to end.
+
+A parameter read outside the modules that own it (a tied embedding read by the parent's forward) is a demand fetch
+the first time. The streamer remembers after which forward hook event (a pre- or post-hook of a module owning
+parameters, counted from the pass's start) the read came, and from the next pass on uses the entry at that event,
+pinned until the next one: a planned use, fetched ahead by the window like any other.
 """
 
 from __future__ import annotations
@@ -117,6 +122,9 @@ class Streamer:
         self._node: Any = None  # the backward node running at the last use, and the buckets it read
         self._node_buckets: set[int] = set()
         self._spans: dict[int, int] = {}  # bucket -> forwards under way of modules that used it
+        self._event = 0  # forward hook events of this pass
+        self._reads: dict[int, set[int]] = {}  # event -> entries read after it outside their modules
+        self._event_pins: set[int] = set()  # buckets used at the last event for such a read
         self._deferred: set[int] = set()  # drops asked for while pinned
         self._vars: dict[int, CleanVariable] = {}  # bucket -> the executor's variable of it, this iteration
         self._handles: list[Any] = []
@@ -147,6 +155,7 @@ class Streamer:
     def _pre_hook(self, mine: tuple[int, ...], path: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any) -> None:
             self.use(mine, path, span=True)
+            self._next_event()
 
         return hook
 
@@ -156,9 +165,23 @@ class Streamer:
                 for b in dict.fromkeys(self.bucket_of[i] for i in mine):
                     if self._spans.get(b, 0) > 0:
                         self._spans[b] -= 1
+            self._next_event()
+            with self.lock:
                 self._drop_deferred()
 
         return hook
+
+    def _next_event(self) -> None:
+        """A forward hook event: the reads outside their modules learned at it become uses, pinned until the
+        next event."""
+        if self._in_backward:
+            return
+        with self.lock:
+            self._event += 1
+            self._event_pins = set()
+            reads = tuple(sorted(self._reads.get(self._event, ())))
+        if reads:
+            self.use(reads, pin_to_event=True)
 
     def uninstall(self) -> None:
         for h in self._handles:
@@ -183,8 +206,9 @@ class Streamer:
                 self._in_backward = self._backward_in_pass = True
 
     # -- uses -------------------------------------------------------------------------------------------
-    def use(self, used: tuple[int, ...], module: str = "", span: bool = False) -> None:
-        """Note [Weight uses]; ``span``: a module's forward pre-hook (its post-hook ends the pin)."""
+    def use(self, used: tuple[int, ...], module: str = "", span: bool = False, pin_to_event: bool = False) -> None:
+        """Note [Weight uses]; ``span``: a module's forward pre-hook (its post-hook ends the pin); ``pin_to_event``:
+        a learned read outside the owning modules (the next hook event ends the pin)."""
         with self.lock:
             self._maybe_begin_pass(used)
             step = len(self.uses)
@@ -195,6 +219,8 @@ class Streamer:
             for b in buckets:
                 if span:
                     self._spans[b] = self._spans.get(b, 0) + 1
+                if pin_to_event:
+                    self._event_pins.add(b)
             keep = set(buckets)
             node = current_autograd_node()
             if node is not None:
@@ -226,6 +252,7 @@ class Streamer:
             self.uses.append((entry,))
             if not self._in_backward:
                 self._note_first_use((entry,))
+                self._reads.setdefault(self._event, set()).add(entry)  # a use there from the next pass on
             b = self.bucket_of[entry]
             self.fetch_bucket(b)
             self.ready(b)
@@ -280,7 +307,9 @@ class Streamer:
         return all(current[i] for i in self.buckets[key])
 
     def pinned(self, key: int) -> bool:
-        return self._spans.get(key, 0) > 0 or (key in self._node_buckets and current_autograd_node() is self._node)
+        if self._spans.get(key, 0) > 0 or key in self._event_pins:
+            return True
+        return key in self._node_buckets and current_autograd_node() is self._node
 
     def variables(self, first_id: int, iteration: int, owner: Any) -> list[CleanVariable]:
         streamed = [b for b, p in enumerate(self.placements) if p == Placement.STREAMED]
@@ -328,7 +357,7 @@ class Streamer:
                 self.previous = self.uses
             self.uses = []
             self._pass_over = self._backward_in_pass = False
-            self._spans = {}  # a forward that raised leaves no pin behind
+            self._spans, self._event, self._event_pins = {}, 0, set()  # a forward that raised leaves no pin behind
             self.prefetcher.new_pass(self.previous)
 
     def _backward_end(self) -> None:

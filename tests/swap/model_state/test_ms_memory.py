@@ -6,7 +6,7 @@ page-locked exactly where pinning works, pageable with a warning where it does n
 import functools
 
 import pytest
-from ms_training import assert_bitwise, gpt, train
+from ms_training import TiedGPT, assert_bitwise, gpt, train
 
 import swap
 from swap.runtime.host_pool import PinningUnavailable
@@ -104,3 +104,20 @@ def test_weights_are_clean_variables_the_window_prefetches():
     assert len(prefetched) >= len(clean) // 2, actions
     assert not [v for _, a, v in actions if a == "demand" and v in clean]
     assert not [v for _, a, v in actions if a == "swap_out" and v in clean]  # dropped clean: no copy out
+
+
+def test_a_read_outside_its_module_becomes_a_planned_use():
+    """The tied embedding the root reads as its output projection: a demand fetch in the first pass only; from
+    the next one it is a use at the hook event the read followed, scheduled with the rest, and the run keeps the
+    budget from its first planned iteration on."""
+    meter = swap.LiveBytesMeter("cpu")
+    ref = train(TiedGPT, meter=meter)
+    budget = int(0.3 * meter.peak)
+    got = train(TiedGPT, meter=swap.LiveBytesMeter("cpu"),
+                manager=lambda m, o: swap.SwapManager(budget=budget, device="cpu", model=m, optimizer=o,
+                                                      policy="window", model_state="offload", bucket_bytes="64KiB",
+                                                      min_bytes="4KiB"))  # fmt: skip
+    assert_bitwise(ref, got)
+    assert max(got["peaks"]) <= budget, got["peaks"]
+    r = got["manager"].report()
+    assert r["model_state"]["demand_fetches"] == 1 and r["overruns"] == 0
