@@ -26,7 +26,6 @@ Writes <out>/model_state_cpu.json and model_state_cpu.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import logging
 import platform
@@ -41,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 import swap
+from bench.metering import metered
 from bench.write import write_results
 from swap.forecast import zoo
 from swap.schedule.model_state import Bucket, plan_model_state
@@ -88,12 +88,7 @@ def train(s: Setup, budget: Optional[int], meter: Optional[swap.LiveBytesMeter])
         sm = swap.SwapManager(budget=budget, device="cpu", model=model, optimizer=opt, model_state="offload",
                               bucket_bytes=s.bucket, min_bytes="64KiB")  # fmt: skip
     out: dict[str, Any] = {"losses": [], "norms": [], "peaks": [], "wall": [], "cpu": []}
-    with contextlib.ExitStack() as stack:
-        if meter is not None:
-            stack.enter_context(meter.track_existing())
-            meter.reset_window()
-        if sm is not None:
-            stack.enter_context(sm)
+    with metered(meter, sm):
         for step in range(s.steps):
             t0, c0 = time.perf_counter(), time.process_time()
             opt.zero_grad()

@@ -35,14 +35,8 @@ class GradSink:
     def __init__(self, entries: list[Entry], pool: HostPool, staging: HostPool, engine: Any,
                  worker: ThreadPoolExecutor, gate: Callable[[int], None], in_backward: Callable[[], None],
                  copies: Copies, busy: Callable[[], Any]) -> None:  # fmt: skip
-        self.pool = pool
-        self.staging = staging
-        self.engine = engine
-        self.worker = worker
-        self.gate = gate
-        self.in_backward = in_backward
-        self.copies = copies
-        self.busy = busy
+        self.pool, self.staging, self.engine, self.worker = pool, staging, engine, worker
+        self.gate, self.in_backward, self.copies, self.busy = gate, in_backward, copies, busy
         self.lock = threading.Lock()
         self.params = [p for e in entries for _, p in e.params]
         self.offloaded = {id(p) for p in self.params}  # whose gradients leave the device (not resident ones)

@@ -3,7 +3,6 @@ losses, clip norms, the final parameters, gradients and optimizer state (as nump
 
 from __future__ import annotations
 
-import contextlib
 import gc
 from typing import Any, Callable, Optional
 
@@ -11,6 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bench.metering import metered
 from swap.forecast import zoo
 
 
@@ -89,12 +89,7 @@ def train(build: Callable[[], torch.nn.Module] = gpt, optimizer: Any = "adamw", 
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7)
     losses, norms, peaks = [], [], []
     sm = manager(model, opt) if manager is not None else None
-    with contextlib.ExitStack() as stack:
-        if meter is not None:
-            stack.enter_context(meter.track_existing())
-            meter.reset_window()
-        if sm is not None:
-            stack.enter_context(sm)
+    with metered(meter, sm):
         if inside is not None:
             inside(model, opt, sched)
         for step in range(first_step, first_step + steps):

@@ -2,6 +2,7 @@
 an optimizer stepping parameters the model does not own, optimizers whose state cannot be stepped on the host, a
 step with a closure, too little host memory, and a clip that would leave the host gradients out."""
 
+import contextlib
 import re
 
 import numpy as np
@@ -58,12 +59,19 @@ def test_bad_model_state_value():
         manager(m, torch.optim.AdamW(m.parameters()), model_state="host")
 
 
+@contextlib.contextmanager
+def backward_inside(m, opt):
+    """Inside a manager, after one backward pass: (the manager, the batch)."""
+    x, y = batch(m, 0)
+    with manager(m, opt) as sm:
+        loss_of(m, x, y).backward()
+        yield sm, (x, y)
+
+
 def test_step_with_a_closure_is_refused():
     m = gpt()
     opt = torch.optim.AdamW(m.parameters())
-    x, y = batch(m, 0)
-    with manager(m, opt):
-        loss_of(m, x, y).backward()
+    with backward_inside(m, opt) as (sm, (x, y)):
         with pytest.raises(RuntimeError, match=r"call the closure yourself \(loss = closure\(\)\), then opt.step\(\)"):
             opt.step(lambda: loss_of(m, x, y))
 
@@ -87,10 +95,7 @@ def test_clip_imported_before_the_manager_refuses_instead_of_a_wrong_norm():
     from torch.nn.utils.clip_grad import clip_grad_norm_ as early  # the real function, as imported at start-up
 
     m = gpt()
-    opt = torch.optim.AdamW(m.parameters())
-    x, y = batch(m, 0)
-    with manager(m, opt):
-        loss_of(m, x, y).backward()
+    with backward_inside(m, torch.optim.AdamW(m.parameters())):
         with pytest.raises(RuntimeError, match="imported before the manager started.*sm.clip_grad_norm_"):
             early(m.parameters(), 1.0)
         assert torch.nn.utils.clip_grad_norm_ is not early  # routed while the manager runs

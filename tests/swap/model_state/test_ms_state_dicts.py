@@ -68,29 +68,27 @@ def test_state_dicts_inside_are_plain_torchs():
     assert_same_state(saved["opt"], got["opt"])
 
 
-def test_saved_with_the_manager_resumes_without_it():
-    ref, _ = plain_through()
+def first_half_checkpoint(manager=None) -> bytes:
+    """The checkpoint (model, optimizer, scheduler) after the first SPLIT steps, trained with ``manager``."""
     data = {}
 
     def save(step, model, opt, sched):
         if step == SPLIT - 1:
             data["ck"] = checkpoint(model, opt, sched)
 
-    train(steps=SPLIT, manager=offload, step_hook=save)
-    resumed = train(steps=SPLIT, first_step=SPLIT, inside=restore(data["ck"]))
+    train(steps=SPLIT, manager=manager, step_hook=save)
+    return data["ck"]
+
+
+def test_saved_with_the_manager_resumes_without_it():
+    ref, _ = plain_through()
+    resumed = train(steps=SPLIT, first_step=SPLIT, inside=restore(first_half_checkpoint(offload)))
     assert_bitwise(tail(ref), resumed)
 
 
 def test_saved_without_the_manager_resumes_with_it():
     ref, _ = plain_through()
-    data = {}
-
-    def save(step, model, opt, sched):
-        if step == SPLIT - 1:
-            data["ck"] = checkpoint(model, opt, sched)
-
-    train(steps=SPLIT, step_hook=save)
-    resumed = train(steps=SPLIT, first_step=SPLIT, inside=restore(data["ck"]), manager=offload)
+    resumed = train(steps=SPLIT, first_step=SPLIT, inside=restore(first_half_checkpoint()), manager=offload)
     assert_bitwise(tail(ref), resumed)
     r = resumed["manager"].report()["model_state"]
     assert r["weights_out_bytes"] > 0  # the loaded weights were written on the device and copied back
