@@ -15,7 +15,8 @@ Note [Shadow optimizer]
 The host step is an instance of the user's optimizer class over the host masters, with the user's param groups
 (those holding offloaded parameters) and their hyperparameters, copied from the user's groups at every step, so
 schedulers, ``add_param_group`` edits and implementation flags (foreach, fused, maximize, amsgrad) take effect.
-Host-only changes: ``capturable`` is off (the host runs no CUDA graph). One bucket is stepped by pointing each
+Host-only changes: ``capturable`` is off (the host runs no CUDA graph), and ``fused`` falls back to the default
+kernel where the host has no fused one (a note in the report says so). One bucket is stepped by pointing each
 shadow group's ``params`` at the bucket's parameters in it for the call: the optimizer's state is keyed by
 parameter, so buckets can be re-packed at no cost, and one step never touches another bucket's state.
 """
@@ -76,6 +77,8 @@ class HostStepper:
         self.seconds: dict[int, float] = {}  # step number -> host optimizer seconds, on the worker
         self.exposed: dict[int, float] = {}  # step number -> seconds something waited for its updates
         self.steps = 0
+        self.overrides: dict[str, Any] = {}  # host-only settings over the user's (Note [Shadow optimizer])
+        self.notes: list[str] = []
         self.shadow = self._build()
 
     def _build(self) -> torch.optim.Optimizer:
@@ -87,7 +90,14 @@ class HostStepper:
                 self.shadow_group[g] = len(groups)
                 groups.append({**hyperparameters(group), "params": hosts})
         self.full = [list(g["params"]) for g in groups]
-        return type(self.user)(groups)
+        try:
+            return type(self.user)(groups)
+        except (RuntimeError, ValueError) as e:  # a fused kernel the host does not have: the default one
+            if not any(g.get("fused") for g in groups):
+                raise
+            self.overrides["fused"] = None
+            self.notes.append(f"fused=True is not available for the host step ({e}); it runs the default kernel")
+            return type(self.user)([{**g, **self.overrides} for g in groups])
 
     # -- queueing ---------------------------------------------------------------------------------------
     def queue(self, buckets: dict[int, list[torch.nn.Parameter]]) -> None:
@@ -100,7 +110,7 @@ class HostStepper:
         ):  # fmt: skip
             raise RuntimeError("a param group holding offloaded parameters was added after the manager started: "
                                "add param groups before entering the SwapManager")  # fmt: skip
-        hyper = {s: hyperparameters(groups[g]) for g, s in self.shadow_group.items()}
+        hyper = {s: {**hyperparameters(groups[g]), **self.overrides} for g, s in self.shadow_group.items()}
         group_of = {id(p): self.shadow_group[g] for g, grp in enumerate(groups) if g in self.shadow_group
                     for p in grp["params"]}  # fmt: skip
         for b, params in buckets.items():

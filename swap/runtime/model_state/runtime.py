@@ -395,5 +395,6 @@ class ModelStateRuntime:
             "pinned_bytes": sum(p.pinned_bytes for p in self.pools),
             "state_bytes": state_bytes,
             "steps": [self._step_row(r) for r in self.records],
+            "notes": list(stepper.notes),
             **self._totals(self.activation_bytes),
         }

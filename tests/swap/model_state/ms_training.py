@@ -56,6 +56,8 @@ OPTIMIZERS: dict[str, Callable[[torch.nn.Module], torch.optim.Optimizer]] = {
     "adamw": lambda m: torch.optim.AdamW(groups(m), lr=3e-3, weight_decay=0.1),
     "adam_amsgrad": lambda m: torch.optim.Adam(groups(m), lr=3e-3, amsgrad=True),
     "sgd_nesterov": lambda m: torch.optim.SGD(groups(m), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4),
+    "adamw_foreach": lambda m: torch.optim.AdamW(groups(m), lr=3e-3, weight_decay=0.1, foreach=True),
+    "adam_fused": lambda m: torch.optim.Adam(groups(m), lr=3e-3, fused=True),
 }
 
 
