@@ -15,13 +15,7 @@ using detail::round_up;
 thread_local bool t_oom_handler_suppressed = false;
 
 std::size_t checked_chunk_size(const Config& c, const Backend& b) {
-  const std::size_t g = b.granularity();
-  if (c.chunk_size == 0 || c.chunk_size % g != 0) {
-    throw std::invalid_argument("chunk_size " + std::to_string(c.chunk_size) + " is not a multiple of the " +
-                                b.name() + " backend's granularity (" + format_size(g) + " = " +
-                                std::to_string(g) + " bytes): use a multiple such as " +
-                                std::to_string(round_up(c.chunk_size ? c.chunk_size : g, g)));
-  }
+  check_chunk_size(c.chunk_size, b.granularity(), b.name());
   if (c.small_max > c.chunk_size) {
     throw std::invalid_argument("small_max (" + format_size(c.small_max) + ") must not exceed chunk_size (" +
                                 format_size(c.chunk_size) + "): small blocks are carved from one chunk");
@@ -86,6 +80,8 @@ Allocator::Allocator(const Config& config, std::unique_ptr<Backend> backend)
       chunk_(checked_chunk_size(config_, *backend_)),
       capacity_chunks_(initial_capacity_chunks(config_, *backend_)),
       small_max_(config.small_max),
+      mid_max_(config.mid_chunks * chunk_),
+      mid_round_(std::max(chunk_ / 4, kSmallRound)),
       // Address space is cheap; reserve 4x the capacity up front so ranges rarely need a new reservation.
       // (capacity <= kMaxCapacity = 2^50, so this cannot overflow.)
       va_(*backend_, 4 * capacity_chunks_ * chunk_),
@@ -120,8 +116,11 @@ Allocator::~Allocator() {
     } catch (...) {
     }
   };
-  for (auto& [stream, events] : fences_) {
-    for (auto& [seq, event] : events) {
+  // Frees since a stream's newest fence have no event to wait for (Note [Sparse fences]): wait for the device.
+  if (std::any_of(fences_.begin(), fences_.end(), [](const auto& sf) { return sf.second.unfenced > 0; }))
+    attempt([&] { backend_->synchronize(); });
+  for (auto& [stream, f] : fences_) {
+    for (auto& [seq, event] : f.events) {
       attempt([&] { backend_->event_synchronize(event); });
       backend_->release_event(event);
     }
@@ -188,14 +187,14 @@ std::uintptr_t Allocator::malloc(std::size_t nbytes, Stream stream, bool call_oo
       } else {
         settle_frees(/*wait=*/false);
         if (nbytes <= capacity_chunks_ * chunk_) {
-          if (std::uintptr_t p = try_malloc(nbytes, stream, false)) return p;
+          if (std::uintptr_t p = try_malloc_unmapping(nbytes, stream)) return p;
           if (!pending_.empty()) {  // memory freed on other streams' work: wait for it rather than fail
             settle_frees(/*wait=*/true);
-            if (std::uintptr_t p = try_malloc(nbytes, stream, false)) return p;
+            if (std::uintptr_t p = try_malloc_unmapping(nbytes, stream)) return p;
           }
           if (device_full_) {  // the device refused chunks earlier; others may have freed memory since
             device_full_ = false;
-            if (std::uintptr_t p = try_malloc(nbytes, stream, false)) return p;
+            if (std::uintptr_t p = try_malloc_unmapping(nbytes, stream)) return p;
           }
           if (call_oom_handler && !t_oom_handler_suppressed) handler = oom_handler_;
         }
@@ -212,7 +211,7 @@ std::uintptr_t Allocator::malloc(std::size_t nbytes, Stream stream, bool call_oo
     ++stats_.num_alloc_retries;
     try {
       settle_frees(/*wait=*/true);
-      if (std::uintptr_t p = try_malloc(nbytes, stream, false)) return p;
+      if (std::uintptr_t p = try_malloc_unmapping(nbytes, stream)) return p;
     } catch (const BackendError&) {
       ++stats_.num_backend_errors;
       throw;
@@ -224,12 +223,39 @@ std::uintptr_t Allocator::malloc(std::size_t nbytes, Stream stream, bool call_oo
   throw OutOfMemory(oom_message(nbytes));
 }
 
+// Note [Out of mappings]
+// Physical memory is not the only thing a backend can run out of: the host backend meets the kernel's limit
+// on a process's mappings (vm.max_map_count, Note [Host mapping limit] in backend_host.cpp). Cached free ranges keep their mappings, so an arena whose ranges were
+// stitched from scattered chunks can hold tens of thousands of them while nothing is allocated. The backend
+// then throws BackendOutOfMappings, and malloc climbs the same ladder as for physical memory: it unmaps every
+// cached range (after waiting for its stream, as reclaim does), which returns their chunks to the pool as
+// whole runs, and tries once more. The state after the failed try is intact (Note [Failure guarantees]); if
+// nothing was cached, or the second try meets the limit too, the error propagates with the count, the limit
+// and the ways out.
+std::uintptr_t Allocator::try_malloc_unmapping(std::size_t nbytes, Stream stream) {
+  try {
+    return try_malloc(nbytes, stream, false);
+  } catch (const BackendOutOfMappings& e) {
+    std::exception_ptr unmap_failure;  // counted where it happened; the retry says whether it mattered
+    if (quiet() || !uncache_all(unmap_failure)) throw;  // counted by malloc
+    note_backend_error(e);
+  }
+  return try_malloc(nbytes, stream, false);
+}
+
 std::uintptr_t Allocator::try_malloc(std::size_t nbytes, Stream stream, bool cached_only) {
-  const bool small = nbytes <= small_max_;
-  const std::size_t size = small ? round_up(nbytes, kSmallRound) : round_up(nbytes, chunk_);
-  const std::uintptr_t p = small ? malloc_small(size, stream, cached_only) : malloc_large(size / chunk_, stream, cached_only);
+  struct Calling {  // Note [Sparse fences]: the stream fence() may record on while this malloc runs
+    std::optional<Stream>& slot;
+    ~Calling() { slot.reset(); }
+  } calling{calling_stream_};
+  calling_stream_ = stream;
+  const bool small = nbytes <= small_max_, mid = !small && nbytes <= mid_max_;
+  const std::size_t size = round_up(nbytes, small ? kSmallRound : mid ? mid_round_ : chunk_);
+  const std::uintptr_t p = small || mid ? malloc_in_slab(size, stream, cached_only, mid)
+                                        : malloc_large(size / chunk_, stream, cached_only);
   if (!p) return 0;
-  live_.emplace(p, Allocation{nbytes, size, stream, small, {}});
+  high_water_chunks_ = std::max(high_water_chunks_, chunks_in_use());
+  live_.emplace(p, Allocation{nbytes, size, stream, small || mid, {}});
   stats_.requested_bytes.increase(static_cast<std::int64_t>(nbytes));
   stats_.allocated_bytes.increase(static_cast<std::int64_t>(size));
   stats_.active_bytes.increase(static_cast<std::int64_t>(size));
@@ -240,44 +266,45 @@ std::uintptr_t Allocator::try_malloc(std::size_t nbytes, Stream stream, bool cac
   return p;
 }
 
-std::uintptr_t Allocator::malloc_small(std::size_t size, Stream stream, bool cached_only) {
-  SizeSet& free_blocks = small_free_[stream];
-  auto it = free_blocks.lower_bound({size, 0});
-  if (it == free_blocks.end()) {
-    const std::uintptr_t slab = malloc_large(1, stream, cached_only);
-    if (!slab) return 0;
-    Range& r = ranges_.at(slab);
-    r.kind = Kind::kSlab;
-    r.slab_used = 0;
-    stats_.slab_bytes.increase(static_cast<std::int64_t>(chunk_));
-    small_.emplace(slab, SmallBlock{chunk_, slab, true});
-    empty_slabs_.insert(slab);
-    it = free_blocks.insert({chunk_, slab}).first;
-  }
-  const auto [block_size, addr] = *it;
-  free_blocks.erase(it);
-  SmallBlock& b = small_.at(addr);
-  if (block_size > size) {  // sizes are multiples of 512, so the rest is a usable block
-    small_.emplace(addr + size, SmallBlock{block_size - size, b.slab, true});
-    free_blocks.insert({block_size - size, addr + size});
-    b.size = size;
-    ++stats_.num_splits;
-  }
-  b.free = false;
-  Range& slab = ranges_.at(b.slab);
-  if (slab.slab_used == 0) empty_slabs_.erase(b.slab);
-  slab.slab_used += size;
-  return addr;
-}
-
 // Note [Reuse before growth]
 // DESIGN.md's ladder creates new chunks while under capacity and reclaims only at the capacity. Replaying
 // training traces (bench/fragmentation.py) showed the cost: whenever no cached range of the stream fits,
 // fresh chunks are created although enough cached chunks sit idle, so reserved memory grows past the peak
-// of allocated memory (utilization 0.85 on a swap trace, below PyTorch's policies). Because reclaim makes
-// every cached chunk usable for any request, the default is to use the pool, then reclaim cached chunks,
-// and create chunks only for what is still missing: reserved stays at the peak of allocated, at the price
-// of more unmap/map calls on a cache miss. eager_growth=true restores the grow-first order.
+// of allocated memory (utilization 0.85 on a swap trace, below PyTorch's policies). Reclaiming instead
+// (any cached chunk serves any request) keeps reserved at the peak of allocated, but a training step that
+// repeats then never settles: each miss takes the tails of other cached ranges, whose absence makes the next
+// misses, iteration after iteration. On a GPU every such reclaim is unmap, map and set_access calls plus a
+// host wait for the stream (Note [Stream safety]), which stops the CPU running ahead: the first H200 run
+// trained ResNet-50 at 1928 images/s on vmalloc against 2062 on torch's allocator. bench/steady_state.py
+// replays twelve training steps and counts per steady iteration: with pure reclaim (growth_slack=0) ResNet-50
+// batch 96 makes 20 maps, 11 unmaps, 3 set_access and 6 host waits, DenseNet-121 batch 64 57, 33, 15 and 17,
+// GPT-2 batch 16 31, 31, 1 and 1 (the code before, which waited for every fence up to the range's, made 285
+// event synchronizations per ResNet-50 iteration: bench/results/steady_state_legacy.md).
+// So a miss may create chunks instead of reclaiming, as far as reclaims have shown that the cache needs them:
+// each chunk reclaimed earns a chunk of growth credit (growth_credit_), and a miss creates up to the credit
+// while the chunks held stay within (1 + growth_slack) x high_water_chunks_, the most chunks ever in use at
+// once (allocated ranges, slabs with a block in use, pending frees), and within the capacity; beyond any of
+// these it reclaims first and creates only what is still missing. A repeated step churns for a few
+// iterations, each reclaim buying the room its next occurrence needs, until the cache holds a working set
+// that serves the step without misses: none of the six traces measured makes a driver call or a host wait in
+// its last iterations. The price is reserved memory above the peak in use, within the slack (default 0.125):
+// at unlimited capacity peak requested / peak reserved goes from 0.97-0.99 to 0.92-0.98 (GPT-2 batch 16
+// 0.994 to 0.923, U-Net batch 8 0.992 to 0.931). At the capacity reclaim still stitches, so a request
+// succeeds whenever the free chunks suffice. growth_slack=0 keeps reserved at the peak in use;
+// eager_growth=true grows to the capacity first.
+std::size_t Allocator::growable_chunks(std::size_t need) const {
+  if (config_.eager_growth) return creatable_chunks();
+  const std::size_t target = std::max(high_water_chunks_, chunks_in_use() + need);
+  const std::size_t room = target + static_cast<std::size_t>(config_.growth_slack * static_cast<double>(target));
+  return std::min({creatable_chunks(), room > num_chunks_ ? room - num_chunks_ : 0, growth_credit_});
+}
+
+// Chunks held that no request can have now: in allocated or pending ranges, in slabs with a block in use,
+// or quarantined.
+std::size_t Allocator::chunks_in_use() const {
+  return num_chunks_ - pool_.size() - cached_chunks_ - empty_slab_chunks_;
+}
+
 std::uintptr_t Allocator::malloc_large(std::size_t k, Stream stream, bool cached_only) {
   // 2. best fit among this stream's cached ranges
   auto cached = cached_.find(stream);
@@ -290,19 +317,22 @@ std::uintptr_t Allocator::malloc_large(std::size_t k, Stream stream, bool cached
   if (!config_.eager_growth) {
     if (std::uintptr_t p = grow_cached(k, stream)) return p;
   }
-  // then chunks that are already free (the pool), then fresh ones, in the order the policy prefers
-  const std::size_t idle = cached_chunks_ + empty_slabs_.size();
-  if (config_.eager_growth && pool_.size() + creatable_chunks() >= k) {
+  // then chunks that are already free (the pool), then fresh ones within the slack (Note [Reuse before growth])
+  if (pool_.size() + growable_chunks(k) >= k) {
     if (std::uintptr_t p = map_fresh(k, stream)) return p;
   }
-  if (pool_.size() + idle + creatable_chunks() < k) return 0;
+  // Free chunks inside mid slabs count too, once cut out of them (Note [Mid-size blocks]).
+  auto idle = [&] { return cached_chunks_ + empty_slab_chunks_; };
+  if (pool_.size() + idle() + creatable_chunks() < k) {
+    if (quiet() || !trim_slabs()) return 0;
+    shrink_if_over_capacity();  // the cut-out chunks are freed memory: above a lowered capacity they go
+  }
+  if (pool_.size() + idle() + creatable_chunks() < k) return 0;
   // 4. reclaim chunks of cached ranges (any stream) and empty slabs; create only what is still missing
   if (pool_.size() < k && !quiet()) {
     retire_empty_slabs();
     const std::size_t want = k - pool_.size();
-    const std::size_t from_cache = config_.eager_growth ? want - std::min(want, creatable_chunks())
-                                                        : std::min(want, cached_chunks_);
-    if (!reclaim(from_cache)) return 0;
+    if (!reclaim(std::min(want - std::min(want, growable_chunks(k)), cached_chunks_))) return 0;
   }
   if (std::uintptr_t p = map_fresh(k, stream)) return p;
   // The device refused chunks below the capacity (map_fresh set device_full_): stitch what is cached.
@@ -377,7 +407,7 @@ std::uintptr_t Allocator::grow_cached(std::size_t k, Stream stream) {
   }
   if (!addr) return 0;
   const std::size_t need = k - m;
-  if (pool_.size() + (cached_chunks_ - m) + empty_slabs_.size() + creatable_chunks() < need) return 0;
+  if (pool_.size() + (cached_chunks_ - m) + empty_slab_chunks_ + creatable_chunks() < need) return 0;
   Range& r = ranges_.at(addr);
   erase_cached(addr, r);
   r.kind = Kind::kAllocated;  // out of reach of reclaim and of merging while it grows
@@ -387,9 +417,10 @@ std::uintptr_t Allocator::grow_cached(std::size_t k, Stream stream) {
     cache_range(at, back.free_seq);
   };
   try {
-    if (pool_.size() < need) {
+    if (pool_.size() + growable_chunks(need) < need) {
       retire_empty_slabs();
-      reclaim(std::min(need - pool_.size(), cached_chunks_));
+      const std::size_t want = need - pool_.size();
+      reclaim(std::min(want - std::min(want, growable_chunks(need)), cached_chunks_));
     }
     create_blocks(need);
   } catch (...) {
@@ -464,21 +495,10 @@ bool Allocator::reclaim(std::size_t need) {
     // counted, and the mapping retried by empty_cache): the caller does not need it.
     release_tail(addr, take);
     stats_.num_reclaimed_chunks += static_cast<std::int64_t>(take);
+    growth_credit_ += take;
     need -= std::min(need, take);
   }
   return need == 0;
-}
-
-void Allocator::retire_empty_slabs() {
-  while (!empty_slabs_.empty()) {
-    const std::uintptr_t slab = *empty_slabs_.begin();
-    empty_slabs_.erase(empty_slabs_.begin());
-    Range& r = ranges_.at(slab);
-    small_free_[r.stream].erase({chunk_, slab});
-    small_.erase(slab);
-    stats_.slab_bytes.decrease(static_cast<std::int64_t>(chunk_));
-    cache_range(slab, r.free_seq);
-  }
 }
 
 // Note [Graph capture]

@@ -8,6 +8,8 @@
 // stays the unit of everything else: capacity, the pool, reclaim, stats and the guarantees count chunks.
 //
 //   1. small (n <= small_max): a 512 B-rounded block from a slab (one chunk) of the same stream, best fit;
+//      mid-size (n <= mid_chunks chunks, when mid_chunks > 0): a quarter-chunk-rounded block from a mid slab
+//      of mid_chunks chunks (Note [Mid-size blocks]);
 //   2. large: ceil(n / chunk) chunks; best fit among cached free ranges of the same stream, split at a chunk
 //      boundary;
 //   3. grow in place: the stream's largest cached range that has free address space around it takes the
@@ -29,6 +31,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -128,6 +131,15 @@ class VMALLOC_API Allocator {
   std::int64_t allocated_bytes() const;       // stats()["allocated_bytes.all.current"]
   std::int64_t peak_allocated_bytes() const;  // stats()["allocated_bytes.all.peak"]
   std::int64_t reserved_bytes() const;        // stats()["reserved_bytes.all.current"]
+  // The largest request that can succeed now without the OOM handler: idle chunks (the pool, cached ranges,
+  // empty slabs) stitch into one range, plus what may still be created under the capacity, at most
+  // `creatable_cap` bytes of it (the device's free memory), and no more than the workspace limit leaves
+  // (Note [Workspace offers]).
+  std::size_t largest_allocatable(std::size_t creatable_cap) const;
+  // Caps largest_allocatable() at `bytes` minus the allocated bytes (0: no cap). The swap runtime sets its
+  // budget here, so that cuDNN's benchmark mode does not try workspaces that the budget cannot hold.
+  void set_workspace_limit(std::size_t bytes);
+  std::size_t workspace_limit() const;
   std::vector<SegmentInfo> segments() const;
   std::vector<TraceEntry> trace() const;
   // Recounts every statistic from the data structures and checks the invariants; throws std::logic_error.
@@ -152,9 +164,10 @@ class VMALLOC_API Allocator {
     std::uint32_t reservation;
     Kind kind;
     std::uint64_t free_seq = 0;  // when last freed: orders reclaim (oldest first) and names its fence
-    std::size_t slab_used = 0;   // bytes of small blocks in use or pending, for slabs
+    std::size_t slab_used = 0;   // bytes of blocks in use or pending, for slabs
+    bool mid = false;            // a slab of mid-size blocks (Note [Mid-size blocks]), else of small ones
   };
-  struct SmallBlock {
+  struct SmallBlock {  // a block of a slab, small or mid-size
     std::size_t size;
     std::uintptr_t slab;
     bool free;
@@ -163,7 +176,7 @@ class VMALLOC_API Allocator {
     std::size_t requested;
     std::size_t size;
     Stream stream;
-    bool small;
+    bool in_slab;                       // a block of a slab (small or mid-size), else a range of its own
     std::vector<Stream> other_streams;  // from record_stream
   };
   struct PendingFree {  // freed; reusable once `events` (other streams' work) complete, or capture ends
@@ -187,7 +200,9 @@ class VMALLOC_API Allocator {
   using SizeSet = std::set<std::pair<std::size_t, std::uintptr_t>>;  // (size, address): best fit
 
   std::uintptr_t try_malloc(std::size_t nbytes, Stream stream, bool cached_only);
-  std::uintptr_t malloc_small(std::size_t size, Stream stream, bool cached_only);
+  std::uintptr_t try_malloc_unmapping(std::size_t nbytes, Stream stream);  // Note [Out of mappings]
+  bool uncache_all(std::exception_ptr& first);
+  std::uintptr_t malloc_in_slab(std::size_t size, Stream stream, bool cached_only, bool mid);
   std::uintptr_t malloc_large(std::size_t nchunks, Stream stream, bool cached_only);  // a kAllocated range, or 0
   std::uintptr_t take_cached(std::uintptr_t addr, std::size_t nchunks);
   std::uintptr_t map_fresh(std::size_t nchunks, Stream stream);
@@ -202,24 +217,38 @@ class VMALLOC_API Allocator {
   std::size_t releasable_chunks() const;
   bool reclaim(std::size_t nchunks);
   void retire_empty_slabs();
+  void retire_slab(std::uintptr_t slab);
+  bool trim_slabs();
+  bool trim_slab(std::uintptr_t addr);
   std::exception_ptr shrink_to_capacity();
   void shrink_if_over_capacity() noexcept;
   bool over_capacity_with_cache() const;
-  void free_small(std::uintptr_t addr, std::uint64_t seq);
+  void free_in_slab(std::uintptr_t addr, std::uint64_t seq);
   void cache_range(std::uintptr_t addr, std::uint64_t seq);
   void complete_free(std::uintptr_t addr, const Allocation& a, std::uint64_t seq);
   void settle_frees(bool wait);
   void settle_frees_now(bool wait);
   std::exception_ptr release_tail(std::uintptr_t addr, std::size_t nchunks);
+  std::vector<std::uintptr_t> detach_tail(std::uintptr_t addr, std::size_t nchunks);
   void release_free_blocks(std::size_t chunks);
   void retry_quarantine() noexcept;
+  struct Fences {  // Note [Sparse fences]
+    std::deque<std::pair<std::uint64_t, Event>> events;  // (free_seq, event), oldest first
+    std::size_t unfenced = 0;                             // frees since the newest fence
+  };
+  static constexpr std::size_t kFenceStride = 32;  // a free records a fence every this many frees of its stream
+  bool fence_due(Stream stream) const;
+  void add_fence(Stream stream, std::uint64_t seq, Event event);
   void fence(Stream stream, std::uint64_t seq);
-  void prune_fences(Stream stream) noexcept;
+  void prune_fences(Fences& f) noexcept;
+  void drop_fences() noexcept;
   void insert_cached(std::uintptr_t addr, const Range& r);
   void erase_cached(std::uintptr_t addr, const Range& r);
   bool quiet() const { return announced_captures_ > 0; }
   void note_backend_error(const std::exception& e) noexcept;
   std::size_t creatable_chunks() const;
+  std::size_t growable_chunks(std::size_t need) const;  // Note [Reuse before growth]
+  std::size_t chunks_in_use() const;
   std::string oom_message(std::size_t nbytes) const;
   std::string capture_message(std::size_t nbytes, Stream stream) const;
 
@@ -228,6 +257,8 @@ class VMALLOC_API Allocator {
   std::size_t chunk_;
   std::size_t capacity_chunks_;
   std::size_t small_max_;
+  std::size_t mid_max_;    // Note [Mid-size blocks]: requests up to this are blocks of mid slabs
+  std::size_t mid_round_;  // and are rounded to this
 
   mutable std::mutex mu_;
   detail::VaSpace va_;
@@ -240,22 +271,28 @@ class VMALLOC_API Allocator {
   std::size_t mapping_chunks_ = 0;                            // chunk addresses covered by mappings_
   std::size_t quarantined_chunks_ = 0;                        // chunks of quarantined blocks
   std::set<std::uintptr_t> empty_slabs_;                      // slabs with no block in use
+  std::size_t empty_slab_chunks_ = 0;                         // their chunks
   bool device_full_ = false;                                  // the backend refused a chunk below capacity
   bool shrink_blocked_ = false;                               // the last shrink could not release everything
   std::size_t announced_captures_ = 0;                        // capture_begin() calls not yet ended
   std::size_t num_chunks_ = 0;                                // created and not released
+  std::size_t high_water_chunks_ = 0;
+  std::size_t growth_credit_ = 0;                             // chunks reclaimed not yet grown (Note [Reuse before growth])                         // the most chunks_in_use() after any malloc
   std::size_t cached_chunks_ = 0;                             // chunks in kCached ranges
   std::map<std::uintptr_t, Range> ranges_;                    // every mapped range, by address
   std::unordered_map<Stream, SizeSet> cached_;                // cached free ranges per stream: (nchunks, addr)
   std::set<std::pair<std::uint64_t, std::uintptr_t>> lru_;    // cached free ranges: (free_seq, addr)
   std::map<std::uintptr_t, SmallBlock> small_;                // every block of every slab, by address
   std::unordered_map<Stream, SizeSet> small_free_;            // free small blocks per stream: (size, addr)
+  std::unordered_map<Stream, SizeSet> mid_free_;              // free mid-size blocks per stream: (size, addr)
   std::unordered_map<std::uintptr_t, Allocation> live_;       // live allocations by address
   std::map<std::uint64_t, PendingFree> pending_;              // frees waiting for other streams, by free_seq
   std::vector<PendingFree> deferred_;                         // frees made while their stream was captured
-  // Per stream, the events recorded at its frees, oldest first: (free_seq, event) (Note [Stream safety]).
-  std::unordered_map<Stream, std::deque<std::pair<std::uint64_t, Event>>> fences_;
+  // Per stream with frees not yet waited for: its fences (Note [Stream safety], Note [Sparse fences]).
+  std::unordered_map<Stream, Fences> fences_;
   std::uint64_t free_seq_ = 0;
+  std::size_t workspace_limit_ = 0;  // Note [Workspace offers]; 0: none
+  std::optional<Stream> calling_stream_;  // the stream of the malloc under way, known alive (Note [Sparse fences])
   std::string last_backend_error_;
   detail::Stats stats_;
   detail::TraceRing trace_;

@@ -70,6 +70,7 @@ void Allocator::create_blocks(std::size_t pooled) {
     blocks_.emplace(id, Block{handle, static_cast<std::uint32_t>(n)});
     pool_.add(id, 0, static_cast<std::uint32_t>(n));
     num_chunks_ += n;
+    growth_credit_ -= std::min(growth_credit_, n);
     ++stats_.num_device_alloc;
     stats_.num_created_chunks += static_cast<std::int64_t>(n);
     stats_.reserved_bytes.increase(static_cast<std::int64_t>(n * chunk_));
@@ -168,7 +169,10 @@ std::exception_ptr Allocator::unmap_dead(const std::vector<std::uintptr_t>& dead
 // The last m chunks of the cached range at addr leave it, to the pool (the caller waited for its stream);
 // mappings left without a chunk in any range are unmapped. Returns the first unmap failure (counted), or
 // null: the chunks are free either way, and a mapping that could not be unmapped stays stuck.
-std::exception_ptr Allocator::release_tail(std::uintptr_t addr, std::size_t m) {
+std::exception_ptr Allocator::release_tail(std::uintptr_t addr, std::size_t m) { return unmap_dead(detach_tail(addr, m)); }
+
+// release_tail without the unmapping: returns the mappings to unmap.
+std::vector<std::uintptr_t> Allocator::detach_tail(std::uintptr_t addr, std::size_t m) {
   auto it = ranges_.find(addr);
   Range& r = it->second;
   erase_cached(addr, r);
@@ -183,7 +187,7 @@ std::exception_ptr Allocator::release_tail(std::uintptr_t addr, std::size_t m) {
     r.nchunks = keep;
     insert_cached(addr, r);
   }
-  return unmap_dead(dead);
+  return dead;
 }
 
 // Chunks of blocks that are wholly free and unmapped: what releasing could give back now.

@@ -12,11 +12,21 @@ using detail::hex;
 // Note [Stream safety]
 // Reuse on the allocation's own stream is safe by stream order, so a block freed there is reusable at once
 // on that stream. Every other use of the memory goes through chunks leaving their range (reclaim,
-// empty_cache, shrinking), to be mapped elsewhere or unmapped, neither of which is stream ordered: each free
-// records an event on its stream (the stream's fences, oldest first), and before chunks leave a cached range
-// the host waits for the events of the range's stream up to the range's last free. A mapping is unmapped
-// only once all its chunks have left their ranges, each after such a wait, so no work in flight can touch it
-// (Note [Blocks and slices]).
+// empty_cache, shrinking), to be mapped elsewhere or unmapped, neither of which is stream ordered: before
+// chunks leave a cached range the host makes sure the range's stream has done the work queued before the
+// range's last free (fence()). A mapping is unmapped only once all its chunks have left their ranges, each
+// after such a wait, so no work in flight can touch it (Note [Blocks and slices]).
+//
+// Note [Sparse fences]
+// The wait needs an event recorded on the stream at or after the free. Recording one at every free cost a
+// driver call per free (cuEventRecord, plus a cuEventQuery per free to prune the list) although a training
+// step that settles never reclaims (Note [Reuse before growth]). So a free records a fence only every
+// kFenceStride frees of its stream; a range freed after its stream's newest fence gets one when it must
+// leave: fence() records an event then on that stream if the malloc that reclaims runs on it (the stream is
+// then known to be alive), else it waits for the whole device (cuCtxSynchronize); either waits for
+// everything queued so far rather than only up to the free. Reclaim takes the least recently freed ranges first, whose fence has usually long
+// completed; fence() asks (cuEventQuery) before it waits, and num_event_syncs counts only the waits for an
+// event not yet complete, the host waits that stop the CPU running ahead of the GPU.
 //
 // Streams added with record_stream are not folded into the allocation stream (that made the allocation
 // stream wait for all the work queued on them, e.g. every prefetch the swap engine queued after the
@@ -44,7 +54,7 @@ void Allocator::free(std::uintptr_t addr) {
     if (!defer) {
       for (Stream s : a.other_streams)
         if (Event e = backend_->record_event(s)) events.emplace_back(s, e);
-      fence_event = backend_->record_event(a.stream);
+      fence_event = fence_due(a.stream) ? backend_->record_event(a.stream) : 0;
     }
   } catch (const BackendError&) {
     for (auto& [s, e] : events) backend_->release_event(e);
@@ -52,7 +62,7 @@ void Allocator::free(std::uintptr_t addr) {
     throw;
   }
   const std::uint64_t seq = ++free_seq_;
-  if (fence_event) fences_[a.stream].emplace_back(seq, fence_event);
+  if (!defer) add_fence(a.stream, seq, fence_event);
   Allocation freed = std::move(a);
   live_.erase(it);
   trace_.record(TraceEntry::kFreeRequested, addr, freed.size, freed.stream);
@@ -61,7 +71,7 @@ void Allocator::free(std::uintptr_t addr) {
   stats_.allocation.decrease(1);
   ++stats_.num_free;
   if (defer || !events.empty()) {
-    if (!freed.small) ranges_.at(addr).kind = Kind::kPending;
+    if (!freed.in_slab) ranges_.at(addr).kind = Kind::kPending;
     if (defer) {
       ++stats_.num_deferred_frees;
       deferred_.push_back(PendingFree{addr, std::move(freed), {}});
@@ -72,7 +82,6 @@ void Allocator::free(std::uintptr_t addr) {
   } else {
     complete_free(addr, freed, seq);
   }
-  if (fence_event) prune_fences(freed.stream);
   shrink_if_over_capacity();
 }
 
@@ -88,7 +97,7 @@ void Allocator::shrink_if_over_capacity() noexcept {
 }
 
 void Allocator::complete_free(std::uintptr_t addr, const Allocation& a, std::uint64_t seq) {
-  if (a.small) free_small(addr, seq);
+  if (a.in_slab) free_in_slab(addr, seq);
   else cache_range(addr, seq);
   stats_.active_bytes.decrease(static_cast<std::int64_t>(a.size));
   stats_.active.decrease(1);
@@ -122,13 +131,13 @@ void Allocator::settle_frees_now(bool wait) {
     try {
       for (Stream s : d->a.other_streams)
         if (Event e = backend_->record_event(s)) events.emplace_back(s, e);
-      fence_event = backend_->record_event(d->a.stream);
+      fence_event = fence_due(d->a.stream) ? backend_->record_event(d->a.stream) : 0;
     } catch (...) {
       for (auto& [s, e] : events) backend_->release_event(e);
       throw;
     }
     const std::uint64_t seq = ++free_seq_;
-    if (fence_event) fences_[d->a.stream].emplace_back(seq, fence_event);
+    add_fence(d->a.stream, seq, fence_event);
     if (events.empty()) {
       complete_free(d->addr, d->a, seq);
     } else {
@@ -163,35 +172,6 @@ void Allocator::settle_frees_now(bool wait) {
     complete_free(p->second.addr, p->second.a, p->first);
     p = pending_.erase(p);
   }
-}
-
-void Allocator::free_small(std::uintptr_t addr, std::uint64_t seq) {
-  auto it = small_.find(addr);
-  const std::uintptr_t slab_addr = it->second.slab;
-  Range& slab = ranges_.at(slab_addr);
-  slab.slab_used -= it->second.size;
-  slab.free_seq = std::max(slab.free_seq, seq);
-  SizeSet& free_blocks = small_free_[slab.stream];
-  it->second.free = true;
-  auto next = std::next(it);
-  if (next != small_.end() && next->second.slab == slab_addr && next->second.free) {
-    free_blocks.erase({next->second.size, next->first});
-    it->second.size += next->second.size;
-    small_.erase(next);
-  }
-  if (it != small_.begin()) {
-    auto prev = std::prev(it);
-    if (prev->second.slab == slab_addr && prev->second.free) {
-      free_blocks.erase({prev->second.size, prev->first});
-      prev->second.size += it->second.size;
-      small_.erase(it);
-      it = prev;
-    }
-  }
-  free_blocks.insert({it->second.size, it->first});
-  // An empty slab stays a slab (small alloc/free churn then costs no remapping); reclaim and empty_cache
-  // retire it, so its chunk still counts as free for large requests.
-  if (slab.slab_used == 0) empty_slabs_.insert(slab_addr);
 }
 
 void Allocator::cache_range(std::uintptr_t addr, std::uint64_t seq) {
@@ -251,28 +231,82 @@ void Allocator::record_stream(std::uintptr_t addr, Stream stream) {
     a.other_streams.push_back(stream);
 }
 
+// Whether the next free on `stream` records a fence (Note [Sparse fences]).
+bool Allocator::fence_due(Stream stream) const {
+  auto it = fences_.find(stream);
+  return it != fences_.end() && it->second.unfenced + 1 >= kFenceStride;
+}
+
+// Notes a free at `seq` on `stream`; `event` is what was recorded for it if fence_due(stream) (0 from a
+// backend without asynchronous work), and becomes the stream's newest fence.
+void Allocator::add_fence(Stream stream, std::uint64_t seq, Event event) {
+  const bool due = fence_due(stream);
+  auto it = fences_.try_emplace(stream).first;
+  Fences& f = it->second;
+  if (!due) {
+    ++f.unfenced;
+    return;
+  }
+  f.unfenced = 0;
+  if (!event) {
+    if (f.events.empty()) fences_.erase(it);
+    return;
+  }
+  f.events.emplace_back(seq, event);
+  prune_fences(f);
+}
+
+// Waits until `stream` has done the work queued before its free at `seq`: the oldest fence recorded at or after
+// it, else one recorded now (Note [Sparse fences]). Fences before the one waited for complete with it (stream
+// order) and are dropped. A failure changes nothing: the events stay, nothing is unmapped.
 void Allocator::fence(Stream stream, std::uint64_t seq) {
   auto it = fences_.find(stream);
-  if (it == fences_.end()) return;
-  auto& events = it->second;
-  while (!events.empty() && events.front().first <= seq) {
-    backend_->event_synchronize(events.front().second);  // throws: the event stays, nothing is unmapped
-    backend_->release_event(events.front().second);
-    events.pop_front();
+  if (it == fences_.end()) return;  // nothing freed on the stream since its last wait
+  auto& events = it->second.events;
+  auto due = std::find_if(events.begin(), events.end(), [&](const auto& e) { return e.first >= seq; });
+  if (due == events.end()) {
+    if (it->second.unfenced == 0) return;  // its newest fence is no older than the free, and completed
+    if (!calling_stream_ || *calling_stream_ != stream) {
+      // Recording on a stream the caller is not using could touch a destroyed stream's handle: wait for the
+      // whole device instead, which completes every stream's fences.
+      backend_->synchronize();  // throws: nothing changed
+      ++stats_.num_event_syncs;
+      drop_fences();
+      return;
+    }
+    const Event now = backend_->record_event(stream);
+    if (!now) {  // a backend without asynchronous work: nothing is in flight
+      it->second.unfenced = 0;
+      if (events.empty()) fences_.erase(it);
+      return;
+    }
+    events.emplace_back(free_seq_, now);
+    it->second.unfenced = 0;
+    due = std::prev(events.end());
+  }
+  if (!backend_->event_done(due->second)) {
+    backend_->event_synchronize(due->second);  // throws: the events stay, nothing is unmapped
     ++stats_.num_event_syncs;
   }
-  if (events.empty()) fences_.erase(it);
+  for (auto e = events.begin(); e != std::next(due); ++e) backend_->release_event(e->second);
+  events.erase(events.begin(), std::next(due));
+  if (events.empty() && it->second.unfenced == 0) fences_.erase(it);
+}
+
+// After the device has done all work submitted so far: every stream's fences are complete.
+void Allocator::drop_fences() noexcept {
+  for (auto& [stream, f] : fences_)
+    for (auto& [seq, event] : f.events) backend_->release_event(event);
+  fences_.clear();
 }
 
 // Drops fences that have completed, so that the list stays short on a stream that is never reclaimed.
-void Allocator::prune_fences(Stream stream) noexcept {
-  auto it = fences_.find(stream);
-  if (it == fences_.end() || quiet()) return;
-  auto& events = it->second;
+void Allocator::prune_fences(Fences& f) noexcept {
+  if (quiet()) return;
   try {
-    while (events.size() > 64 && backend_->event_done(events.front().second)) {
-      backend_->release_event(events.front().second);
-      events.pop_front();
+    while (f.events.size() > 64 && backend_->event_done(f.events.front().second)) {
+      backend_->release_event(f.events.front().second);
+      f.events.pop_front();
     }
   } catch (const std::exception& e) {  // querying failed: keep the event, a later fence waits for it
     note_backend_error(e);

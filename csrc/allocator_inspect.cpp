@@ -25,9 +25,9 @@ std::string Allocator::oom_message(std::size_t nbytes) const {
   if (nbytes > capacity) {
     m << ", more than the whole capacity";
   } else {
-    const bool small = nbytes <= small_max_;
-    m << ", " << (small ? round_up(nbytes, kSmallRound) : round_up(nbytes, chunk_)) << " after rounding to "
-      << (small ? "512 B" : format_size(chunk_) + " chunks");
+    const bool small = nbytes <= small_max_, mid = !small && nbytes <= mid_max_;
+    m << ", " << round_up(nbytes, small ? kSmallRound : mid ? mid_round_ : chunk_) << " after rounding to "
+      << (small ? "512 B" : mid ? format_size(mid_round_) + " in a mid-size slab" : format_size(chunk_) + " chunks");
   }
   m << ") on the " << backend_->name() << " backend; " << format_size(allocated) << " allocated (" << allocated
     << " bytes), " << format_size(cached) << " cached free (" << cached << " bytes), " << format_size(reserved)
@@ -131,6 +131,35 @@ std::vector<std::pair<std::string, std::int64_t>> Allocator::stats() const {
   return out;
 }
 
+// Note [Workspace offers]
+// cuDNN's benchmark mode (torch.backends.cudnn.benchmark=True) asks the allocator for the largest block it
+// could get (torch's cacheInfo) and tries workspaces up to it. vmalloc can stitch any idle chunks into one
+// range, so the honest answer is the idle chunks plus what may still be created: at most capacity minus
+// what is in use. Under the swap runtime that is still too much: the capacity is the device's memory, the
+// budget is far lower, and iteration 1's workspace trials of several GiB would show up as transient
+// memory the plan must leave room for. The runtime sets its budget as the workspace limit, and the offer
+// becomes min(idle + creatable, limit - allocated): a workspace within it keeps the step within the budget.
+std::size_t Allocator::largest_allocatable(std::size_t creatable_cap) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::size_t idle = pool_.size() + cached_chunks_ + empty_slab_chunks_;
+  std::size_t offer = idle * chunk_ + std::min(creatable_chunks() * chunk_, creatable_cap / chunk_ * chunk_);
+  if (workspace_limit_) {
+    const auto allocated = static_cast<std::size_t>(stats_.allocated_bytes.current);
+    offer = std::min(offer, workspace_limit_ > allocated ? workspace_limit_ - allocated : 0);
+  }
+  return offer;
+}
+
+void Allocator::set_workspace_limit(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  workspace_limit_ = bytes;
+}
+
+std::size_t Allocator::workspace_limit() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return workspace_limit_;
+}
+
 std::vector<SegmentInfo> Allocator::segments() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::unordered_map<std::uintptr_t, const Allocation*> pending;
@@ -206,9 +235,9 @@ void Allocator::check_invariants() const {
   for (const auto& p : deferred_) require(pending.emplace(p.addr, &p.a).second, "a block is pending twice");
   std::int64_t requested = 0, allocated = 0, active_bytes = 0;
   auto check_block = [&](std::uintptr_t addr, const Allocation& a, Kind large_kind) {
-    if (a.small) {
+    if (a.in_slab) {
       auto b = small_.find(addr);
-      require(b != small_.end() && !b->second.free && b->second.size == a.size, "small allocation without its block");
+      require(b != small_.end() && !b->second.free && b->second.size == a.size, "slab allocation without its block");
     } else {
       auto r = ranges_.find(addr);
       require(r != ranges_.end() && r->second.kind == large_kind && r->second.nchunks * chunk_ == a.size,
@@ -232,7 +261,7 @@ void Allocator::check_invariants() const {
   require(static_cast<std::int64_t>(live_.size()) == stats_.allocation.current, "allocation count != recount");
   require(static_cast<std::int64_t>(live_.size() + pending.size()) == stats_.active.current, "active count != recount");
 
-  std::size_t mapped = 0, cached = 0, slabs = 0, empty = 0;
+  std::size_t mapped = 0, cached = 0, slabs = 0, empty = 0, empty_chunks = 0;
   std::uintptr_t prev_end = 0;
   const Range* prev = nullptr;
   // Note [Blocks and slices]: every chunk address of a range lies in a mapping, whose slice there is in no
@@ -265,7 +294,8 @@ void Allocator::check_invariants() const {
       require(c != cached_.end() && c->second.count({r.nchunks, addr}), "cached range missing from its stream's set");
       require(lru_.count({r.free_seq, addr}) == 1, "cached range missing from the LRU order");
     } else if (r.kind == Kind::kSlab) {
-      ++slabs;
+      slabs += r.nchunks;
+      require(r.mid || r.nchunks == 1, "a small slab of more than one chunk");
       std::size_t covered = 0, used = 0;
       bool prev_free = false;
       for (auto b = small_.lower_bound(addr); b != small_.end() && b->second.slab == addr; ++b) {
@@ -273,8 +303,9 @@ void Allocator::check_invariants() const {
         covered += b->second.size;
         if (b->second.free) {
           require(!prev_free, "adjacent free small blocks were not merged");
-          auto f = small_free_.find(r.stream);
-          require(f != small_free_.end() && f->second.count({b->second.size, b->first}), "free block missing from its set");
+          const auto& sets = r.mid ? mid_free_ : small_free_;
+          auto f = sets.find(r.stream);
+          require(f != sets.end() && f->second.count({b->second.size, b->first}), "free block missing from its set");
         } else {
           used += b->second.size;
           require(live_.count(b->first) + pending.count(b->first) == 1,
@@ -282,13 +313,15 @@ void Allocator::check_invariants() const {
         }
         prev_free = b->second.free;
       }
-      require(covered == chunk_, "slab blocks do not cover the slab");
+      require(covered == r.nchunks * chunk_, "slab blocks do not cover the slab");
       require(used == r.slab_used, "slab_used != recount");
       if (used == 0) {
         ++empty;
+        empty_chunks += r.nchunks;
         require(empty_slabs_.count(addr) == 1, "empty slab not listed");
       }
     } else if (r.kind == Kind::kAllocated) {
+      require(!r.mid, "a range that is not a slab is marked mid");
       require(live_.count(addr) == 1, "allocated range is not a live allocation");
     } else {
       require(pending.count(addr) == 1, "pending range is not a pending free");
@@ -296,12 +329,14 @@ void Allocator::check_invariants() const {
   }
   std::size_t cached_entries = 0, free_block_entries = 0, free_blocks = 0;
   for (const auto& [s, set] : cached_) cached_entries += set.size();
-  for (const auto& [s, set] : small_free_) free_block_entries += set.size();
+  for (const auto* sets : {&small_free_, &mid_free_})
+    for (const auto& [s, set] : *sets) free_block_entries += set.size();
   for (const auto& [a, b] : small_) free_blocks += b.free ? 1 : 0;
   require(cached_entries == lru_.size(), "per-stream cache and LRU order disagree");
   require(free_block_entries == free_blocks, "free small block sets hold stale entries");
   require(cached == cached_chunks_, "cached chunk count != recount");
   require(empty == empty_slabs_.size(), "empty slab list != recount");
+  require(empty_chunks == empty_slab_chunks_, "empty slab chunk count != recount");
   // Mappings: disjoint, inside their blocks; a mapping with no chunk in a range is stuck, and only then.
   std::unordered_map<detail::BlockId, std::uint32_t> block_mappings;
   std::size_t mapping_chunks = 0;
@@ -346,10 +381,11 @@ void Allocator::check_invariants() const {
   require(static_cast<std::int64_t>(num_chunks_ * chunk_) == stats_.reserved_bytes.current, "reserved_bytes != recount");
   require(!over_capacity_with_cache() || shrink_blocked_,
           "reserved bytes exceed the capacity while cached memory could be released");
-  for (const auto& [s, events] : fences_) {
-    require(!events.empty(), "an empty fence list");
-    for (std::size_t i = 1; i < events.size(); ++i)
-      require(events[i - 1].first < events[i].first, "a stream's fences are out of order");
+  for (const auto& [s, f] : fences_) {
+    require(!f.events.empty() || f.unfenced > 0, "a stream with neither fences nor unfenced frees");
+    require(f.unfenced < kFenceStride, "a stream went kFenceStride frees without a fence");
+    for (std::size_t i = 1; i < f.events.size(); ++i)
+      require(f.events[i - 1].first < f.events[i].first, "a stream's fences are out of order");
   }
 }
 

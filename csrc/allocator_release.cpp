@@ -1,6 +1,7 @@
 // Allocator: giving memory back (empty_cache, capacity, quarantine) and settings (see allocator.h).
 #include "allocator.h"
 
+#include <algorithm>
 #include <cstdint>
 
 namespace vmalloc {
@@ -20,12 +21,8 @@ void Allocator::empty_cache() {
     try {
       fn();
     } catch (const BackendError& e) {
-      ++stats_.num_backend_errors;
+      note_backend_error(e);
       if (!first) first = std::current_exception();
-      try {
-        last_backend_error_ = e.what();
-      } catch (...) {
-      }
     }
   };
   attempt([&] { settle_frees(/*wait=*/true); });
@@ -35,27 +32,47 @@ void Allocator::empty_cache() {
     if (first && releasable_chunks() > 0) std::rethrow_exception(first);
     return;
   }
+  trim_slabs();
   retire_empty_slabs();
   auto remaining = [&] { return cached_chunks_ + stuck_.size() + quarantined_chunks_ + releasable_chunks(); };
   for (std::size_t left = remaining(), before = left + 1; left > 0 && left < before; before = left, left = remaining()) {
-    for (auto it = lru_.begin(); it != lru_.end();) {
-      const auto [seq, addr] = *it;
-      ++it;  // release_tail erases this entry
-      const Stream stream = ranges_.at(addr).stream;
-      bool fenced = false;
-      attempt([&] {
-        fence(stream, seq);
-        fenced = true;
-      });
-      if (!fenced) continue;  // the range stays cached
-      if (std::exception_ptr e = release_tail(addr, ranges_.at(addr).nchunks); e && !first) first = e;
-    }
+    uncache_all(first);
     attempt([&] { release_free_blocks(SIZE_MAX); });
     retry_quarantine();
   }
   // Blocks whose release failed may remain above a lowered capacity.
   shrink_blocked_ = over_capacity_with_cache();
   if (first && remaining() > 0) std::rethrow_exception(first);
+}
+
+// Every cached range (empty slabs first become cached ranges) leaves its chunks to the pool, each after
+// waiting for its stream; then the mappings left without a chunk in a range, and the stuck ones, are
+// unmapped in address order: on the host backend unmapping neighbours one after another merges their holes
+// instead of splitting mappings, so the process's mapping count never rises on the way down (Note [Out of
+// mappings]). A range whose wait fails stays cached. The first failure (a wait, or an unmap: the mapping
+// stays stuck) is kept in `first` unless it holds one already; all are counted. Returns whether anything was
+// released or unmapped.
+bool Allocator::uncache_all(std::exception_ptr& first) {
+  trim_slabs();
+  retire_empty_slabs();
+  std::vector<std::uintptr_t> dead(stuck_.begin(), stuck_.end());
+  const std::size_t before = mappings_.size() + cached_chunks_;
+  for (auto it = lru_.begin(); it != lru_.end();) {
+    const auto [seq, addr] = *it;
+    ++it;  // detach_tail erases this entry
+    try {
+      fence(ranges_.at(addr).stream, seq);
+    } catch (const BackendError& e) {  // the range stays cached
+      note_backend_error(e);
+      if (!first) first = std::current_exception();
+      continue;
+    }
+    const std::vector<std::uintptr_t> more = detach_tail(addr, ranges_.at(addr).nchunks);
+    dead.insert(dead.end(), more.begin(), more.end());
+  }
+  std::sort(dead.begin(), dead.end());
+  if (std::exception_ptr e = unmap_dead(dead); e && !first) first = e;
+  return mappings_.size() + cached_chunks_ < before;
 }
 
 bool Allocator::over_capacity_with_cache() const {
@@ -73,6 +90,7 @@ std::exception_ptr Allocator::shrink_to_capacity() {
   if (!quiet() && (!stuck_.empty() || quarantined_chunks_ > 0)) retry_quarantine();
   release_free_blocks(excess());
   if (excess() > 0 && !quiet()) {
+    trim_slabs();
     retire_empty_slabs();
     while (excess() > 0 && !lru_.empty()) {
       const auto [seq, addr] = *lru_.begin();

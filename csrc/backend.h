@@ -47,6 +47,13 @@ struct VMALLOC_API BackendOutOfMemory : BackendError {
   using BackendError::BackendError;
 };
 
+// Thrown by map or set_access when the memory system has run out of mappings rather than memory (the host
+// backend at the kernel's vm.max_map_count): unmapping other mappings may make room (Note [Out of mappings]
+// in allocator.cpp).
+struct VMALLOC_API BackendOutOfMappings : BackendError {
+  using BackendError::BackendError;
+};
+
 class VMALLOC_API Backend {
  public:
   virtual ~Backend() = default;
@@ -80,6 +87,9 @@ class VMALLOC_API Backend {
   virtual void event_synchronize(Event) {}
   virtual void stream_wait(Stream, Event) {}
   virtual void release_event(Event) noexcept {}
+  // Waits on the host until all work submitted to the device so far has completed (cuCtxSynchronize). For a
+  // wait on a stream the allocator may no longer name (Note [Sparse fences] in allocator_free.cpp).
+  virtual void synchronize() {}
   // Whether work submitted to the stream is being captured into a CUDA graph right now
   // (Note [Graph capture] in allocator.cpp). Backends without graphs never capture.
   virtual bool capturing(Stream) { return false; }
@@ -90,6 +100,14 @@ std::unique_ptr<Backend> make_host_backend();
 std::unique_ptr<Backend> make_sim_backend(std::size_t granularity);
 // "cuda" | "host" | "sim"; throws std::invalid_argument naming the choices otherwise.
 std::unique_ptr<Backend> make_backend(const std::string& name, int device);
+
+// The granularity of the backend named `backend` as known without making one: the page size for host, 2 MiB
+// for sim, and 2 MiB for cuda, the VMM granularity of NVIDIA's GPUs (the driver's own figure is checked again
+// when an arena is made). 0 for an unknown name.
+std::size_t expected_granularity(const std::string& backend);
+// Throws std::invalid_argument unless chunk_size is a positive multiple of `granularity`, naming the nearest
+// valid sizes.
+void check_chunk_size(std::size_t chunk_size, std::size_t granularity, const std::string& backend);
 
 // How many devices the backend of `config` has: the driver's count for cuda (cuDeviceGetCount; throws
 // std::runtime_error when the driver cannot be loaded), config.devices for host and sim.

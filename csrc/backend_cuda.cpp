@@ -48,6 +48,7 @@ struct Driver {
   VMALLOC_CU_FN(cuEventSynchronize)
   VMALLOC_CU_FN(cuStreamWaitEvent)
   VMALLOC_CU_FN(cuStreamIsCapturing)
+  VMALLOC_CU_FN(cuCtxSynchronize)
 #undef VMALLOC_CU_FN
 };
 
@@ -108,6 +109,7 @@ const Driver& driver() {
     VMALLOC_CU_LOOKUP(cuEventSynchronize)
     VMALLOC_CU_LOOKUP(cuStreamWaitEvent)
     VMALLOC_CU_LOOKUP(cuStreamIsCapturing)
+    VMALLOC_CU_LOOKUP(cuCtxSynchronize)
 #undef VMALLOC_CU_LOOKUP
   });
   if (!error.empty()) throw std::runtime_error("vmalloc cuda backend: " + error);
@@ -233,6 +235,10 @@ class CudaBackend final : public Backend {
     ContextGuard guard(*this);
     check(d_.cuStreamWaitEvent(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUevent>(event), 0),
           "cuStreamWaitEvent");
+  }
+  void synchronize() override {
+    ContextGuard guard(*this);
+    check(d_.cuCtxSynchronize(), "cuCtxSynchronize");
   }
   void release_event(Event event) noexcept override {
     try {

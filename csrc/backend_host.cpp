@@ -13,9 +13,11 @@
 // mmap (Note [Blocks and slices] in allocator_blocks.cpp), but stitching chunks of many blocks into one range
 // costs one mapping per run: 4 GiB of 64 KiB chunks each from its own block needs more mappings than the
 // default allows, and cannot succeed. What the backend does (detail/map_budget.h):
-//   - it never takes the process into the last mappings (1/16 of the limit): a map or a splitting unmap
-//     there fails with an error that names the count, the limit and the ways out (a larger chunk_size, a
-//     higher vm.max_map_count), so the interpreter and libraries can still mmap after the failure;
+//   - it never takes the process into the last mappings (1/16 of the limit): a map there fails with
+//     BackendOutOfMappings, which names the count, the limit and the ways out (a larger chunk_size, a higher
+//     vm.max_map_count), so the interpreter and libraries can still mmap after the failure; the allocator
+//     then unmaps its cached ranges and tries once more (Note [Out of mappings] in allocator.cpp). A
+//     splitting unmap may use half of that reserve;
 //   - unmapping a chunk that is a whole mapping by itself is always allowed (and at the kernel's limit
 //     done by munmap first, see unmap): an arena that met the limit frees its way back below it.
 #include <fcntl.h>
@@ -57,9 +59,13 @@ const char* errno_name(int e) {
 
 // Throws BackendError for the system call `call` (doing `what`) that failed with errno `err`; `extra` explains
 // an ENOMEM further (the mapping limit).
+std::string failure(const char* call, const std::string& what, int err, const std::string& extra) {
+  return std::string("vmalloc host backend: ") + call + " (" + what + ") failed: " + std::strerror(err) + " (" +
+         errno_name(err) + " " + std::to_string(err) + ")" + extra;
+}
+
 [[noreturn]] void fail(const char* call, const std::string& what, int err, const std::string& extra = "") {
-  throw BackendError(call, std::string("vmalloc host backend: ") + call + " (" + what + ") failed: " +
-                               std::strerror(err) + " (" + errno_name(err) + " " + std::to_string(err) + ")" + extra);
+  throw BackendError(call, failure(call, what, err, extra));
 }
 
 class HostBackend final : public Backend {
@@ -138,7 +144,7 @@ class HostBackend final : public Backend {
       const int err = errno;
       // A failed MAP_FIXED may have dropped the reservation there: put it back, so the range stays ours.
       reserve_at(addr, bytes);
-      fail("mmap", "mapping a chunk", err, err == ENOMEM ? budget_.diagnose() : "");
+      fail_mapping("mmap", "mapping a chunk", err);
     }
   }
 
@@ -171,11 +177,18 @@ class HostBackend final : public Backend {
   void set_access(std::uintptr_t addr, std::size_t bytes) override {
     if (mprotect(reinterpret_cast<void*>(addr), bytes, PROT_READ | PROT_WRITE) != 0) {
       const int err = errno;
-      fail("mprotect", "set_access (read/write)", err, err == ENOMEM ? budget_.diagnose() : "");
+      fail_mapping("mprotect", "set_access (read/write)", err);
     }
   }
 
  private:
+  // A map or set_access that failed with errno err: out of mappings (BackendOutOfMappings) when the kernel's
+  // ENOMEM comes with the process at its mapping limit, else fail().
+  [[noreturn]] void fail_mapping(const char* call, const std::string& what, int err) {
+    const std::string why = err == ENOMEM ? budget_.diagnose() : "";
+    if (why.empty()) fail(call, what, err);
+    throw BackendOutOfMappings(call, failure(call, what, err, why));
+  }
   bool is_lost(std::uintptr_t addr, std::size_t bytes) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = lost_.upper_bound({addr + bytes, 0});

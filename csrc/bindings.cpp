@@ -65,9 +65,17 @@ int to_int(const py::handle& value, const char* what) {
   return static_cast<int>(v);
 }
 
+double to_fraction(const py::handle& value, const char* what) {
+  if (py::isinstance<py::bool_>(value) || !(py::isinstance<py::int_>(value) || py::isinstance<py::float_>(value)))
+    throw py::type_error(std::string(what) + " must be a number, not " +
+                         std::string(py::str(py::type::of(value).attr("__name__"))));
+  return value.cast<double>();
+}
+
 Config make_config(const std::string& backend, const py::object& capacity, const py::object& chunk_size,
                    const py::object& small_max, int device, const py::object& history, bool eager_growth,
-                   int devices, const py::object& block_size) {
+                   int devices, const py::object& block_size, const py::object& growth_slack,
+                   const py::object& mid_chunks) {
   Config c;
   c.backend = backend;
   c.capacity = to_size(capacity, "capacity");
@@ -79,6 +87,8 @@ Config make_config(const std::string& backend, const py::object& capacity, const
   c.devices = devices;
   c.history = to_size(history, "history");
   c.eager_growth = eager_growth;
+  if (!growth_slack.is_none()) c.growth_slack = to_fraction(growth_slack, "growth_slack");
+  if (!mid_chunks.is_none()) c.mid_chunks = to_size(mid_chunks, "mid_chunks");
   return c;  // validated by Allocator (after its granularity checks) or global::configure
 }
 
@@ -93,6 +103,8 @@ py::dict config_dict(const Config& c) {
   d["devices"] = c.devices;
   d["history"] = c.history;
   d["eager_growth"] = c.eager_growth;
+  d["growth_slack"] = c.growth_slack;
+  d["mid_chunks"] = c.mid_chunks;
   return d;
 }
 
@@ -173,9 +185,10 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Allocator, ArenaPtr>(m, "Arena")
       .def(py::init([](const std::string& backend, const py::object& capacity, const py::object& chunk_size,
                        const py::object& small_max, int device, const py::object& history, bool eager_growth,
-                       int devices, const py::object& block_size, bool test_backend) {
+                       int devices, const py::object& block_size, const py::object& growth_slack,
+                       const py::object& mid_chunks, bool test_backend) {
              const Config c = make_config(backend, capacity, chunk_size, small_max, device, history, eager_growth,
-                                          devices, block_size);
+                                          devices, block_size, growth_slack, mid_chunks);
              if (!test_backend) return std::make_shared<Allocator>(c);
              vmalloc::check_device(c, device);
              return std::make_shared<Allocator>(c,
@@ -184,7 +197,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("backend") = "cuda", py::arg("capacity") = py::none(), py::arg("chunk_size") = "2MiB",
            py::arg("small_max") = "1MiB", py::arg("device") = 0, py::arg("history") = 0,
            py::arg("eager_growth") = false, py::arg("devices") = 1, py::arg("block_size") = 0,
-           py::arg("_test_backend") = false)
+           py::arg("growth_slack") = py::none(), py::arg("mid_chunks") = py::none(), py::arg("_test_backend") = false)
       .def(
           "malloc",
           [](Allocator& a, const py::object& nbytes, vmalloc::Stream stream, bool call_oom_handler) {
@@ -204,6 +217,26 @@ PYBIND11_MODULE(_C, m) {
            py::arg("fn"))
       .def("set_history", [](Allocator& a, const py::object& n) { a.set_history(to_size(n, "history")); })
       .def("reset_peak_stats", &Allocator::reset_peak_stats)
+      .def(
+          "largest_allocatable",
+          [](const Allocator& a, const py::object& device_free) {
+            return a.largest_allocatable(device_free.is_none() ? SIZE_MAX : to_size(device_free, "device_free"));
+          },
+          py::arg("device_free") = py::none(),
+          "The largest request that can succeed now (what torch's cacheInfo reports for cuDNN's benchmark "
+          "mode): idle chunks plus what may still be created under the capacity (at most device_free bytes of "
+          "it), capped by the workspace limit minus the allocated bytes.")
+      .def(
+          "set_workspace_limit",
+          [](Allocator& a, const py::object& limit) { a.set_workspace_limit(limit.is_none() ? 0 : to_size(limit, "limit")); },
+          py::arg("limit"),
+          "Caps largest_allocatable() (cuDNN's workspace offers) at limit minus the allocated bytes; None "
+          "removes the cap. The swap runtime sets its budget here.")
+      .def_property_readonly("workspace_limit",
+                             [](const Allocator& a) -> py::object {
+                               const std::size_t l = a.workspace_limit();
+                               return l ? py::object(py::int_(l)) : py::object(py::none());
+                             })
       .def("capture_begin", &Allocator::capture_begin,
            "A CUDA graph capture begins: until capture_end(), nothing is waited for or unmapped, on any stream.")
       .def("capture_end", &Allocator::capture_end)
@@ -291,7 +324,8 @@ PYBIND11_MODULE(_C, m) {
       "configure",
       [](const std::string& backend, const py::object& capacity, const py::object& chunk_size,
          const py::object& small_max, const py::object& history, const py::object& eager_growth,
-         const py::object& devices, const py::object& block_size) {
+         const py::object& devices, const py::object& block_size, const py::object& growth_slack,
+         const py::object& mid_chunks) {
         // Start from VMALLOC_CONF so explicit options override the environment key by key.
         Config base = vmalloc::global::configuration();
         bool eager = base.eager_growth;
@@ -306,13 +340,16 @@ PYBIND11_MODULE(_C, m) {
                                small_max.is_none() ? py::cast(base.small_max) : small_max, 0,
                                history.is_none() ? py::cast(base.history) : history, eager,
                                devices.is_none() ? base.devices : to_int(devices, "devices"),
-                               block_size.is_none() ? py::cast(base.block_size) : block_size);
+                               block_size.is_none() ? py::cast(base.block_size) : block_size,
+                               growth_slack.is_none() ? py::cast(base.growth_slack) : growth_slack,
+                               mid_chunks.is_none() ? py::cast(base.mid_chunks) : mid_chunks);
         if (capacity.is_none()) c.capacity = base.capacity;
         vmalloc::global::configure(c);
       },
       py::arg("backend") = "", py::arg("capacity") = py::none(), py::arg("chunk_size") = py::none(),
       py::arg("small_max") = py::none(), py::arg("history") = py::none(), py::arg("eager_growth") = py::none(),
-      py::arg("devices") = py::none(), py::arg("block_size") = py::none());
+      py::arg("devices") = py::none(), py::arg("block_size") = py::none(), py::arg("growth_slack") = py::none(),
+      py::arg("mid_chunks") = py::none());
   m.def("global_configuration", [] { return config_dict(vmalloc::global::configuration()); });
   m.def("global_arena", &vmalloc::global::arena, py::arg("device") = 0);
   m.def("existing_global_arena", &vmalloc::global::existing, py::arg("device") = 0);

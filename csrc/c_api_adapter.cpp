@@ -87,6 +87,20 @@ __attribute__((visibility("default"))) int vmalloc_adapter_memory_fraction(int d
   }
 }
 
+// *largest = the largest request `device`'s global arena can serve now, with at most device_free bytes created
+// (Note [Workspace offers]). Returns 0, or -1 if the arena does not exist yet.
+__attribute__((visibility("default"))) int vmalloc_adapter_cache_info(int device, std::size_t device_free,
+                                                                      std::size_t* largest) {
+  try {
+    auto arena = vmalloc::global::existing(device);
+    if (!arena) return -1;
+    *largest = arena->largest_allocatable(device_free);
+    return 0;
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
 // Resets the peak statistics of `device`'s global arena, if it exists.
 __attribute__((visibility("default"))) void vmalloc_adapter_reset_peak(int device) {
   try {

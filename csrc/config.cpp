@@ -91,6 +91,21 @@ std::size_t parse_count(const std::string& raw, const std::string& what) {
   return static_cast<std::size_t>(std::stoull(v));
 }
 
+double parse_fraction(const std::string& raw, const std::string& what) {
+  std::string v = trim(raw);
+  const bool percent = !v.empty() && v.back() == '%';
+  if (percent) v = trim(v.substr(0, v.size() - 1));
+  std::size_t dots = 0, digits = 0;
+  for (char ch : v) {
+    if (ch == '.') ++dots;
+    else if (std::isdigit(static_cast<unsigned char>(ch))) ++digits;
+    else digits = 0, dots = 2;  // anything else: rejected below
+  }
+  if (digits == 0 || dots > 1 || v.size() > 24)
+    throw std::invalid_argument("invalid " + what + " '" + raw + "': write a non-negative number such as 0.125 or 12.5%");
+  return std::stod(v) / (percent ? 100.0 : 1.0);
+}
+
 void validate(const Config& c) {
   if (c.backend != "cuda" && c.backend != "host" && c.backend != "sim")
     throw std::invalid_argument("unknown backend '" + c.backend + "': choose 'cuda', 'host' or 'sim'");
@@ -106,13 +121,25 @@ void validate(const Config& c) {
   if (c.small_max > c.chunk_size)
     throw std::invalid_argument("small_max (" + format_size(c.small_max) + ") must not exceed chunk_size (" +
                                 format_size(c.chunk_size) + "): small blocks are carved from one chunk");
-  if (c.block_size != 0 && (c.block_size < c.chunk_size || c.block_size % c.chunk_size != 0))
+  if (c.block_size != 0 && (c.block_size < c.chunk_size || c.block_size % c.chunk_size != 0)) {
+    const std::size_t below = c.block_size / c.chunk_size * c.chunk_size, above = below + c.chunk_size;
     throw std::invalid_argument("block_size " + format_size(c.block_size) + " is not a multiple of chunk_size (" +
-                                format_size(c.chunk_size) + "): use a multiple of it, chunk_size itself for one "
-                                "chunk per block, or 0 for the default (" + format_size(kDefaultBlockBytes) + ")");
+                                format_size(c.chunk_size) + "): use a multiple of it (the nearest: " +
+                                (below ? format_size(below) + " or " : "") + format_size(above) +
+                                "), chunk_size itself for one chunk per block, or 0 for the default (" +
+                                format_size(kDefaultBlockBytes) + ")");
+  }
   if (c.block_size > kMaxCapacity)
     throw std::invalid_argument("block_size " + format_size(c.block_size) + " is more than vmalloc supports (" +
                                 format_size(kMaxCapacity) + ")");
+  if (!(c.growth_slack >= 0 && c.growth_slack <= kMaxGrowthSlack))
+    throw std::invalid_argument("growth_slack " + std::to_string(c.growth_slack) + " is out of range: a fraction from 0 "
+                                "(never grow past the high-water mark of chunks in use) to " +
+                                std::to_string(static_cast<int>(kMaxGrowthSlack)) + " (or eager_growth=true)");
+  if (c.mid_chunks > kMaxMidChunks)
+    throw std::invalid_argument("mid_chunks " + std::to_string(c.mid_chunks) + " is more than " +
+                                std::to_string(kMaxMidChunks) + ": mid-size slabs are that many chunks, and one block in "
+                                "use holds them all (0 rounds mid-size requests to whole chunks)");
   if (c.devices < 1 || c.devices > kMaxDevices)
     throw std::invalid_argument("devices must be between 1 and " + std::to_string(kMaxDevices) + ", not " +
                                 std::to_string(c.devices));
@@ -150,10 +177,12 @@ Config parse_conf(const std::string& text, Config c) {
     else if (key == "device") c.device = small_int("device");
     else if (key == "devices") c.devices = small_int("devices");
     else if (key == "eager_growth") c.eager_growth = parse_bool(value, "VMALLOC_CONF eager_growth");
+    else if (key == "growth_slack") c.growth_slack = parse_fraction(value, "VMALLOC_CONF growth_slack");
+    else if (key == "mid_chunks") c.mid_chunks = parse_count(value, "VMALLOC_CONF mid_chunks");
     else
       throw std::invalid_argument("unknown VMALLOC_CONF key '" + key +
                                   "': known keys are backend, capacity, chunk_size, small_max, block_size, history, "
-                                  "device, devices, eager_growth");
+                                  "device, devices, eager_growth, growth_slack, mid_chunks");
   }
   validate(c);
   return c;

@@ -13,6 +13,12 @@ constexpr std::size_t kMaxCapacity = std::size_t{1} << 50;
 constexpr int kMaxDevices = 64;
 // The largest physical block (one backend allocation of several chunks) by default: Note [Blocks and slices].
 constexpr std::size_t kDefaultBlockBytes = std::size_t{32} << 20;
+// Note [Reuse before growth]: how far above its high-water mark of chunks in use an arena may grow rather
+// than reclaim, by default.
+constexpr double kDefaultGrowthSlack = 0.125;
+constexpr double kMaxGrowthSlack = 1024;
+constexpr std::size_t kDefaultMidChunks = 0;  // Note [Mid-size blocks]: opt-in
+constexpr std::size_t kMaxMidChunks = 64;
 
 struct Config {
   std::string backend = "cuda";
@@ -26,9 +32,14 @@ struct Config {
   // How many devices the host and sim backends present (the cuda backend asks the driver).
   int devices = 1;
   std::size_t history = 0;  // trace entries kept for snapshot(); 0 records none
-  // Note [Reuse before growth]: false (default) reuses cached chunks (reclaim) before creating new ones;
+  // Note [Reuse before growth]: false (default) creates chunks on a cache miss only while the chunks held
+  // stay within (1 + growth_slack) x the most chunks ever in use at once, and reclaims cached ones beyond;
   // true creates new chunks while under capacity first, reclaiming only at the capacity.
   bool eager_growth = false;
+  double growth_slack = kDefaultGrowthSlack;
+  // Note [Mid-size blocks]: requests above small_max up to mid_chunks chunks are blocks of slabs of
+  // mid_chunks chunks, rounded to a quarter chunk; 0 (the default) rounds them to whole chunks.
+  std::size_t mid_chunks = kDefaultMidChunks;
 };
 
 // Parses "123", "512KiB", "2MiB", "1.5GiB", "1TiB", "10MB" (SI units are decimal). Throws
@@ -38,6 +49,8 @@ std::size_t parse_size(const std::string& text);
 bool parse_bool(const std::string& text, const std::string& what);
 // A non-negative decimal integer. Throws std::invalid_argument naming `what` otherwise.
 std::size_t parse_count(const std::string& text, const std::string& what);
+// A non-negative decimal number such as 0.125 (or 12.5%). Throws std::invalid_argument naming `what` otherwise.
+double parse_fraction(const std::string& text, const std::string& what);
 
 // Applies "key=value,key=value" on top of base, then validate()s. Unknown keys and bad values throw
 // std::invalid_argument saying what to write instead.

@@ -25,10 +25,16 @@ Registry& registry() {
   return *r;
 }
 
+// Note [Chunk size at configure]
+// configure() and VMALLOC_CONF are checked when given, not at the first CUDA allocation deep inside torch:
+// chunk_size="2MB" (2,000,000 bytes, decimal) is refused at once, naming 2MiB, rather than failing the first
+// tensor. The backend's granularity is the one expected_granularity() knows without a device.
 Config env_config() {
   const char* env = std::getenv("VMALLOC_CONF");
   try {
-    return parse_conf(env ? env : "");
+    Config c = parse_conf(env ? env : "");
+    check_chunk_size(c.chunk_size, expected_granularity(c.backend), c.backend);
+    return c;
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(std::string("VMALLOC_CONF='") + (env ? env : "") + "': " + e.what());
   }
@@ -39,6 +45,8 @@ Config current(const Registry& r) { return r.configured ? r.config : env_config(
 }  // namespace
 
 void configure(const Config& config) {
+  // The backend is made with the first arena; its granularity is known now (Note [Chunk size at configure]).
+  if (const std::size_t g = expected_granularity(config.backend)) check_chunk_size(config.chunk_size, g, config.backend);
   validate(config);
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);

@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .capture import CaptureError
-from .devices import ALIASES, PROFILES, refuse_budget_above
+from .devices import ALIASES, INTERCONNECTS, PROFILES, refuse_budget_above
 from .devices import profile as device_profile
 from .forecast.arguments import check_model_fn
+from .forecast.distributed import SHARDINGS
 from .forecast.planner import plan
 from .forecast.replay import ALLOCATORS
 from .forecast.strategies import STRATEGIES
@@ -199,6 +200,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--plot-memory", default=None, help="write a PNG of one step's memory, unswapped and swapped")
     ap.add_argument("--json", default=None, help="write the plan as JSON")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    ap.add_argument("--world-size", type=int, default=1, help="forecast one rank of this many (with --shard)")
+    ap.add_argument("--shard", default=None, choices=SHARDINGS, help="how the ranks split the model: fsdp2 shards "
+                    "each block and the root (the budget and batches are per rank)")
+    ap.add_argument("--interconnect", default=None, choices=sorted(INTERCONNECTS),
+                    help="what the collectives run on (default nvlink4)")
     ap.add_argument("--largest-image", action="store_true",
                     help="instead of the largest batch: the largest square image (batch 1, or --max-batch) the model "
                          "trains on under the budget, untiled, checkpointed, tiled (swap.tiled) and tiled + swapped")
@@ -258,6 +264,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             allocator=None if args.allocator == "ideal" else args.allocator, max_batch=args.max_batch,
             optimizer=optimizer, dtype=dtype, profile=args.profile, policies=policies, min_bytes=args.min_bytes,
             name=name, progress=not args.quiet, strategies=strategies, batch=args.at_batch,
+            world_size=args.world_size, shard=args.shard, interconnect=args.interconnect,
         )  # fmt: skip
     except (CaptureError, ValueError) as e:
         print(f"swap.plan: {e}", file=sys.stderr)

@@ -218,3 +218,53 @@ def with_measured(base: DeviceProfile, m: Measured, roofline_seconds: Optional[f
     if roofline_seconds and m.compute_seconds > 0:
         changes["efficiency"] = roofline_seconds / m.compute_seconds
     return dataclasses.replace(base, **changes)
+
+
+# -- interconnects between ranks ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class InterconnectProfile:
+    """What the collectives of data-parallel training (FSDP2's all-gather and reduce-scatter) run on, per GPU.
+
+    Note [Interconnect profiles]
+    A ring all-gather or reduce-scatter of ``n`` bytes (the unsharded size) over ``w`` ranks moves
+    ``n * (w - 1) / w`` bytes through each GPU's link, so its time is that over the *bus bandwidth* (the figure
+    nccl-tests reports as busbw, which NVIDIA quotes as the expectation), plus a fixed ``latency`` per call.
+    - nvlink4: H100 SXM in an 8-GPU NVSwitch node (DGX/HGX H100). NVLink 4 is 900 GB/s bidirectional per GPU
+      (450 GB/s each way; datasheet); all-gather and reduce-scatter reach a busbw of 360 GB/s, "exactly what we'd
+      expect on H100" (an NCCL maintainer, NVIDIA/nccl-tests issue 326, 8 x H100, 128 MB to 16 GB messages).
+      Latency: 10 us, assumed (a 70B block's all-gather moves 1.7 GB: the fixed term is far below 1%).
+    - ib-ndr400: across nodes, one ConnectX-7 NDR 400 Gb/s NIC per GPU (DGX H100): "for NDR @ 400Gbps you should
+      see 46-48GB/s per NIC" (an NCCL maintainer, NVIDIA/nccl-tests issue 290); the lower figure is taken. Latency:
+      47 us, the small-message time of a 2-node 16-GPU all-reduce over NDR (NVIDIA/nccl issue 1244's table).
+    """
+
+    name: str
+    bus_bandwidth: float  # bytes/s per GPU for a large all-gather / reduce-scatter (nccl-tests busbw)
+    latency: float = 0.0  # seconds per collective call
+    source: str = ""
+
+    def collective_seconds(self, nbytes: float, world_size: int) -> float:
+        """Seconds of one ring all-gather or reduce-scatter whose unsharded size is ``nbytes``."""
+        if world_size <= 1 or nbytes <= 0:
+            return 0.0
+        return self.latency + nbytes * (world_size - 1) / world_size / self.bus_bandwidth
+
+
+INTERCONNECTS = {
+    "nvlink4": InterconnectProfile(
+        "NVLink 4 (H100 SXM, 8-GPU NVSwitch node)", 360 * GB, 10e-6,
+        source="NVIDIA H100 datasheet (900 GB/s bidirectional); NVIDIA/nccl-tests issue 326 (busbw 360 GB/s)",
+    ),
+    "ib-ndr400": InterconnectProfile(
+        "InfiniBand NDR 400 Gb/s, one NIC per GPU", 46 * GB, 47e-6,
+        source="NVIDIA/nccl-tests issue 290 (46-48 GB/s per NDR NIC); NVIDIA/nccl issue 1244 (latency)",
+    ),
+}  # fmt: skip
+
+
+def interconnect(name: str) -> InterconnectProfile:
+    """The named interconnect profile (``INTERCONNECTS``)."""
+    try:
+        return INTERCONNECTS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown interconnect {name!r}: choose one of {', '.join(INTERCONNECTS)}") from None

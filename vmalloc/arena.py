@@ -20,11 +20,18 @@ class Arena(_C.Arena):
         chunk_size: physical chunk size; a multiple of the backend's granularity (2 MiB on CUDA and sim,
             the page size on host).
         small_max: requests up to this size are carved from one-chunk slabs in 512 B steps.
+        mid_chunks: requests above ``small_max`` up to this many chunks are carved from slabs of this many
+            chunks in quarter-chunk steps (e.g. 4: up to 8 MiB, in 512 KiB steps), instead of being rounded
+            up to whole chunks: less rounding waste for tensors of one to a few chunks, but the free parts of
+            chunks that a slab's blocks still touch cannot serve large requests. 0 (default): whole chunks.
         device: CUDA device ordinal (cuda backend).
         history: how many trace entries ``snapshot()`` keeps (0: none).
         eager_growth: on a cache miss, create new chunks (while under capacity) before reclaiming cached
-            ones. Default False: reuse cached chunks first, so reserved memory stays at the peak of
-            allocated memory, at the price of more unmap/map calls.
+            ones. Default False: grow only within ``growth_slack``, then reuse cached chunks.
+        growth_slack: on a cache miss under the capacity, new chunks are created rather than cached ones
+            reclaimed while the chunks held stay within (1 + growth_slack) x the most chunks ever in use at
+            once (default 0.125). Reclaiming costs unmap/map calls and a wait for the stream; the slack lets a
+            repeated training step settle with none. 0: reserved memory stays at the peak in use.
         devices: how many devices the host and sim backends present (``device`` must be below it); the
             cuda backend has the driver's devices.
         block_size: the largest physical block, one backend allocation of several chunks whose runs map with

@@ -82,12 +82,13 @@ _HOOKS = {
 
 def configure(**options: Any) -> None:
     """Sets the global arenas' options (backend, capacity, chunk_size, small_max, history, eager_growth,
-    devices, block_size) before first use.
+    growth_slack, mid_chunks, devices, block_size) before first use.
 
     Options not given keep their ``VMALLOC_CONF`` value. Raises ValueError for a bad option (checked now),
     RuntimeError once an arena exists.
     """
-    known = {"backend", "capacity", "chunk_size", "small_max", "history", "eager_growth", "devices", "block_size"}
+    known = {"backend", "capacity", "chunk_size", "small_max", "history", "eager_growth", "growth_slack", "mid_chunks",
+             "devices", "block_size"}
     unknown = set(options) - known
     if unknown:
         raise TypeError(f"unknown vmalloc option(s) {sorted(unknown)}: use {', '.join(sorted(known))}")

@@ -1,5 +1,6 @@
 #include "map_budget.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -19,27 +20,36 @@ MapBudget::MapBudget() {
   }
 }
 
-MapBudget::Scan MapBudget::scan(std::uintptr_t addr, std::size_t bytes) {
-  Scan s;
+void MapBudget::rescan() {
+  mappings_.clear();
+  scanned_ = true;
+  ops_since_ = 0;
   FILE* f = std::fopen("/proc/self/maps", "r");
-  if (!f) return s;
+  if (!f) return;
   char line[512];
   while (std::fgets(line, sizeof line, f)) {
-    ++s.count;
     unsigned long long start = 0, end = 0;
-    if (bytes && std::sscanf(line, "%llx-%llx", &start, &end) == 2 && start == addr && end == addr + bytes) s.whole = true;
+    if (std::sscanf(line, "%llx-%llx", &start, &end) == 2) mappings_.emplace_back(start, end);
     // Skip the rest of an overlong line (a long path) so it is not counted twice.
     while (!std::strchr(line, '\n') && std::fgets(line, sizeof line, f)) {
     }
   }
   std::fclose(f);
-  return s;
 }
 
-bool MapBudget::near_limit() {
-  ++ops_since_;
-  // Each map or unmap adds at most two mappings: no need to look before the reserve could be reached.
-  return limit_ && (!scanned_ || last_count_ + 2 * ops_since_ + 2 > limit_ - reserve_);
+bool MapBudget::whole(std::uintptr_t addr, std::size_t bytes) const {
+  auto it = std::lower_bound(mappings_.begin(), mappings_.end(), std::make_pair(addr, std::uintptr_t{0}));
+  return it != mappings_.end() && it->first == addr && it->second == addr + bytes;
+}
+
+bool MapBudget::clear_of(std::size_t limit) {
+  // Each map or unmap adds at most two mappings: no need to look before `limit` could be reached. Scanning
+  // /proc/self/maps costs milliseconds at tens of thousands of mappings, so near the limit an operation
+  // rescans only if another was allowed since the last scan: a run of refusals (an arena unmapping its way
+  // back, one refused split after another) costs one scan, not one each.
+  if (scanned_ && mappings_.size() + 2 * ops_since_ + 2 <= limit) return true;
+  if (!scanned_ || ops_since_ > 0) rescan();
+  return false;
 }
 
 std::string MapBudget::explain(std::size_t count) const {
@@ -52,35 +62,28 @@ std::string MapBudget::explain(std::size_t count) const {
 
 void MapBudget::before_map(const char* what) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!near_limit()) return;
-  const Scan s = scan(0, 0);
-  last_count_ = s.count;
-  ops_since_ = 0;
-  scanned_ = true;
-  if (s.count + 2 > limit_ - reserve_)
-    throw BackendError("mmap", std::string("vmalloc host backend: mmap (") + what + ") refused: " + explain(s.count));
+  if (!limit_) return;
+  if (!clear_of(limit_ - reserve_) && mappings_.size() + 2 > limit_ - reserve_)
+    throw BackendOutOfMappings("mmap", std::string("vmalloc host backend: mmap (") + what + ") refused: " +
+                                           explain(mappings_.size()));
+  ++ops_since_;
 }
 
 void MapBudget::before_unmap(std::uintptr_t addr, std::size_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!near_limit()) return;
-  const Scan s = scan(addr, bytes);
-  last_count_ = s.count;
-  ops_since_ = 0;
-  scanned_ = true;
-  if (s.count + 2 > limit_ - reserve_ && !s.whole)
+  if (!limit_) return;
+  const std::size_t limit = limit_ - reserve_ / 2;
+  if (!clear_of(limit) && mappings_.size() + 2 > limit && !whole(addr, bytes))
     throw BackendError("mmap", "vmalloc host backend: mmap (unmapping a chunk, which would split a mapping) refused: " +
-                                   explain(s.count));
+                                   explain(mappings_.size()));
+  ++ops_since_;
 }
 
 std::string MapBudget::diagnose() {
-  if (!limit_) return "";
-  const Scan s = scan(0, 0);
   std::lock_guard<std::mutex> lock(mu_);
-  last_count_ = s.count;
-  ops_since_ = 0;
-  scanned_ = true;
-  return s.count + 16 >= limit_ - reserve_ ? "; " + explain(s.count) : "";
+  if (!limit_) return "";
+  rescan();
+  return mappings_.size() + 16 >= limit_ - reserve_ ? "; " + explain(mappings_.size()) : "";
 }
 
 }  // namespace vmalloc::detail

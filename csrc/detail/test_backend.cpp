@@ -8,7 +8,8 @@ namespace {
 const std::set<std::string>& known_ops() {
   static const std::set<std::string> ops = {"reserve",      "release_reservation", "create_chunk", "release_chunk",
                                             "map",          "unmap",               "set_access",   "record_event",
-                                            "event_done",   "event_synchronize",   "capturing"};
+                                            "event_done",   "event_synchronize",   "capturing",
+                                            "synchronize"};
   return ops;
 }
 
@@ -107,6 +108,12 @@ void TestBackend::event_synchronize(Event event) {
     done = e.position;
     ++host_waits_;
   }
+}
+void TestBackend::synchronize() {
+  maybe_fail("synchronize");
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [s, n] : recorded_) completed_[s] = n;
+  ++host_waits_;
 }
 void TestBackend::release_event(Event event) noexcept {
   std::lock_guard<std::mutex> lock(mu_);

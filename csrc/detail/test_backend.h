@@ -21,7 +21,7 @@ class VMALLOC_API TestBackend final : public Backend {
   explicit TestBackend(std::unique_ptr<Backend> inner);
 
   // Calls are named reserve, release_reservation, create_chunk, release_chunk, map, unmap, set_access,
-  // record_event, event_done, event_synchronize, capturing. The `nth` call of `op` from now on (1 = the
+  // record_event, event_done, event_synchronize, synchronize, capturing. The `nth` call of `op` from now on (1 = the
   // next) fails, and every later one unless `once`. create_chunk failures are out-of-memory unless
   // `out_of_memory` is false. Throws std::invalid_argument for an unknown op.
   void fail(const std::string& op, std::size_t nth, bool once, bool out_of_memory = true);
@@ -36,7 +36,8 @@ class VMALLOC_API TestBackend final : public Backend {
   void complete_all();
   // Events recorded and not completed, per stream.
   std::map<Stream, std::size_t> outstanding() const;
-  // Events the allocator waited for on the host (event_synchronize of an event not yet complete).
+  // Host waits: event_synchronize of an event not yet complete, and every synchronize (the test backend
+  // cannot tell whether work queued without an event has run).
   std::size_t host_waits() const;
 
   const char* name() const override { return inner_->name(); }
@@ -55,6 +56,7 @@ class VMALLOC_API TestBackend final : public Backend {
   bool event_done(Event event) override;
   void event_synchronize(Event event) override;
   void release_event(Event event) noexcept override;
+  void synchronize() override;  // completes every stream's events; always a host wait
   bool capturing(Stream stream) override;
 
  private:

@@ -15,7 +15,9 @@
 //     memory_stats(), memory_allocated(), max_memory_allocated(), memory_reserved() and
 //     reset_peak_memory_stats() report the arena;
 //   - cacheInfo: the largest allocation vmalloc could serve now (any free chunks can be stitched into one
-//     range), what cuDNN's benchmark mode sizes its workspace search with;
+//     range), within the capacity and the device's free memory, and within the workspace limit the swap
+//     runtime sets to its budget: what cuDNN's benchmark mode sizes its workspace search with (Note
+//     [Workspace offers] in allocator_inspect.cpp);
 //   - snapshot / recordHistory: a clear error naming vmalloc.snapshot(), which returns the arena's state in
 //     torch's snapshot format (vmalloc keeps its own history: VMALLOC_CONF=history=N);
 //   - beginAllocateToPool (CUDA graph capture, torch.compile's CUDA graphs, use_mem_pool): fails before the
@@ -105,11 +107,6 @@ enum Stat : int {
   num_ooms,
   num_device_alloc,
   num_device_free,
-  num_pool_chunks,
-  num_cached_chunks,
-  num_empty_slabs,
-  chunk_size,
-  capacity,
   kNumStats
 };
 
@@ -128,11 +125,6 @@ constexpr std::array<const char*, kNumStats> kStatNames = {
     "num_ooms",
     "num_device_alloc",
     "num_device_free",
-    "num_pool_chunks",
-    "num_cached_chunks",
-    "num_empty_slabs",
-    "chunk_size",
-    "capacity",
 };
 
 using StatValues = std::array<std::int64_t, kNumStats>;
@@ -256,22 +248,14 @@ class VmallocAllocator final : public Base {
     baseline_[device] = v;
   }
 
-  // The largest allocation that can succeed now: idle chunks (the pool, cached ranges, empty slabs) can all be
-  // mapped into one range, plus what may still be created under the capacity and the device's free memory.
+  // The largest allocation that can succeed now (Note [Workspace offers] in allocator_inspect.cpp).
   void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
     size_t device_free = 0, device_total = 0;
     {
       c10::cuda::CUDAGuard guard(device);
       C10_CUDA_CHECK(cudaMemGetInfo(&device_free, &device_total));
     }
-    StatValues v{};
-    if (!read_stats(device, v)) {
-      *largestBlock = device_free;
-      return;
-    }
-    const auto idle = (v[num_pool_chunks] + v[num_cached_chunks] + v[num_empty_slabs]) * v[chunk_size];
-    const auto creatable = std::max<std::int64_t>(0, v[capacity] - v[reserved_bytes_current]);
-    *largestBlock = static_cast<size_t>(idle) + std::min(static_cast<size_t>(creatable), device_free);
+    if (vmalloc_adapter_cache_info(device, device_free, largestBlock) != 0) *largestBlock = device_free;
   }
 
 #if VMALLOC_TORCH_AT_LEAST(2, 11)

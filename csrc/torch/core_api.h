@@ -16,6 +16,9 @@ int vmalloc_adapter_malloc(void** out, size_t size, int device, void* stream, in
 // Fills values[i] with statistic names[i]; returns the number found, -1 if the device has no arena yet.
 int vmalloc_adapter_stats(int device, const char* const* names, int64_t* values, int n);
 void vmalloc_adapter_reset_peak(int device);
+// *largest = the largest request the arena can serve now (Note [Workspace offers] in allocator_inspect.cpp);
+// -1 if the device has no arena yet.
+int vmalloc_adapter_cache_info(int device, size_t device_free, size_t* largest);
 // *fraction = the arena's capacity / the device's memory (the arena is made if needed). 0, or 2 with err set.
 int vmalloc_adapter_memory_fraction(int device, double* fraction, char* err, size_t errcap);
 

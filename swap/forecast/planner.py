@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ..capture import CaptureError, LinearTrace, Trace, capture, live_peak
-from ..devices import DeviceProfile, read_measured, refuse_budget_above, with_measured
+from ..devices import DeviceProfile, InterconnectProfile, read_measured, refuse_budget_above, with_measured
 from ..devices import profile as device_profile
 from ..schedule.budget import min_budget
 from ..schedule.scheduler import POLICIES, InfeasibleBudget
@@ -27,6 +27,7 @@ from ..schedule.sequence import Sequence
 from ..schedule.simulator import Scheduled, schedule_for
 from ..units import Size, parse_size
 from ..units import fmt_size as fmt_bytes
+from . import distributed
 from .arguments import check_functions, check_model_fn, check_names, with_parameters
 from .from_trace import sequence_from_trace
 from .pricing import iteration_seconds
@@ -236,6 +237,9 @@ def plan(
     progress: bool = True,
     strategies: tuple[str, ...] = STRATEGIES,
     batch: Optional[int] = None,
+    world_size: int = 1,
+    shard: Optional[str] = None,
+    interconnect: Optional[Union[str, InterconnectProfile]] = None,
 ) -> Plan:
     """The largest batch of your model that fits ``budget`` on ``device``, per swap policy, and its speed.
 
@@ -263,6 +267,10 @@ def plan(
         strategies: which keep / swap / recompute strategies to compare side by side (default: every baseline
             of ``swap.joint.search.BASELINES`` and the joint strategy "auto"; ``()``: none).
         batch: also compare the strategies at this batch size.
+        world_size, shard, interconnect: forecast one rank of ``world_size`` sharding the model with ``shard``
+            ("fsdp2": ``fully_shard`` on each block and the root), its collectives priced on ``interconnect``
+            (``swap.devices.INTERCONNECTS``: "nvlink4", "ib-ndr400"; default "nvlink4"): the budget and every
+            batch are per rank (Note [One rank of FSDP2] in swap/forecast/distributed.py).
     Returns:
         ``swap.Plan``: ``max_batch``, ``throughput``, ``window``, ``strategies``, ``table()``, ``plot(path)``,
         ``plot_strategies(path)``; where no batch fits (``fits_nothing``), ``min_budget``: the smallest budget in
@@ -293,10 +301,12 @@ def plan(
         raise ValueError(f"batch must be a positive int, not {batch!r}")
     min_bytes_ = parse_size(min_bytes, "min_bytes", minimum=1) if min_bytes else 0
     label = name or getattr(model_fn, "__name__", "model")
+    ranks = distributed.sharding(model_fn, world_size, shard, interconnect, dtype)
 
     def capture_at(n: int) -> Trace:
-        return capture(model_fn, batch_fn, n, loss_fn, optimizer=optimizer, steps=steps, target=target, dtype=dtype,
-                       name=label)  # fmt: skip
+        trace = capture(model_fn, batch_fn, n, loss_fn, optimizer=optimizer, steps=steps, target=target, dtype=dtype,
+                        name=label)  # fmt: skip
+        return distributed.rank_trace(trace, ranks) if ranks is not None else trace
 
     traces = _Traces(capture_at, say)
     notes: list[str] = []
@@ -331,6 +341,8 @@ def plan(
                   captures=sorted(traces.captured), notes=notes, strategies=compared, batch=batch)  # fmt: skip
     if policies and result.fits_nothing:
         result.min_budget, result.min_budget_policy = _smallest_budget(ev, policies, say)
+    if ranks is not None:
+        result = distributed.with_collectives(result, traces.at, ranks, dev)
     result.seconds = time.perf_counter() - t0
     say(f"done in {result.seconds:.1f} s")
     return result

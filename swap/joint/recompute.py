@@ -66,6 +66,10 @@ BATCH_NORM_FLOPS = 10  # per element: the statistics' pass and the normalisation
 # bottleneck then saves 2.5 units instead of 3).
 # The rerun writes scratch running statistics of the same dtype and shape (the module's were updated once, in
 # the forward), so the kernel is chosen as in the forward (cuDNN or native) and the buffers are untouched.
+# Training mode never reads them into its output (it normalises with the batch's statistics; the running ones
+# are only updated), so the scratch is left uninitialised: a rebuild runs no kernel besides its own. It is
+# still made per rebuild and dropped after it, as before: scratch kept across rebuilds would be device memory
+# that lives outside any step, which the budget's byte-exact floors (min_budget) do not count.
 # Eligible: the output of a training-mode batch norm node (NativeBatchNorm, CudnnBatchNorm,
 # BatchNormWithUpdate), or of a ReLU applied to one, in place or not. The bias is not saved by the node
 # (the backward does not need it); it is read from its AccumulateGrad node, so a frozen bias (no such node)
@@ -107,7 +111,7 @@ def _batch_norm_rule(node: Any) -> Optional[Rule]:
                 raise RuntimeError(f"a batch norm's {name} was changed in place between the forward and the backward, "
                                    "so its output cannot be rebuilt: turn rebuilds off (SwapManager(recompute=False)) "
                                    "or update parameters after the backward")  # fmt: skip
-        rm, rv = (None if s is None else torch.zeros(s[0], dtype=s[1], device=s[2]) for s in stats)
+        rm, rv = (None if s is None else torch.empty(s[0], dtype=s[1], device=s[2]) for s in stats)  # never read
         return run(x, weight, bias, rm, rv, eps)
 
     return rule

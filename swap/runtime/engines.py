@@ -16,13 +16,24 @@ instead: the caller keeps both operands alive until it has waited for the copy's
 reuse of the memory is then ordered after the copy on the compute stream, the block's allocation stream,
 which is all the allocator needs (the executor keeps to this: swap.runtime.transfers' ``release``,
 ``ensure_resident``, ``process_dying``; ``drain`` before anything is dropped at exit).
+
+Note [Device-side waits]
+Dropping a copy's device operand needs no host wait: ``wait_compute`` makes the compute stream wait for the
+copy's event (``Stream.wait_event``, queued on the device, returning at once), so whatever reuses the memory
+later on that stream, or on another stream after the allocator's own fence, runs after the copy. Only the host
+touching the memory itself (reading a host block on the CPU, unpinning it) needs ``wait_host``
+(``cudaEventSynchronize``); the executor's steps never do, so the CPU keeps running ahead of the GPU.
+``host_waits`` counts the waits that found a copy still running (the host really waited): 0 on the hot path.
+A copy's ``after`` ticket orders it after another copy on the device (the copy stream waits on that copy's
+event): a host block is written only after the last copy that read it is done, whichever streams they ran
+on (Note [Host block fences] in swap/runtime/transfers.py).
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -59,10 +70,13 @@ class HostEngine:
         self._d2h = ThreadPoolExecutor(1, thread_name_prefix="swap-d2h")
         self._h2d = ThreadPoolExecutor(1, thread_name_prefix="swap-h2d")
         self.d2h_bw, self.h2d_bw = _Bandwidth(), _Bandwidth()
+        self.host_waits = 0  # wait_host calls that blocked (Note [Device-side waits])
 
-    def _copy(self, pool: ThreadPoolExecutor, bw: _Bandwidth, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+    def _copy(self, pool: ThreadPoolExecutor, bw: _Bandwidth, dst: torch.Tensor, src: torch.Tensor,
+              after: Optional[Ticket]) -> Ticket:  # fmt: skip
         nbytes = src.numel() * src.element_size()
         if nbytes <= self.inline_bytes:
+            self._wait(after)  # the other direction's worker may still use the block
             t0 = time.perf_counter()
             with torch._C._DisableTorchDispatch():  # like the workers' copies, unseen by a meter on this thread
                 dst.copy_(src)
@@ -77,6 +91,7 @@ class HostEngine:
             # would depend on thread timing).
             d, s = operands
             operands.clear()
+            self._wait(after)  # a copy only ever follows one issued before it: the workers cannot deadlock
             t0 = time.perf_counter()
             d.copy_(s)
             del d, s
@@ -84,18 +99,20 @@ class HostEngine:
 
         return Ticket(pool.submit(run), nbytes)
 
-    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
-        return self._copy(self._d2h, self.d2h_bw, dst, src)
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Optional[Ticket] = None) -> Ticket:
+        """Copies ``src`` (device) into ``dst`` (host) once ``after``'s copy is done."""
+        return self._copy(self._d2h, self.d2h_bw, dst, src, after)
 
-    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
-        return self._copy(self._h2d, self.h2d_bw, dst, src)
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Optional[Ticket] = None) -> Ticket:
+        """Copies ``src`` (host) into ``dst`` (device) once ``after``'s copy is done."""
+        return self._copy(self._h2d, self.h2d_bw, dst, src, after)
 
     def done(self, ticket: Ticket) -> bool:
         return ticket.handle is None or ticket.handle.done()
 
-    def wait_host(self, ticket: Ticket) -> float:
-        """Blocks until the copy is done; returns the seconds waited."""
-        f: Future = ticket.handle
+    @staticmethod
+    def _wait(ticket: Optional[Ticket]) -> float:
+        f: Optional[Future] = None if ticket is None else ticket.handle
         if f is None:
             return 0.0
         if f.done():
@@ -105,8 +122,15 @@ class HostEngine:
         f.result()
         return time.perf_counter() - t0
 
+    def wait_host(self, ticket: Ticket) -> float:
+        """Blocks until the copy is done; returns the seconds waited."""
+        seconds = self._wait(ticket)
+        self.host_waits += seconds > 0
+        return seconds
+
     def wait_compute(self, ticket: Ticket) -> float:
-        return self.wait_host(ticket)
+        """The compute "stream" is this thread: it waits for the copy; returns the seconds waited."""
+        return self._wait(ticket)
 
     def measure(self) -> None:
         """Bandwidths are recorded as each copy finishes; nothing to fold in."""
@@ -130,13 +154,17 @@ class CudaEngine:
         self.h2d_stream = torch.cuda.Stream(device)
         self.d2h_bw, self.h2d_bw = _Bandwidth(), _Bandwidth()
         self._timed: list[tuple[_Bandwidth, int, torch.cuda.Event, torch.cuda.Event]] = []
+        self.host_waits = 0  # wait_host calls that blocked (Note [Device-side waits])
 
-    def _copy(self, stream: torch.cuda.Stream, bw: _Bandwidth, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+    def _copy(self, stream: torch.cuda.Stream, bw: _Bandwidth, dst: torch.Tensor, src: torch.Tensor,
+              after: Optional[Ticket]) -> Ticket:  # fmt: skip
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             stream.wait_event(ready)  # the data (or, for H2D, the reused device memory) is ready
+            if after is not None:
+                stream.wait_event(after.handle)  # Note [Device-side waits]: the host block's previous copy
             start.record(stream)
             dst.copy_(src, non_blocking=True)
             done.record(stream)
@@ -146,18 +174,22 @@ class CudaEngine:
         self._timed.append((bw, nbytes, start, done))
         return Ticket(done, nbytes)
 
-    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
-        return self._copy(self.d2h_stream, self.d2h_bw, dst, src)
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Optional[Ticket] = None) -> Ticket:
+        """Copies ``src`` (device) into ``dst`` (host) on the D2H stream, after ``after``'s copy."""
+        return self._copy(self.d2h_stream, self.d2h_bw, dst, src, after)
 
-    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
-        return self._copy(self.h2d_stream, self.h2d_bw, dst, src)
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Optional[Ticket] = None) -> Ticket:
+        """Copies ``src`` (host) into ``dst`` (device) on the H2D stream, after ``after``'s copy."""
+        return self._copy(self.h2d_stream, self.h2d_bw, dst, src, after)
 
     def done(self, ticket: Ticket) -> bool:
         return ticket.handle.query()
 
     def wait_host(self, ticket: Ticket) -> float:
+        """The host blocks until the copy is done (``cudaEventSynchronize``); returns the seconds waited."""
         if ticket.handle.query():
             return 0.0
+        self.host_waits += 1
         t0 = time.perf_counter()
         ticket.handle.synchronize()
         return time.perf_counter() - t0

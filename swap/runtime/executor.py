@@ -391,6 +391,7 @@ class Executor:
         if self.iteration > 0 and self.step > 0:
             self._close_step(peak, tail=True)
         self._release_leftovers()
+        self.transfers.new_iteration()
         life = self.lifecycle
         old_vars, rec, ended = self.vars, self.recorder, life.mode
         steps = self.step

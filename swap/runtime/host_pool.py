@@ -8,17 +8,18 @@ Note [Exact-size pinned blocks]
 torch's pinned-memory allocator (``pin_memory=True``) rounds every request up to a power of two (users
 measure 1.8-1.9x the host RAM they asked for) and keeps freed blocks cached for the life of the process. The
 pool instead owns its blocks as plain numpy allocations of exactly the block size and, on CUDA runs,
-page-locks each one with the driver (``cuMemHostRegister`` through cuda-python's ``cuda.bindings.driver``,
-portable to every context), so the pinned bytes are the blocks' bytes and ``close()`` unpins every one
-(``cuMemHostUnregister``). Tensors are numpy views, so a view that outlives ``close()`` keeps valid (then
-unpinned) memory, never a dangling pointer. Without CUDA the same path runs with no registration.
+page-locks each one (``cudaHostRegister`` through the CUDA runtime torch itself links, ``torch.cuda.cudart()``,
+portable to every context: no package beyond torch), so the pinned bytes are the blocks' bytes and ``close()``
+unpins every one (``cudaHostUnregister``). Tensors are numpy views, so a view that outlives ``close()``
+keeps valid (then unpinned) memory, never a dangling pointer. Without CUDA the same path runs with no
+registration.
 
 Note [Pageable fallback]
-Pinning can fail where swapping still works: cuda-python missing, a sandbox that refuses page-locking
-(``cuMemHostRegister`` returns CUDA_ERROR_NOT_PERMITTED / NOT_SUPPORTED), or a locked-memory limit reached
-mid-run. The pool then warns once (``PinningUnavailable``, naming the cause) and keeps going with pageable
-blocks: copies between the device and pageable memory are staged by the driver, synchronous for the host
-and slower, so swapping overlaps less with compute, but results are unchanged. Blocks pinned before the
+Pinning can fail where swapping still works: a sandbox that refuses page-locking (``cudaHostRegister``
+returns cudaErrorNotPermitted / NotSupported), or a locked-memory limit reached mid-run. The pool then
+warns once (``PinningUnavailable``, naming the cause) and keeps going with pageable blocks: copies between
+the device and pageable memory are staged by the driver, synchronous for the host and slower, so swapping
+overlaps less with compute, but results are unchanged. Blocks pinned before the
 failure stay pinned and are unpinned at ``close()``.
 
 Note [Host pool on CPU runs]
@@ -51,45 +52,32 @@ class PinningUnavailable(UserWarning):
 
 
 class Pinner(Protocol):
-    """Page-locks host ranges for asynchronous copies (``CudaHostRegistrar``; tests pass a fake)."""
+    """Page-locks host ranges for asynchronous copies (``TorchHostRegistrar``; tests pass a fake)."""
 
     def pin(self, addr: int, nbytes: int) -> None: ...
 
     def unpin(self, addr: int) -> None: ...
 
 
-def _check(result: Any, what: str) -> Any:
-    err, *rest = result if isinstance(result, tuple) else (result,)
-    if int(err) != 0:
-        from cuda.bindings import driver
+class TorchHostRegistrar:
+    """Pins host memory with the CUDA runtime torch links (``torch.cuda.cudart()``), for every context
+    (``cudaHostRegisterPortable``), as torch's own pinning helpers do."""
 
-        _, name = driver.cuGetErrorName(err)
-        raise RuntimeError(f"swap host pool: {what} failed: {name.decode() if name else int(err)}")
-    return rest[0] if len(rest) == 1 else rest
+    PORTABLE = 1  # cudaHostRegisterPortable
 
+    def __init__(self) -> None:
+        torch.cuda.init()  # raises, saying why, where CUDA is unavailable
+        self.cudart = torch.cuda.cudart()
 
-class CudaHostRegistrar:
-    """Pins host memory with the CUDA driver (cuda-python), for every context (``CU_MEMHOSTREGISTER_PORTABLE``)."""
-
-    def __init__(self, device: Optional[torch.device] = None) -> None:
-        from cuda.bindings import driver
-
-        self.driver = driver
-        index = torch.cuda.current_device() if device is None or device.index is None else device.index
-        torch.cuda.init()
-        _check(driver.cuInit(0), "cuInit")
-        ctx = _check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        if int(ctx) == 0:  # this thread has no context yet: use the device's primary context, as torch does
-            dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
-            _check(driver.cuCtxSetCurrent(_check(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")),
-                   "cuCtxSetCurrent")  # fmt: skip
+    def _check(self, err: Any, what: str) -> None:
+        if int(err) != 0:
+            raise RuntimeError(f"swap host pool: {what} failed: {self.cudart.cudaGetErrorString(err)} ({int(err)})")
 
     def pin(self, addr: int, nbytes: int) -> None:
-        d = self.driver
-        _check(d.cuMemHostRegister(addr, nbytes, d.CU_MEMHOSTREGISTER_PORTABLE), f"cuMemHostRegister({nbytes} bytes)")
+        self._check(self.cudart.cudaHostRegister(addr, nbytes, self.PORTABLE), f"cudaHostRegister({nbytes} bytes)")
 
     def unpin(self, addr: int) -> None:
-        _check(self.driver.cuMemHostUnregister(addr), "cuMemHostUnregister")
+        self._check(self.cudart.cudaHostUnregister(addr), "cudaHostUnregister")
 
 
 @dataclass
@@ -101,11 +89,13 @@ class HostBlock:
     size: int  # aligned size taken from the block
     nbytes: int
     view: torch.Tensor
+    fence: Any = None  # the last copy that read or wrote it, for its user to order the next one after
 
 
 class HostPool:
     """Host memory for swapped variables. ``pinned``: page-lock the blocks (CUDA runs), with ``pinner`` or,
-    by default, the CUDA driver (see Note [Exact-size pinned blocks])."""
+    by default, the CUDA runtime torch links (see Note [Exact-size pinned blocks]). ``device`` is accepted for
+    callers that name one: registration is portable to every device."""
 
     def __init__(self, pinned: bool, limit: Optional[int] = None, block_size: int = 256 << 20,
                  pinner: Optional[Pinner] = None, device: Optional[torch.device] = None) -> None:  # fmt: skip
@@ -130,7 +120,7 @@ class HostPool:
     def _pin(self, block: np.ndarray) -> None:
         try:
             if self._pinner is None:
-                self._pinner = CudaHostRegistrar(self._device)
+                self._pinner = TorchHostRegistrar()
             self._pinner.pin(block.ctypes.data, block.size)
         except Exception as e:  # noqa: BLE001 - any cause: pinning is an optimisation (Note [Pageable fallback])
             self.pinned = False  # no further attempts, so one warning

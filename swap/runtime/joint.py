@@ -33,6 +33,7 @@ from ..schedule.sequence import USE, Sequence
 from .executor import Executor
 from .hooks import SavedTensorHooks
 from .op_profiler import OpProfiler, remove_mode
+from .ranks import Ranks, agree
 from .regions import Regions
 from .tracer import Packed
 
@@ -115,20 +116,36 @@ class JointRuntime:
         ev = Evaluator(seq, table, budget, DEFAULT_LINK, DEFAULT_LINK)
         return checkpoint_window(ev).feasible or checkpoint(ev).feasible
 
-    def decide(self, seq: Sequence, h2d: float, d2h: float) -> JointDecision:
+    def decide(self, seq: Sequence, h2d: float, d2h: float, ranks: Optional[Ranks] = None,
+               declines: bool = False) -> JointDecision:  # fmt: skip
         """Chooses the plan (once), for the manager to apply: a plan that changes what the model saves comes
-        with iterations to profile again; else the swaps are scheduled on ``seq`` with ``swap_policy``."""
+        with iterations to profile again; else the swaps are scheduled on ``seq`` with ``swap_policy``.
+
+        With ``ranks``, the ranks of a process group choose together (Note [Ranks agree on a plan]): every rank
+        calls this at its last profiling iteration, ``declines`` when it would not swap alone (it proposes
+        nothing, and takes the agreed plan only if that plan recomputes)."""
         open_paths = self.profiler.open_paths if self.profiler is not None else set()
         self.profiling_done()
         self.decided = True
         table = self.table
-        if table is None or not table.ops:
-            return JointDecision("policy 'auto': no operator was profiled in the forward; swapping only")
-        if self.device.type == "cuda":
-            first_use = next((i for i, k in enumerate(seq.kind) if k == USE), len(seq))
-            table = self.table = calibrated(table, sum(seq.compute[:first_use]))
-        ev = Evaluator(seq, table, self.budget, h2d, d2h)
-        self.result = result = self.choose(ev)
+        ev = None
+        if table is not None and table.ops:
+            if self.device.type == "cuda":
+                first_use = next((i for i, k in enumerate(seq.kind) if k == USE), len(seq))
+                table = self.table = calibrated(table, sum(seq.compute[:first_use]))
+            ev = Evaluator(seq, table, self.budget, h2d, d2h)
+        if ranks is None:
+            if ev is None:
+                return JointDecision("policy 'auto': no operator was profiled in the forward; swapping only")
+            self.result = self.choose(ev)
+        else:
+            mine = self.choose(ev) if ev is not None and not declines else None
+            proposal = mine.best.strategy if mine is not None and mine.best.feasible else None
+            self.result = agree(ranks, ev, proposal)
+            if self.result is None:
+                why = "no rank proposed a plan" if declines or proposal is None else "no plan fits every rank"
+                return JointDecision(f"policy 'auto' over {ranks.size} ranks: {why}; swapping only")
+        result = self.result
         best = result.best
         if not best.feasible:
             return JointDecision(f"policy 'auto': no recompute plan fits the budget ({best.name}: {best.why}); "
@@ -137,8 +154,9 @@ class JointRuntime:
         if not p.regions and not p.rebuild:
             return JointDecision()
         modules = {r.path: self.profiler.module(r.path) for r in p.regions}
+        together = f" (agreed by {ranks.size} ranks)" if ranks is not None else ""
         note = (f"policy 'auto': {p.describe()}, swap policy {self.swap_policy!r} (simulated {best.step_time:.4g} s "
-                f"per step; {result.evaluations} plans judged); profiling again")  # fmt: skip
+                f"per step; {result.evaluations} plans judged){together}; profiling again")  # fmt: skip
         return JointDecision(note, p, modules, 2 if open_paths & set(p.paths) else 1)
 
     @property

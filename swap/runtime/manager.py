@@ -41,6 +41,7 @@ from .memory import DeviceMemory, vmalloc_arena
 from .model_state.runtime import ModelStateRuntime, check_model_state
 from .model_state.streaming import ParamPacked
 from .notices import Notices
+from .ranks import Ranks
 from .recompute import RecomputeHooks
 from .report import SwapReport
 from .resources import default_budget, open_resources, refuse_budget_above_memory
@@ -88,6 +89,9 @@ class SwapManager:
             the forward pass reads them).
         host_memory: host bytes the offloaded model state may take; None: what the kernel reports available.
             The manager refuses at construction (``HostMemoryError``) if the state would not fit.
+        group: under DDP or FSDP2, the process group whose ranks choose ``strategy="auto"``'s plan together
+            (Note [Ranks agree on a plan] in swap.runtime.ranks): None, the default group when torch.distributed
+            is initialised with more than one rank; False, each rank plans alone. Each rank keeps its own budget.
 
     Raises ``InfeasibleBudget`` (at the first saved tensor of the iteration after the one that showed it)
     when no schedule can keep the budget; warns once with ``BudgetWarning`` per cause when it cannot help
@@ -115,6 +119,7 @@ class SwapManager:
         model_state: str = "auto",
         bucket_bytes: Size = "32MiB",
         host_memory: Size = None,
+        group: Any = None,
     ) -> None:
         policy = self.policy = check_strategy(strategy, policy)  # "auto" or a policy
         self.device = check_device(device)
@@ -141,6 +146,7 @@ class SwapManager:
         self._active = False
         self._joint: Optional[JointRuntime] = JointRuntime(self.device, self.budget) if policy == "auto" else None
         self._final: Optional[dict[str, Any]] = None
+        self._group = group
         self.model_state: Optional[ModelStateRuntime] = None
         if check_model_state(model, optimizer, model_state) in ("auto", "offload"):
             if policy == "none":
@@ -189,7 +195,7 @@ class SwapManager:
         self.memory, engine, pool = open_resources(self.device, self.arena, self.host_pool_limit)
         s = self._scheduling = Scheduling(
             self.budget, self.window, self.policy, self.swapout_threshold, self.swapin_ahead, engine, self.hooks,
-            self._notices, self._joint,
+            self._notices, self._joint, Ranks.of(self._group) if self._joint is not None else None,
         )  # fmt: skip
         self.executor = Executor(self.device, engine, pool, self.memory, s.profiled, self.budget,
                                  replanner=s.schedule, warn=self._notices.warn, unmanaged=s.unmanaged)  # fmt: skip

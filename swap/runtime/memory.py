@@ -88,20 +88,51 @@ class MeterMemory(DeviceMemory):
 
 
 class TorchCudaMemory(DeviceMemory):
+    """torch's caching allocator counts the device's memory: window peaks from its statistics, never resetting
+    the user's peak (Note [Window peaks without resetting torch's peak])."""
+
     name = "torch.cuda.max_memory_allocated"
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device = device
-        torch.cuda.reset_peak_memory_stats(device)
+        self._current, self._peak, self._allocated, self._allocations = self._read()
+
+    def _read(self) -> tuple[int, int, int, int]:
+        s = torch.cuda.memory_stats(self.device)
+        return (s.get("allocated_bytes.all.current", 0), s.get("allocated_bytes.all.peak", 0),
+                s.get("allocated_bytes.all.allocated", 0), s.get("allocation.all.allocated", 0))  # fmt: skip
 
     def _window_peak(self) -> int:
-        p = torch.cuda.max_memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        return p
+        current, peak, allocated, allocations = self._read()
+        if peak > self._peak:
+            p = peak  # a new high: it was reached in this window
+        elif allocations == self._allocations:
+            p = max(self._current, current)  # nothing allocated: the start was the highest
+        else:
+            p = self._current + allocated - self._allocated  # every allocation, none of the frees between them
+            if peak == self._peak:  # torch's peak was not reset in between (by the user): it bounds the window
+                p = min(p, peak)
+        self._current, self._peak, self._allocated, self._allocations = current, peak, allocated, allocations
+        return max(p, current)
 
     def current(self) -> int:
         return torch.cuda.memory_allocated(self.device)
+
+
+# Note [Window peaks without resetting torch's peak]
+# torch's allocator keeps one peak per statistic, and ``reset_peak_memory_stats`` is the only way to start a
+# new one: resetting it at every step (to learn each step's peak) would clobber the user's own
+# ``torch.cuda.max_memory_allocated()``, which then reads one step's peak instead of the run's. So the peak is
+# never reset; a window's peak is read from how the statistics moved across it:
+# - torch's peak rose: the window reached the new peak (exact);
+# - nothing was allocated: the window started at its highest (exact);
+# - otherwise the memory at the start plus every byte allocated in the window, as if none of the window's frees
+#   came before its last allocation. That is exact for one operator that allocates its output and workspace
+#   and then frees the workspace, and otherwise an upper bound (a window of many operators, each freeing what
+#   the one before allocated), never above torch's peak. An upper bound makes a plan hold more room than it
+#   needs, never less.
+# vmalloc's arena has its own counters (ArenaMemory), exact in every window.
 
 
 class ArenaMemory(DeviceMemory):

@@ -11,17 +11,24 @@ The meter counts storages an operator *returns*; memory an operator allocates an
 peak of live tensor bytes *between* operators, a lower bound on the allocator's peak. On a GPU the swap
 runtime reads the allocator's own peak instead, which is the truth.
 
-Note [Storages resized in place]
-Model state streamed through the device keeps each parameter's storage object and resizes it: to zero bytes
-when its weights are dropped, back to full size when they are fetched (the storage-resize trick, so the
-parameter keeps its shape and every view of it). The resize is issued as ``torch.ops.inductor.
-resize_storage_bytes_``, an operator the meter sees: a counted storage's bytes change by the difference, and a
-storage seen first at zero bytes is counted from its first resize up.
-
 Note [Meter and torch.compile]
 ``ignore_compile_internals`` is True: torch.compile does not fall back to eager because of the meter
 (it would, for any other dispatch mode, silently); the meter is off while compiling and on while the
 compiled code runs, so compiled graphs' outputs and buffers are counted like eager ones.
+
+Note [Wrapper subclasses]
+A wrapper tensor subclass (DTensor: FSDP2's parameters, gradients and optimizer state) owns no memory: its
+storage is a stand-in of the *global* size, and its data lives in inner tensors (a DTensor's local shard). The
+subclass runs its operators on those inner tensors from inside the meter's own dispatch, where the meter is
+off. So for a subclass output the meter counts its inner tensors (``__tensor_flatten__``), never the wrapper.
+
+Note [Storages that resize]
+FSDP2 frees an all-gathered (unsharded) parameter by ``untyped_storage().resize_(0)`` and allocates it again
+with ``resize_(nbytes)``: the storage object lives on, so counting it until it dies would hold every block's
+unsharded parameters for the whole run. ``resize_`` is a storage method that no dispatch mode sees, so while a
+meter is active ``torch.UntypedStorage.resize_`` is wrapped (once, however many meters are active; restored
+when the last one exits) to tell every active meter the storage's new size: a counted storage's bytes follow
+it, and one not counted yet is counted when it grows.
 """
 
 from __future__ import annotations
@@ -34,14 +41,43 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 try:  # fake tensors are the compiler's, never memory on a device
     from torch._subclasses.fake_tensor import FakeTensor
 except ImportError:  # pragma: no cover - every supported torch has it
     FakeTensor = ()  # type: ignore[assignment,misc]
 
-RESIZE = torch.ops.inductor.resize_storage_bytes_.default  # Note [Storages resized in place]
+
+_resize_lock = threading.Lock()
+_resizing: list[LiveBytesMeter] = []  # active meters (Note [Storages that resize])
+_plain_resize: Any = None  # torch's own ``UntypedStorage.resize_`` while it is wrapped
+
+
+def _tracked_resize(storage: Any, size: int) -> Any:
+    out = _plain_resize(storage, size)
+    for meter in list(_resizing):
+        meter.resized(storage)
+    return out
+
+
+def _watch_resizes(meter: LiveBytesMeter) -> None:
+    global _plain_resize
+    with _resize_lock:
+        if not _resizing:
+            _plain_resize = torch.UntypedStorage.resize_
+            torch.UntypedStorage.resize_ = _tracked_resize
+        _resizing.append(meter)
+
+
+def _unwatch_resizes(meter: LiveBytesMeter) -> None:
+    global _plain_resize
+    with _resize_lock:
+        if meter in _resizing:
+            _resizing.remove(meter)
+            if not _resizing:
+                torch.UntypedStorage.resize_ = _plain_resize
+                _plain_resize = None
 
 
 class LiveBytesMeter(TorchDispatchMode):
@@ -83,6 +119,12 @@ class LiveBytesMeter(TorchDispatchMode):
             return
         if t.layout != torch.strided or t.is_meta or isinstance(t, FakeTensor):
             return
+        if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):  # Note [Wrapper subclasses]
+            for name in t.__tensor_flatten__()[0]:
+                inner = getattr(t, name)
+                if isinstance(inner, torch.Tensor):  # DTensor also lists its device mesh
+                    self._add(inner)
+            return
         st = t.untyped_storage()
         key = id(st)
         ref = self._seen.get(key)
@@ -93,24 +135,11 @@ class LiveBytesMeter(TorchDispatchMode):
             ref = weakref.ref(st, self._died)
             self._seen[key] = ref
             self._sizes[ref] = (key, nbytes)
-            self.live += nbytes
-            self._raise_peaks()
+            self._grew(nbytes)
 
-    def _resized(self, t: Any) -> None:
-        """``t``'s storage was resized in place (Note [Storages resized in place]): count its new size."""
-        st = t.untyped_storage()
-        ref = self._seen.get(id(st))
-        if ref is None or ref() is not st:
-            self._add(t)
-            return
-        with self._lock:
-            key, old = self._sizes[ref]
-            self._sizes[ref] = (key, st.nbytes())
-            self.live += st.nbytes() - old
-            self._raise_peaks()
-
-    def _raise_peaks(self) -> None:
-        live = self.live
+    def _grew(self, nbytes: int) -> None:
+        """``live`` grows by ``nbytes`` (negative: shrinks); the peaks follow (under ``_lock``)."""
+        live = self.live = self.live + nbytes
         if live > self.window_peak:
             self.window_peak = live
             if live > self.peak:
@@ -119,6 +148,44 @@ class LiveBytesMeter(TorchDispatchMode):
             self.shadow_window_peak = live + self.shadow
         if live + self.held > self.held_window_peak:
             self.held_window_peak = live + self.held
+
+    def resized(self, st: Any) -> None:
+        """``st`` (an untyped storage) was resized in place (Note [Wrapper subclasses]
+A wrapper tensor subclass (DTensor: FSDP2's parameters, gradients and optimizer state) owns no memory: its
+storage is a stand-in of the *global* size, and its data lives in inner tensors (a DTensor's local shard). The
+subclass runs its operators on those inner tensors from inside the meter's own dispatch, where the meter is
+off. So for a subclass output the meter counts its inner tensors (``__tensor_flatten__``), never the wrapper.
+
+Note [Storages that resize])."""
+        dev = st.device
+        if dev.type != self._type or (self._index is not None and dev != self.device):
+            return
+        key = id(st)
+        with self._lock:
+            ref = self._seen.get(key)
+            if ref is None or ref() is not st:
+                if st.nbytes() == 0:
+                    return
+                ref = weakref.ref(st, self._died)
+                self._seen[key] = ref
+                self._sizes[ref] = (key, 0)
+            nbytes = st.nbytes()
+            self._grew(nbytes - self._sizes[ref][1])
+            self._sizes[ref] = (key, nbytes)
+
+    def __enter__(self) -> LiveBytesMeter:
+        _watch_resizes(self)
+        try:
+            return super().__enter__()
+        except BaseException:
+            _unwatch_resizes(self)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            _unwatch_resizes(self)
 
     def _died(self, ref: weakref.ref) -> None:
         with self._lock:
@@ -187,9 +254,6 @@ class LiveBytesMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         out = func(*args, **kwargs) if kwargs else func(*args)
-        if func is RESIZE:
-            self._resized(args[0])
-            return out
         if isinstance(out, torch.Tensor):
             self._add(out)
         elif isinstance(out, (tuple, list)):

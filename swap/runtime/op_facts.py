@@ -16,6 +16,12 @@ one must not change what the others compute, so a module is not checkpointed at 
 operator writes in place (its output is its input: handing it back would skip the write) or draws from the
 default generator (the draws after it would shift).
 
+A module that holds another module sharded by FSDP2 (``fully_shard`` on a submodule) is not checkpointed
+either: its rerun would run that submodule's FSDP2 hooks again, whose state machine (all-gather, reshard,
+pre-backward hooks on the rerun's outputs) expects one forward per backward. A module sharded by FSDP2
+itself may be checkpointed: its hooks sit outside the forward the checkpoint reruns, and FSDP2's
+pre-backward hook has all-gathered its parameters before any of its saved tensors is unpacked.
+
 Writes are a separate matter: a rerun operator that writes a tensor from outside the rerun (BatchNorm's
 running statistics, a counter buffer) writes a scratch copy of it instead (Note [Scratch copies] in
 swap.runtime.regions), and an operator that writes one of the region's inputs makes the module impossible to
@@ -119,6 +125,20 @@ def blocker(func: Any, args: tuple, kwargs: dict, device: torch.device) -> str:
 
 PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, torch.layout,
          torch.memory_format)  # fmt: skip
+
+
+def sharded_inside(module: torch.nn.Module) -> str:
+    """Why ``module`` cannot be checkpointed because FSDP2 shards a module inside it on its own (Note [Operators
+    that cannot be rerun]); "" if none does."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return ""
+    inner = next((name for name, m in module.named_modules() if name and isinstance(m, FSDPModule)), None)
+    if inner is None:
+        return ""
+    return (f"it holds {inner}, sharded by FSDP2 on its own: a rerun would run that module's FSDP2 hooks (its "
+            "all-gather) a second time")  # fmt: skip
 
 
 def stateful_argument(leaves: list) -> str:

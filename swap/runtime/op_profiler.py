@@ -41,6 +41,7 @@ from .op_facts import (
     blocker,
     draws_default_rng,
     element_flops,
+    sharded_inside,
     stateful_argument,
     tensors_of,
     written_args,  # fmt: skip
@@ -100,6 +101,7 @@ class OpProfiler(TorchDispatchMode):
         self.paths = ModulePaths()
         self.table: Optional[OpTable] = None  # the last finished iteration's
         self.modules: dict[str, torch.nn.Module] = {}  # candidate path -> module (weakly: see _hook)
+        self._sharded: dict[str, str] = {}  # candidate path -> why FSDP2 sharding inside it blocks it ("" if not)
         self.roots: list[weakref.ref] = []
         self._sids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._next_sid = 0
@@ -181,6 +183,7 @@ class OpProfiler(TorchDispatchMode):
             if name and is_index(name.rsplit(".", 1)[-1]) and prefix + name not in self.modules:
                 path = prefix + name
                 self.modules[path] = m
+                self._sharded[path] = sharded_inside(m)
                 # Note [Hooks and torch.compile] (swap.runtime.signals): dynamo must run the hooks, not trace them.
                 pre, post = torch._dynamo.disable(self._pre(path)), torch._dynamo.disable(self._post(path))
                 self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
@@ -193,7 +196,7 @@ class OpProfiler(TorchDispatchMode):
             leaves, _ = tree_flatten((args, kwargs))
             inputs = [(self._sid(t), t.untyped_storage().nbytes()) for t in leaves
                       if isinstance(t, torch.Tensor) and self.hooks.manages(t)]  # fmt: skip
-            why = stateful_argument(leaves)
+            why = stateful_argument(leaves) or self._sharded.get(path, "")
             if not why and not torch.is_grad_enabled():
                 why = "it ran with gradients off"
             elif not why and not innermost_hooks_are(self.hooks.pair):

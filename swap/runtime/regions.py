@@ -24,6 +24,13 @@ therefore gives such an operator a copy of every tensor it writes that the rerun
 drops the copy afterwards; writes to tensors the rerun made (``relu_`` on a fresh output) go ahead as usual.
 An operator writing one of the region's inputs makes the module ineligible instead (swap.runtime.op_profiler).
 
+Note [Rerun timing]
+Each rerun is timed between two timer marks (CUDA events on a GPU). A region reruns every iteration, so marks
+kept until the report would pile up (two events per region per iteration, for the life of the manager) and
+the report would make the host wait for every one. So each rerun's end folds the marks the device has
+already passed into a running sum of seconds (``RegionStats.rerun_done``) and drops them: only reruns still in
+flight keep their marks, and the report waits for those few alone.
+
 Note [Whose checkpoint]
 A module runs under our checkpoint only when our saved-tensor hooks are the innermost ones: inside a user's
 own ``torch.utils.checkpoint`` (or ``save_on_cpu``) it runs as the user wrote it, so their checkpoint keeps
@@ -58,7 +65,8 @@ class RegionStats:
 
     calls: int = 0
     reruns: int = 0
-    rerun_marks: list = field(default_factory=list)  # timer marks, resolved when read
+    rerun_marks: list = field(default_factory=list)  # timer marks of reruns still in flight (Note [Rerun timing])
+    rerun_done: float = 0.0  # seconds of the reruns whose marks were folded in
     forced: dict[str, str] = field(default_factory=dict)  # operator key -> why it cannot be rerun
     scratch: int = 0  # tensors written on scratch copies (Note [Scratch copies])
     skipped: int = 0  # calls run unwrapped (an argument the rerun could change twice)
@@ -126,9 +134,11 @@ class RerunContext(TorchDispatchMode):
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        stats = self.call.owner.stats(self.call.path)
+        owner = self.call.owner
+        stats = owner.stats(self.call.path)
         stats.reruns += 1
-        stats.rerun_marks.append(self.call.owner.timer.stop())
+        stats.rerun_marks.append(owner.timer.stop())
+        owner.fold(stats)
 
     def _note(self, value: Any) -> None:
         for t in tensors_of(value):
@@ -246,7 +256,21 @@ class Regions:
 
         return checkpointed
 
+    def fold(self, stats: RegionStats) -> None:
+        """Folds the marks of finished reruns into ``stats.rerun_done`` and drops them (Note [Rerun timing])."""
+        pending = []
+        for mark in stats.rerun_marks:
+            if self.timer.done(mark):
+                stats.rerun_done += self.timer.resolve(mark)
+            else:
+                pending.append(mark)
+        stats.rerun_marks = pending
+
     def rerun_seconds(self, path: str) -> float:
-        """Seconds spent rerunning ``path`` over the run (CUDA events on a GPU)."""
+        """Seconds spent rerunning ``path`` over the run (CUDA events on a GPU): waits only for the reruns still
+        in flight (Note [Rerun timing])."""
         s = self.stats_of(path)
-        return sum(self.timer.resolve(m) for m in s.rerun_marks) if s else 0.0
+        if s is None:
+            return 0.0
+        self.fold(s)
+        return s.rerun_done + sum(self.timer.resolve(m) for m in s.rerun_marks)

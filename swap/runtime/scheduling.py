@@ -17,6 +17,7 @@ from .hooks import SavedTensorHooks
 from .joint import JointDecision, JointRuntime
 from .lifecycle import Profiled, Reprofile
 from .notices import Notices
+from .ranks import Ranks, agree
 
 log = logging.getLogger("swap")
 
@@ -26,12 +27,14 @@ DEFAULT_BANDWIDTH = 10e9  # bytes/s, until copies have been measured
 class Scheduling:
     """Plans for ``budget`` with ``policy`` (``window``: bytes, None to choose it; ``swapout_threshold`` and
     ``swapin_ahead`` for "fixed_distance"), at the link rates ``engine`` measured. ``joint`` is the joint
-    runtime of ``strategy="auto"`` (None otherwise); ``hooks`` say what was left alone; ``notices`` take the notes
+    runtime of ``strategy="auto"`` (None otherwise), ``ranks`` the process group whose ranks choose its plan
+    together (None: alone); ``hooks`` say what was left alone; ``notices`` take the notes
     and warnings. ``window_used`` is the window the last schedule was made with."""
 
     def __init__(
         self, budget: int, window: Optional[int], policy: str, swapout_threshold: int, swapin_ahead: int,
         engine: Any, hooks: SavedTensorHooks, notices: Notices, joint: Optional[JointRuntime],
+        ranks: Optional[Ranks] = None,
     ) -> None:  # fmt: skip
         self.budget = budget
         self.window = window
@@ -42,6 +45,7 @@ class Scheduling:
         self.hooks = hooks
         self.notices = notices
         self.joint = joint
+        self.ranks = ranks
         self.window_used = window
 
     def rates(self) -> tuple[float, float]:
@@ -61,6 +65,9 @@ class Scheduling:
         joint = self.joint
         if seq is None:
             if p.final and joint is not None:  # nothing to plan: the operator profiler must not tax every later step
+                if not joint.decided and self.ranks is not None:  # the other ranks decide: join them
+                    agree(self.ranks, None, None)
+                    joint.decided = True
                 joint.profiling_done()
             return None
         undecided = joint is not None and not joint.decided  # recompute may still fit what swapping cannot
@@ -83,19 +90,30 @@ class Scheduling:
         # needed: the peak a run without swapping would reach is measured for the saved-tensor hooks' tensors,
         # not for the ones a checkpoint's frame holds (Note [Applying a joint plan]).
         applied = joint is not None and joint.applied
-        if error is None and need <= self.budget and p.may_decline and not applied:
+        declines = error is None and need <= self.budget and p.may_decline and not applied
+        if undecided and self.ranks is not None:  # every rank decides together (Note [Ranks agree on a plan])
+            decision = joint.decide(seq, *self.rates(), ranks=self.ranks, declines=declines)
+            if decision.plan is None and declines:
+                return self.decline(need)
+            again = self.apply(decision)
+            if again is not None:
+                return again
+        elif declines:
             if joint is not None:
                 joint.profiling_done()
-            self.notices.note(f"the run fits the budget without swapping (peak {fmt_bytes(need)} <= "
-                              f"{fmt_bytes(self.budget)}): not swapping")  # fmt: skip
-            return None
-        if undecided:
+            return self.decline(need)
+        elif undecided:
             again = self.apply(joint.decide(seq, *self.rates()))
             if again is not None:
                 return again
         if error is not None:
             raise error
         return self.schedule(seq, need)
+
+    def decline(self, need: int) -> None:
+        """The run fits the budget without swapping: not swapping (the executor declines on None)."""
+        self.notices.note(f"the run fits the budget without swapping (peak {fmt_bytes(need)} <= "
+                          f"{fmt_bytes(self.budget)}): not swapping")  # fmt: skip
 
     def apply(self, decision: JointDecision) -> Optional[Reprofile]:
         """Applies the joint runtime's decision (Note [Applying a joint plan], step 3): rebuilds on, modules

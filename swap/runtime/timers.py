@@ -20,6 +20,10 @@ class HostStepTimer:
     def resolve(self, mark: Any) -> float:
         return mark
 
+    def done(self, mark: Any) -> bool:
+        """Whether ``resolve(mark)`` can answer without waiting (always, on the host)."""
+        return True
+
 
 class CudaStepTimer:
     """CUDA events on the compute stream: the device time between our hooks, read at iteration end."""
@@ -42,3 +46,7 @@ class CudaStepTimer:
         begin, end = mark
         end.synchronize()
         return begin.elapsed_time(end) / 1e3
+
+    def done(self, mark: Any) -> bool:
+        """Whether the device has passed ``mark``'s end (``resolve`` then makes the host wait for nothing)."""
+        return mark[1].query()

@@ -4,6 +4,25 @@ device copies. The executor holds one ``Transfers`` and says which variable move
 Note [Host block reuse]
 Every iteration saves variables of the same sizes again. A dead variable's host block is kept by size and
 handed to the next variable of that size, so the steady state never searches the host pool's free lists.
+A spare block no variable took during a whole iteration goes back to the pool (``new_iteration``), where
+best fit and coalescing serve any size: with shapes that change between iterations (a padding collator,
+variable image sizes) spare blocks would otherwise pile up by exact size, one iteration's swapped bytes per
+shape ever seen, all page-locked.
+
+Note [Host block fences]
+A host block's ``fence`` is the ticket of the last copy that read or wrote it. Every copy that uses the
+block waits for that ticket on the device (``after``: Note [Device-side waits] in swap/runtime/engines.py)
+and becomes the new fence, so a block reused for another variable is not overwritten while a copy to the
+device still reads it, whatever streams the model runs on. A block goes back to the pool only once its
+fence is done: the pool may hand it to anyone.
+
+Note [Releases without host waits]
+Dropping a device copy whose copy to host (or back) may still run needs only that any later reuse of the
+memory comes after the copy on the compute stream: ``wait_compute``, a device-side wait (Note [Device-side
+waits]). So ``release``, ``process_dying`` and unpacks outside the plan never make the host wait, and
+``stall_seconds`` counts only what the host really waited (on a CPU run, where the compute "stream" is the
+host, that is every wait). A saved tensor changed in place before its release is caught by
+``check_versions``; one changed after it is queued behind the copy by the same wait.
 """
 
 from __future__ import annotations
@@ -14,7 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .clean import CleanVariable
-from .host_pool import HostPool
+from .host_pool import HostBlock, HostPool
 from .lifecycle import Counters
 from .tracer import Variable
 
@@ -38,7 +57,10 @@ class Transfers:
         self.log = log
         self.closed = False
         self._dying: list[Variable] = []  # dead variables whose copies were still in flight
-        self._spare_host: dict[int, list[Any]] = {}  # bytes -> host blocks of dead variables, for reuse
+        # bytes -> host blocks of dead variables, for reuse (Note [Host block reuse]): those that became spare
+        # during this iteration, and those left from the iteration before (back to the pool at the next one).
+        self._spare_host: dict[int, list[HostBlock]] = {}
+        self._stale_host: dict[int, list[HostBlock]] = {}
 
     # -- host blocks ------------------------------------------------------------------------------------
     def _recycle_host(self, var: Variable) -> None:
@@ -53,18 +75,46 @@ class Transfers:
         with self.counts:
             self._spare_host.setdefault(block.nbytes, []).append(block)
 
-    def _host_block(self, nbytes: int) -> Any:
+    def _host_block(self, nbytes: int) -> HostBlock:
         with self.counts:
-            spare = self._spare_host.get(nbytes)
-            if spare:
-                return spare.pop()
+            for spare in (self._spare_host, self._stale_host):
+                blocks = spare.get(nbytes)
+                if blocks:
+                    return blocks.pop()
         return self.pool.alloc(nbytes)
+
+    @property
+    def spare_host_bytes(self) -> int:
+        """Bytes of host blocks kept for reuse by size (Note [Host block reuse])."""
+        with self.counts:
+            return sum(b.size for spare in (self._spare_host, self._stale_host) for bs in spare.values() for b in bs)
+
+    def new_iteration(self) -> None:
+        """An iteration begins: spare blocks no variable took during the last one go back to the pool (Note
+        [Host block reuse]), each once no copy uses it any more (Note [Host block fences])."""
+        with self.counts:
+            stale, self._stale_host, self._spare_host = self._stale_host, self._spare_host, {}
+        for blocks in stale.values():
+            for block in blocks:
+                if block.fence is None or self.engine.done(block.fence):
+                    block.fence = None
+                    self.pool.free(block)
+                else:
+                    with self.counts:
+                        self._stale_host.setdefault(block.nbytes, []).append(block)
+
+    def _copy(self, direction: Callable[..., Any], block: HostBlock, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        """A copy to or from ``block``, after the block's last copy (Note [Host block fences])."""
+        ticket = direction(dst, src, after=block.fence)
+        block.fence = ticket
+        return ticket
 
     # -- copies -----------------------------------------------------------------------------------------
     def swap_out(self, var: Variable, i: Optional[int]) -> None:
         if var.host is None and var.dev is not None and var.alive:
-            var.set_host(self._host_block(var.nbytes), self.pool.free)
-            var.d2h = self.engine.d2h(var.host.view, var.dev)
+            block = self._host_block(var.nbytes)
+            var.set_host(block, self.pool.free)
+            var.d2h = self._copy(self.engine.d2h, block, block.view, var.dev)
             self.counters.swapped_out_bytes += var.nbytes
         if i is not None:
             self.log(i, "swap_out", var)
@@ -79,12 +129,13 @@ class Transfers:
             return
         if var.host is None and var.alive:
             self.swap_out(var, None)  # never dropped without a copy while autograd may still ask for it
+        # Note [Releases without host waits]
         if var.d2h is not None:
-            self.counters.stall_seconds += self.engine.wait_host(var.d2h)
+            self.counters.stall_seconds += self.engine.wait_compute(var.d2h)
             var.d2h = None
             var.check_versions()
-        if var.h2d is not None:  # fetched but not used: the copy must finish before the memory goes
-            self.counters.stall_seconds += self.engine.wait_host(var.h2d)
+        if var.h2d is not None:  # fetched but not used: the copy must finish before the memory is reused
+            self.counters.stall_seconds += self.engine.wait_compute(var.h2d)
             var.h2d = None
         var.dev = None
         if i is not None:
@@ -101,11 +152,9 @@ class Transfers:
         if original is not None and var.unchanged():
             var.attach(original)  # still alive elsewhere: a copy would only add memory
         elif var.host is not None:
-            if var.d2h is not None:  # released without a wait (evicted): its copy must be complete
-                self.counters.stall_seconds += self.engine.wait_host(var.d2h)
-                var.d2h = None
+            var.d2h = None  # the copy back follows it on the device (Note [Host block fences])
             flat = self._new_copy(var)
-            var.h2d = self.engine.h2d(flat, var.host.view)
+            var.h2d = self._copy(self.engine.h2d, var.host, flat, var.host.view)
             self.counters.swapped_in_bytes += var.nbytes
         else:
             raise RuntimeError(f"swap: internal error: variable {var.id} has neither a device nor a host copy")
@@ -151,7 +200,7 @@ class Transfers:
             flat, var.dev = var.dev, None  # not held: autograd's view keeps it for the node that asked
             return flat
         if var.d2h is not None and not self.closed:
-            self.engine.wait_host(var.d2h)
+            self.counters.stall_seconds += self.engine.wait_compute(var.d2h)  # the copy below is on this stream
             var.d2h = None
         if var.host is None:
             raise RuntimeError(f"swap: internal error: variable {var.id} has neither a device nor a host copy")
@@ -174,12 +223,13 @@ class Transfers:
             self._recycle_host(var)
 
     def process_dying(self) -> None:
-        """Releases the dead variables whose copies were in flight (waiting for those copies)."""
+        """Releases the dead variables whose copies were in flight: the compute stream waits for those copies
+        (Note [Releases without host waits]); their host blocks keep the copies as fences."""
         while self._dying:
             var = self._dying.pop()
             for ticket in (var.d2h, var.h2d):
                 if ticket is not None and not self.closed:
-                    self.engine.wait_host(ticket)
+                    self.counters.stall_seconds += self.engine.wait_compute(ticket)
             var.d2h = var.h2d = None
             var.dev = None
             self._recycle_host(var)
@@ -187,7 +237,9 @@ class Transfers:
     def close(self) -> None:
         """No more copies: spare host blocks go back to the pool, and later dead variables' blocks too."""
         self.closed = True
-        for blocks in self._spare_host.values():
-            for block in blocks:
-                self.pool.free(block)
-        self._spare_host = {}
+        for spare in (self._spare_host, self._stale_host):
+            for blocks in spare.values():
+                for block in blocks:
+                    block.fence = None  # the engine was drained
+                    self.pool.free(block)
+        self._spare_host, self._stale_host = {}, {}

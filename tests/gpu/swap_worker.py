@@ -163,8 +163,8 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         out["allocator_peak_allocated"] = s["allocated_bytes.all.peak"]
         out["allocator_peak_reserved"] = s["reserved_bytes.all.peak"]
     else:
-        # The manager reads torch's peak per step and resets it (TorchCudaMemory): its maximum is the peak.
-        out["allocator_peak_allocated"] = report["peak_device_bytes"]
+        # The manager never resets torch's peak (TorchCudaMemory): it is the run's peak since the reset above.
+        out["allocator_peak_allocated"] = torch.cuda.max_memory_allocated(0)
         out["allocator_peak_reserved"] = torch.cuda.max_memory_reserved(0)
     # The oracle: device memory the driver reports in use, relative to before the swapped run, plus what the
     # allocator already held then. It counts everything (workspaces, other allocations), so it bounds the

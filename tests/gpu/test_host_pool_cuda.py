@@ -1,5 +1,5 @@
-"""The swap host pool on CUDA: its blocks are page-locked by the driver exactly (cuda-python), unpinned at
-close, and copies from them overlap compute."""
+"""The swap host pool on CUDA: its blocks are page-locked exactly (through torch's CUDA runtime; checked with
+the driver through cuda-python), unpinned at close, and copies from them overlap compute."""
 
 import torch
 

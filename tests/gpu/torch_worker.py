@@ -213,11 +213,16 @@ def cmd_parity() -> dict[str, Any]:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     # Memory goes back in whole blocks (Note [Blocks and slices]): nothing cached, no wholly free block left;
-    # what stays free belongs to blocks that still hold a chunk in use.
+    # what stays free belongs to blocks that still hold a chunk in use. Every chunk still held is in a live
+    # allocation, in a slab that holds a block in use, or free in the pool. Slabs are per stream: the default
+    # stream's holds what torch keeps (e.g. cuBLASLt's workspace), and the refused capture left torch's
+    # generator two 8-byte tensors on the side stream (Note [A refused capture]), a second slab of 2 MiB
+    # holding 1 KiB. A bound of one slab's 2 MiB failed on the H200 for that reason.
     s = vmalloc.stats(0)
     assert s["num_cached_chunks"] == 0 and s["num_releasable_chunks"] == 0, s
-    assert s["reserved_bytes.all.current"] <= s["allocated_bytes.all.current"] + 2 * MiB + (
-        s["num_pool_chunks"] * s["chunk_size"])  # fmt: skip
+    assert s["reserved_bytes.all.current"] <= s["allocated_bytes.all.current"] + s["slab_bytes.all.current"] + (
+        s["num_pool_chunks"] * s["chunk_size"]), s  # fmt: skip
+    out["slabs_after_empty_cache"] = s["slab_bytes.all.current"] // (2 * MiB)
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(0.25, 0)
     assert abs(vmalloc.stats(0)["capacity"] - 0.25 * total) <= 2 * MiB

@@ -216,6 +216,38 @@ def test_batch_norm_and_relu_outputs_are_rebuilt_bitwise_from_the_norm_input(nor
     assert all(torch.equal(a, b) for a, b in zip(ref, got)), "a gradient differs"
 
 
+def test_batch_norm_rebuilds_fill_no_scratch_statistics():
+    """Each rebuild zero-filled two scratch running-statistic tensors (two kernels per rebuild, two rebuilds per
+    conv-bn-relu, every iteration): training mode never reads them, so they are left unfilled."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Factories(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.zeros.default, torch.ops.aten.empty.memory_format, torch.ops.aten.zero_.default,
+                        torch.ops.aten.fill_.Scalar) and tuple(out.shape) == (8,):  # fmt: skip
+                self.made.append(func)
+            return out
+
+    torch.manual_seed(0)
+    conv, bn, conv2 = torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Conv2d(8, 4, 1)
+    hooks, per_step = RecomputeHooks(), []
+    for _ in range(3):
+        handles = []
+        with torch.autograd.graph.saved_tensors_hooks(*_hooked(hooks, handles)):
+            out = conv2(torch.relu(bn(conv(torch.randn(4, 3, 12, 12))))).square().sum()
+        with Factories() as mode:
+            out.backward()
+        per_step.append(mode.made)
+    assert hooks.rebuilt == 6  # two rebuilds a step: the ReLU's result and conv2's input
+    # Per rebuild a running mean and variance, allocated and not filled.
+    assert per_step == [[torch.ops.aten.empty.memory_format] * 4] * 3, per_step
+
+
 def test_batch_norm_rebuilds_decline_eval_mode_a_frozen_bias_and_an_add_before_the_relu():
     torch.manual_seed(0)
     bn = torch.nn.BatchNorm1d(16)

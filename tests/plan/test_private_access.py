@@ -40,6 +40,7 @@ ALLOWED = {
     "_sequence_nr": "an autograd node's sequence number",
     # the standard library
     "_getframe": "sys._getframe: the module path is read from the Python stack, only when profiling",
+    "_fields": "a NamedTuple's field names: documented public API despite the underscore",
 }
 # Prefixes of private names -> why.
 ALLOWED_PREFIXES = {

@@ -123,10 +123,51 @@ def test_a_failing_registration_warns_once_and_falls_back_to_pageable_memory():
     assert [c for c, _ in pinner.calls] == ["pin", "failed", "unpin"]  # only the block that was pinned
 
 
-def test_without_cuda_python_the_pool_warns_and_uses_pageable_memory(monkeypatch):
-    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # `from cuda.bindings import driver` fails
+class FakeCudart:
+    """The CUDA runtime torch links, as ``torch.cuda.cudart()`` returns it (cudaHostRegister and friends)."""
+
+    def __init__(self, fail: int = 0):
+        self.registered: dict[int, int] = {}
+        self.fail = fail
+
+    def cudaHostRegister(self, addr, nbytes, flags):
+        if self.fail:
+            return self.fail
+        assert flags == 1, "registered portable (cudaHostRegisterPortable), for every context"
+        self.registered[addr] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, addr):
+        return 0 if self.registered.pop(addr, None) is not None else 712  # cudaErrorHostMemoryNotRegistered
+
+    def cudaGetErrorString(self, err):
+        return {800: "operation not permitted"}.get(int(err), "unknown error")
+
+
+def with_torch_cudart(monkeypatch, cudart):
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # no cuda-python: pinning must not need it
+
+
+def test_blocks_are_pinned_through_torchs_cuda_runtime_without_cuda_python(monkeypatch):
+    cudart = FakeCudart()
+    with_torch_cudart(monkeypatch, cudart)
     pool = HostPool(pinned=True, block_size=MiB)
-    with pytest.warns(PinningUnavailable, match="cuda.bindings.*pageable host memory instead"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no PinningUnavailable
+        hb = pool.alloc(4096)
+        pool.alloc(2 * MiB)
+    assert pool.pinned and pool.pinned_bytes == 3 * MiB == sum(cudart.registered.values())
+    assert hb.view.data_ptr() - hb.offset in cudart.registered
+    pool.close()
+    assert cudart.registered == {} and pool.pinned_bytes == 0
+
+
+def test_a_refused_registration_warns_with_the_runtimes_reason_and_uses_pageable_memory(monkeypatch):
+    with_torch_cudart(monkeypatch, FakeCudart(fail=800))
+    pool = HostPool(pinned=True, block_size=MiB)
+    with pytest.warns(PinningUnavailable, match="cudaHostRegister.*operation not permitted.*pageable host memory"):
         hb = pool.alloc(4096)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -134,4 +175,15 @@ def test_without_cuda_python_the_pool_warns_and_uses_pageable_memory(monkeypatch
     hb.view.copy_(torch.arange(4096) % 256)
     assert torch.equal(hb.view, (torch.arange(4096) % 256).to(torch.uint8))
     assert pool.pinned_bytes == 0
+    pool.close()
+
+
+def test_without_cuda_the_pool_warns_and_uses_pageable_memory():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    pool = HostPool(pinned=True, block_size=MiB)
+    with pytest.warns(PinningUnavailable, match="pageable host memory instead"):
+        hb = pool.alloc(4096)
+    hb.view.fill_(1)
+    assert pool.pinned_bytes == 0 and int(hb.view.sum()) == 4096
     pool.close()

@@ -39,7 +39,8 @@ class HostMemory:
         self.streams: tuple[int, ...] = (0, 1, 2)  # stream handles are opaque to the host backend
 
     def arena(self, **kw: Any) -> Any:
-        kw = {"capacity": 32 * 64 * KiB, "chunk_size": 64 * KiB, "small_max": 16 * KiB, **kw}
+        # mid_chunks=2: the property tests and workloads cover mid-size slabs (Note [Mid-size blocks]) too
+        kw = {"capacity": 32 * 64 * KiB, "chunk_size": 64 * KiB, "small_max": 16 * KiB, "mid_chunks": 2, **kw}
         return vmalloc.Arena("host", **kw)
 
     def thread_init(self) -> None:
@@ -103,7 +104,7 @@ class FakeCudaMemory:
 
     def arena(self, **kw: Any) -> Any:
         # The emulator's granularity is 2 MiB, as on current GPUs.
-        kw = {"capacity": 32 * 2 * MiB, "chunk_size": 2 * MiB, "small_max": 256 * KiB, **kw}
+        kw = {"capacity": 32 * 2 * MiB, "chunk_size": 2 * MiB, "small_max": 256 * KiB, "mid_chunks": 2, **kw}
         return vmalloc.Arena("cuda", **kw)
 
     def thread_init(self) -> None:

@@ -24,6 +24,7 @@ def make_arena():
         kw.setdefault("capacity", 16 * MiB)
         kw.setdefault("chunk_size", 64 * KiB)
         kw.setdefault("small_max", 16 * KiB)
+        kw.setdefault("mid_chunks", 0)  # chunk-granular requests above small_max (tests/vmalloc/test_mid_blocks.py)
         arena = vmalloc.Arena(**kw)
         arenas.append(arena)
         return arena

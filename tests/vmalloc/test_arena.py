@@ -256,3 +256,23 @@ def test_sim_backend_handles_paper_scale():
     with pytest.raises(ValueError, match="granularity"):
         vmalloc.Arena("sim", chunk_size="1MiB")
     a.check_invariants()
+
+
+def test_largest_allocatable_is_what_a_request_can_get_within_the_workspace_limit():
+    """What torch's cacheInfo reports to cuDNN's benchmark mode (Note [Workspace offers]): idle chunks stitch
+    into one range, plus what may be created under the capacity; the swap runtime's budget caps it."""
+    MiB = 1 << 20
+    a = vmalloc.Arena("sim", capacity="1GiB")
+    live = a.malloc(100 * MiB)
+    a.free(a.malloc(300 * MiB, 1))  # cached on another stream: still offered (reclaim stitches it)
+    assert a.largest_allocatable() == 1024 * MiB - 100 * MiB
+    assert a.largest_allocatable(device_free=200 * MiB) == 300 * MiB + 200 * MiB  # creatable capped by the device
+    a.set_workspace_limit(500 * MiB)  # e.g. the swap budget: allocated 100 MiB, so 400 MiB more at most
+    assert a.workspace_limit == 500 * MiB and a.largest_allocatable() == 400 * MiB
+    a.free(a.malloc(a.largest_allocatable()))  # the offer is real
+    a.set_workspace_limit(50 * MiB)  # below what is allocated: nothing to offer
+    assert a.largest_allocatable() == 0
+    a.set_workspace_limit(None)
+    assert a.workspace_limit is None and a.largest_allocatable() == 1024 * MiB - 100 * MiB
+    a.free(live)
+    a.check_invariants()

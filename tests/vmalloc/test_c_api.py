@@ -259,6 +259,41 @@ def test_configure_checks_at_once():
     assert r.returncode == 0 and r.stdout.strip() == "OK", r.stderr
 
 
+def test_configure_refuses_a_chunk_size_off_the_granularity_naming_the_nearest():
+    # "2MB" is 2,000,000 bytes: it used to be accepted, and the first CUDA allocation failed deep inside torch.
+    r = run(
+        """
+        for backend, size, names in [("cuda", "2MB", ["2MiB"]), ("sim", "5MB", ["4MiB", "6MiB"]),
+                                     ("host", 6000, ["4KiB", "8KiB"])]:
+            try:
+                vmalloc.configure(backend=backend, chunk_size=size)
+            except ValueError as e:
+                assert "not a multiple of the " + backend + " backend's granularity" in str(e), str(e)
+                assert all(n in str(e) for n in names), str(e)
+            else:
+                raise AssertionError(f"configure(backend={backend!r}, chunk_size={size!r}) was accepted")
+        vmalloc.configure(backend="cuda", chunk_size="4MiB")
+        print("OK")
+        """,
+        "",
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "OK", r.stderr
+
+
+def test_vmalloc_conf_with_a_chunk_size_off_the_granularity_fails_when_read():
+    r = run(
+        """
+        try:
+            vmalloc.stats(0), vmalloc._C.global_configuration()
+        except ValueError as e:
+            print(e)
+        """,
+        "backend=sim,chunk_size=3MB",
+    )
+    assert r.returncode == 0, r.stderr
+    assert "VMALLOC_CONF='backend=sim,chunk_size=3MB'" in r.stdout and "2MiB and 4MiB" in r.stdout, r.stdout
+
+
 @pytest.mark.skipif(SANITIZED_RUN or shutil.which("c++") is None, reason="needs a C++ compiler and the plain build")
 def test_torch_path_throws_cxx_exceptions_torch_can_catch(tmp_path):
     import vmalloc

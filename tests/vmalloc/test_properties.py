@@ -33,13 +33,17 @@ class ArenaMachine(RuleBasedStateMachine):
         return 64 * 1024 if self.memory_type is HostMemory else 2 * 1024 * 1024
 
     def used_chunks(self) -> int:
-        """Chunks that hold live data: large allocations' ranges and slabs with a block in use (frees pending
-        other streams are waited for before a request fails, so they count as free)."""
-        used = 0
-        for _addr, size, _stream, _small, blocks in self.arena._segments():
-            if any(state == "active_allocated" for *_, state in blocks):
-                used += size // self.chunk
-        return used
+        """Chunks that hold live data: the chunks a block in use overlaps (a large allocation's range; one
+        chunk of a small slab; the chunks of a mid slab that its blocks in use touch, the rest being cut out
+        when memory runs short: Note [Mid-size blocks]). Frees pending other streams are waited for before a
+        request fails, so they count as free."""
+        used = set()
+        for seg, _size, _stream, _small, blocks in self.arena._segments():
+            for addr, size, _requested, state in blocks:
+                if state == "active_allocated":
+                    first, last = (addr - seg) // self.chunk, (addr + size - 1 - seg) // self.chunk
+                    used.update(seg + c * self.chunk for c in range(first, last + 1))
+        return len(used)
 
     @rule(data=st.data(), large=st.booleans(), stream_index=st.integers(0, 2), share=st.integers(0, 4))
     def alloc(self, data, large, stream_index, share):

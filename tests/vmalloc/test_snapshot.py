@@ -95,7 +95,7 @@ def test_memory_viz_trace_reads_oom_entries():
 
 def test_split_range_renders():
     chunk = 64 * KiB
-    a = vmalloc.Arena("host", capacity=16 * chunk, chunk_size=chunk, small_max=16 * KiB, history=100)
+    a = vmalloc.Arena("host", capacity=16 * chunk, chunk_size=chunk, small_max=16 * KiB, history=100, mid_chunks=0)
     a.free(a.malloc(6 * chunk))
     x = a.malloc(2 * chunk)  # split
     a.malloc(3 * chunk)  # split again

@@ -11,7 +11,7 @@ CHUNK = 64 * KiB
 
 
 def arena(**kw):
-    kw = {"backend": "host", "capacity": 16 * CHUNK, "chunk_size": CHUNK, "small_max": 16 * KiB,
+    kw = {"backend": "host", "capacity": 16 * CHUNK, "chunk_size": CHUNK, "small_max": 16 * KiB, "mid_chunks": 0,
           "_test_backend": True, **kw}
     return vmalloc.Arena(**kw)
 

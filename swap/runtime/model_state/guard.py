@@ -9,7 +9,7 @@ user's ``p.norm()`` for logging, ``model.load_state_dict``) has no such hook. So
 operator's tensor arguments while the manager runs: one that aliases a watched storage which is dropped is
 fetched before the operator runs (a *demand fetch*, counted, and recorded so the next iteration fetches it ahead),
 and one the operator writes marks its entry dirty, so its drop copies it back instead of losing the write. The
-runtime's own operators (resizes, copies) run inside ``busy()``, which the guard lets through. Like the meter it
+runtime's own operators (copies) run inside ``busy()``, which the guard lets through. Like the meter it
 sees operators between autograd and the kernels, so backward's operators pass through it too (they read
 parameters only through saved tensors, which the saved-tensor hooks have fetched already).
 """
@@ -25,9 +25,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..op_facts import written_args
-from .storage import RESIZE
-
-_RESIZE = RESIZE.default
 
 
 class ParamGuard(TorchDispatchMode):
@@ -73,7 +70,7 @@ class ParamGuard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
-        if func is _RESIZE or getattr(self._local, "depth", 0):
+        if getattr(self._local, "depth", 0):
             return func(*args, **kwargs)
         hits: list[Any] = []
         self._hits(args, hits)

@@ -5,10 +5,9 @@ A streamed entry keeps its device storage object for the whole run and resizes i
 are dropped, back to full size when they are fetched (then filled from the host master). Parameters keep their
 shape, dtype and identity, the optimizer's references stay valid, and every view of them (a ``weight.t()`` saved
 for backward) sees the bytes once they are back. This is FSDP's proven trick; replacing ``p.data`` instead would
-change the parameter's shape while dropped and leave saved views holding the old storage. The resize is issued as
-``torch.ops.inductor.resize_storage_bytes_``, an operator that dispatch modes see, so the live-bytes meter counts
-it (Note [Storages resized in place] in swap.runtime.meter). A storage that cannot be resized (memory another
-library owns) is replaced once, at the start, by a resizable copy.
+change the parameter's shape while dropped and leave saved views holding the old storage. The live-bytes meter
+follows the resizes (Note [Storages that resize] in swap.runtime.meter). A storage that cannot be resized (memory
+another library owns) is replaced once, at the start, by a resizable copy.
 
 A drop is *clean*: the host master is the truth, nothing is copied back, unless something wrote the device copy
 since it was fetched (``dirty``: ``model.load_state_dict``, a user's in-place edit; the parameter guard sees the
@@ -29,8 +28,6 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ...schedule.model_state import Placement
 from ..host_pool import HostBlock, HostPool
 from .buckets import Entry, span_bytes
-
-RESIZE = torch.ops.inductor.resize_storage_bytes_
 
 
 def host_tensor(block_view: torch.Tensor, like: torch.Tensor, storage_offset: int) -> torch.Tensor:
@@ -117,8 +114,7 @@ class Masters:
             if self.current[i]:
                 return False
             if not self.allocated[i]:
-                with self.busy():
-                    RESIZE(self._param0(e), e.nbytes)
+                e.storage.resize_(e.nbytes)
                 self.allocated[i] = True
             self.current[i] = True
             with self.busy():
@@ -142,14 +138,13 @@ class Masters:
             if not self.current[i] or self.placement[i] == Placement.RESIDENT:
                 return
             ticket = self.h2d[i]
-            if ticket is not None:  # fetched but not read: the copy must land before the memory goes
-                self.copies.stall_seconds += self.engine.wait_host(ticket)
+            if ticket is not None:  # fetched but not read: the memory's next user comes after the copy
+                self.copies.stall_seconds += self.engine.wait_compute(ticket)  # Note [Releases without host waits]
                 self.h2d[i] = None
             if self.dirty[i]:
                 self.write_back(e)
             if self.placement[i] == Placement.STREAMED:
-                with self.busy():
-                    RESIZE(self._param0(e), 0)
+                e.storage.resize_(0)
                 self.allocated[i] = False
             self.current[i] = False
 
@@ -174,10 +169,6 @@ class Masters:
         self.fetch(e)
         self.ready(e)
         self.placement[e.index] = Placement.RESIDENT
-
-    @staticmethod
-    def _param0(e: Entry) -> torch.nn.Parameter:
-        return e.params[0][1]
 
     def close(self) -> None:
         """Host masters go back to the pool (after ``restore`` of every entry, or with their views kept alive by

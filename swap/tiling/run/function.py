@@ -40,6 +40,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .staging import Staging
+
 Index = tuple[slice, ...]
 
 
@@ -62,26 +64,35 @@ class Tiling:
     tensors ``run`` reads that need gradients; ``copy_input`` says to copy a tile's input slice before
     ``run`` (its first operator writes in place); ``device`` is where tiles compute when the input is
     elsewhere (Note [Host inputs] in swap/tiling/plan/cost.py: each tile's slice is copied there, and
-    its input gradient copied back)."""
+    its input gradient copied back, through ``staging``: Note [Staged host tiles] in
+    swap/tiling/run/staging.py; by default buffers of this Tiling's own)."""
 
     def __init__(self, run: Callable[[torch.Tensor, Tile], torch.Tensor], tiles: Sequence[Tile],
                  output: Callable[[torch.Tensor], torch.Tensor], params: Sequence[torch.Tensor] = (),
                  copy_input: bool = False, progress: Optional[Callable[[str], None]] = None,
-                 device: Optional[torch.device] = None) -> None:  # fmt: skip
+                 device: Optional[torch.device] = None, staging: Optional[Staging] = None) -> None:  # fmt: skip
         self.run, self.tiles, self.output = run, list(tiles), output
         self.params = [p for p in params if p.requires_grad]
         self.copy_input = copy_input
         self.progress = progress
         self.device = device
+        self._staging = staging
 
     def moves(self, x: torch.Tensor) -> bool:
         """Whether tiles of ``x`` are copied to another device to compute."""
         return self.device is not None and x.device != self.device
 
+    @property
+    def staging(self) -> Staging:
+        """The pinned buffers host tiles pass through (Note [Staged host tiles])."""
+        if self._staging is None:
+            self._staging = Staging(self.device)
+        return self._staging
+
     def tile_input(self, x: torch.Tensor, tile: Tile) -> torch.Tensor:
         t = x[tile.src]
         if self.moves(x):
-            return t.to(self.device, non_blocking=True, copy=True)  # a copy: in-place first operators may write it
+            return self.staging.to_device(t)  # a copy: in-place first operators may write it
         return t.clone() if self.copy_input else t
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,7 +148,7 @@ class TiledFunction(torch.autograd.Function):
                 xt = x[tile.src].detach()
                 moved = tiling.moves(x)
                 if moved:
-                    xt = xt.to(tiling.device, copy=True)
+                    xt = tiling.staging.to_device(xt)
                 if need_x:
                     xt.requires_grad_(True)
                 xin = xt.clone() if tiling.copy_input else xt  # a leaf that needs grad: never written in place
@@ -147,8 +158,10 @@ class TiledFunction(torch.autograd.Function):
                 grads = torch.autograd.grad(y, wrt, g, allow_unused=True) if y.requires_grad else (None,) * len(wrt)
             del y, xin
             if need_x:
-                if grads[0] is not None:
-                    grad_x[tile.src] += grads[0].to(grad_x.device)  # a no-op unless the tile moved
+                if grads[0] is not None and moved:
+                    tiling.staging.add_to_host(grads[0], grad_x[tile.src])  # added in tile order, by the flush
+                elif grads[0] is not None:
+                    grad_x[tile.src] += grads[0]
                 grads = grads[1:]
             for i, g_ in enumerate(grads):
                 if g_ is not None:
@@ -156,4 +169,6 @@ class TiledFunction(torch.autograd.Function):
             del grads, xt
             if tiling.progress is not None:
                 tiling.progress(f"backward tile {k + 1}/{len(tiling.tiles)}")
+        if tiling.moves(x):
+            tiling.staging.flush()
         return (None, grad_x, *acc)

@@ -46,18 +46,27 @@ def tiled_cross_entropy(hidden: torch.Tensor, head: nn.Linear, labels: torch.Ten
                                     progress_sink(progress, "swap.tiled head"))
 
 
-def _check_labels(y: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """A label outside the vocabulary would index past a tile's logits: say which, before any tile runs
-    (one device synchronisation; the meta device has no values to check)."""
+def _check_labels(y: torch.Tensor, vocab: int, ignore_index: int, synchronous: Optional[bool] = None) -> None:
+    """A label outside the vocabulary would index past a tile's logits: say which, before any tile runs.
+
+    ``synchronous`` (default: off CUDA) reads the answer on the host, to name the first bad label and its
+    row. On a GPU that read would make the host wait for the device in every forward, so the check is queued
+    on the device instead (``torch._assert_async``): a bad label fails there, with this message, at the next
+    synchronisation. The meta device has no values to check."""
     if y.device.type == "meta" or y.numel() == 0:
         return
     if y.is_floating_point():
         raise TypeError(f"labels must be class indices (an integer tensor), got {y.dtype}")
     bad = (y != ignore_index) & ((y < 0) | (y >= vocab))
+    use = f"use class indices below {vocab}, or {ignore_index} (ignore_index) for rows without a target"
+    if synchronous is None:
+        synchronous = y.device.type != "cuda"
+    if not synchronous:
+        torch._assert_async(torch.logical_not(bad.any()), f"a label is outside the vocabulary [0, {vocab}): {use}")
+        return
     if bool(bad.any()):
         first = int(bad.nonzero()[0, 0])
-        raise ValueError(f"label {int(y[first])} at row {first} is outside the vocabulary [0, {vocab}): use class "
-                         f"indices below {vocab}, or {ignore_index} (ignore_index) for rows without a target")
+        raise ValueError(f"label {int(y[first])} at row {first} is outside the vocabulary [0, {vocab}): {use}")
 
 
 def is_causal_lm(model: nn.Module) -> bool:

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..plan.geometry import Span, Window, grid, spans
 from .function import Tile, Tiling
+from .staging import Staging
 
 CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 MAX_FN = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
@@ -81,6 +82,7 @@ class TiledSegment(nn.Module):
                  device: Optional[torch.device] = None) -> None:  # fmt: skip
         super().__init__()
         self.device = device  # tiles compute here when the input is elsewhere (Note [Host inputs])
+        self.staging = Staging(device) if device is not None else None  # reused every call (Note [Staged host tiles])
         self.steps, self.tiles, self.copy_input, self.progress = steps, tuple(tiles), copy_input, progress
         self.in_shape, self.out_shape, self.out_dtype = tuple(in_shape), tuple(out_shape), out_dtype
         self.tile_list = self._plan(sizes)
@@ -118,4 +120,5 @@ class TiledSegment(nn.Module):
             return torch.empty(shape, dtype=dtype, device=device or inp.device)
 
         params = [p for s in self.steps for p in s.params]
-        return Tiling(self.run, self.tile_list, output, params, self.copy_input, self.progress, device).apply(x)
+        return Tiling(self.run, self.tile_list, output, params, self.copy_input, self.progress, device,
+                      self.staging).apply(x)  # fmt: skip

@@ -152,6 +152,31 @@ def test_labels_outside_the_vocabulary_are_refused() -> None:
         swap.tiled_cross_entropy(h, head, y[1:], tokens=8)
 
 
+def test_on_an_accelerator_the_label_check_makes_the_host_wait_for_nothing() -> None:
+    """A host read of the check's answer (``bool(bad.any())``) is one device synchronisation per forward on a
+    GPU: on CUDA the check is queued on the device. Run here on CPU tensors, asking for the device path."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from swap.tiling.run.head import _check_labels
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.reads += func is torch.ops.aten._local_scalar_dense.default  # what .item(), bool(), int() run
+            return func(*args, **(kwargs or {}))
+
+    y = torch.tensor([1, 2, -100, 49])
+    with HostReads() as mode:
+        _check_labels(y, 50, -100, synchronous=False)
+    assert mode.reads == 0
+    y[3] = 50
+    with pytest.raises(RuntimeError, match="outside the vocabulary \\[0, 50\\)"):
+        _check_labels(y, 50, -100, synchronous=False)  # on the CPU the queued check fails at once
+
+
 def _compare(model: torch.nn.Module, budget: int, vocab: int, dtype: torch.dtype = torch.float32) -> swap.TiledCausalLM:
     torch.manual_seed(0)
     model = model.to(dtype)

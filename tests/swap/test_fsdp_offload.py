@@ -1,0 +1,142 @@
+"""The FSDP2 side of model state under the budget (Note [Model state under FSDP2]): units offloaded by a byte budget
+with FSDP2's own offload, clipping across ranks with one process group, the update gates ahead of FSDP2's
+all-gather, and checkpoints that stay plain FSDP2 (DCP) with offload on either side. Two gloo ranks on CPU."""
+
+import collections
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy
+
+from bench.ranks import spawn
+from swap.forecast import zoo
+from swap.runtime import fsdp2
+from swap.schedule.model_state import Placement
+from swap.schedule.unit_offload import blocks_of, choose_offloaded
+
+VOCAB, SEQ = 64, 16
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return zoo.gpt(n_layer=3, n_head=4, d_model=32, vocab=VOCAB, seq_len=SEQ)
+
+
+def _sharded(offload: bool, counts=None, world: int = 2):
+    model = _model()
+    sizes = fsdp2.unit_bytes(model, fsdp2.default_units(model), world)
+    # Room for the root and the first block: the last two blocks go to the host.
+    plan = fsdp2.offload_by_budget(model, sizes[""] + sizes["blocks.0"] if offload else 1 << 40, world)
+    fsdp2.shard(model, plan, pin_memory=False)
+    if counts is not None:
+        from fsdp_ranks import CountingAllGather  # the tests' counting all-gather
+
+        for i, block in enumerate(model.blocks):
+            block.set_custom_all_gather(CountingAllGather(f"blocks.{i}", counts))
+    return model, plan
+
+
+def _step(model, opt, rank: int, it: int, clip) -> tuple[float, float]:
+    tokens = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(10 * rank + it))
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    norm = clip(model.parameters(), 0.5)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    opt.step()
+    return loss.item(), norm.item()
+
+
+def _train(offload: bool, clip, rank: int, iterations: int = 3, counts=None, gate=None):
+    model, plan = _sharded(offload, counts)
+    if gate is not None:
+        fsdp2.gate_updates(model, plan, gate)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    steps = []
+    for it in range(iterations):
+        if counts is not None:
+            counts.clear()
+        steps.append(_step(model, opt, rank, it, clip))
+    return model, opt, plan, steps
+
+
+def _shards(model) -> list:
+    return [p.to_local().clone() for p in model.parameters()]
+
+
+def _worker(rank: int, tmp: str) -> dict:
+    plain, plain_opt, _, plain_steps = _train(False, torch.nn.utils.clip_grad_norm_, rank)
+    counts: collections.Counter = collections.Counter()
+    seen = []
+    gate = lambda path: seen.append((path, counts[path]))  # noqa: E731 - its all-gathers so far this iteration
+    model, opt, plan, steps = _train(True, fsdp2.clip_grad_norm_, rank, counts=counts, gate=gate)
+    policies = {i: type(b._get_fsdp_state()._fsdp_param_group.offload_policy) for i, b in enumerate(model.blocks)}
+    same = all(torch.equal(a, b) for a, b in zip(_shards(plain), _shards(model)))
+    # A checkpoint saved with offload loads into FSDP2 without it, and training goes on alike.
+    ckpt = str(Path(tmp, "ckpt"))
+    m_sd, o_sd = get_state_dict(model, opt)
+    dcp.save({"model": m_sd, "optim": o_sd}, checkpoint_id=ckpt)
+    fresh, _ = _sharded(False)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    _step(fresh, fresh_opt, rank, 99, torch.nn.utils.clip_grad_norm_)  # optimizer state to load into
+    f_sd, fo_sd = get_state_dict(fresh, fresh_opt)
+    state = {"model": f_sd, "optim": fo_sd}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = all(torch.equal(a, b) for a, b in zip(_shards(model), _shards(fresh)))
+    after = (_step(model, opt, rank, 3, fsdp2.clip_grad_norm_), _step(fresh, fresh_opt, rank, 3,
+                                                                      torch.nn.utils.clip_grad_norm_))  # fmt: skip
+    return {"plain_steps": plain_steps, "steps": steps, "same": same, "offloaded": plan.offloaded,
+            "policies": policies, "seen": seen, "loaded": loaded, "after": after}
+
+
+@pytest.mark.slow
+def test_offloaded_units_train_bitwise_clip_with_one_group_gate_before_the_gather_and_checkpoint_plainly(tmp_path):
+    for rank, r in enumerate(spawn(_worker, tmp_path)):
+        assert r["offloaded"] == ["blocks.1", "blocks.2"]
+        assert r["policies"] == {0: type(fsdp2_offload_policy(False)), 1: CPUOffloadPolicy, 2: CPUOffloadPolicy}
+        assert r["steps"] == r["plain_steps"], rank  # losses and total norms, clipping with our all-reduce
+        assert r["plain_steps"][0][1] > 0.5  # the norm is over the bound: the clip scaled the gradients
+        assert r["same"], rank  # parameters after three AdamW steps
+        # Each offloaded unit's gate ran once per forward, before FSDP2 all-gathered that unit.
+        assert r["seen"][:6] == [("blocks.1", 0), ("blocks.2", 0)] * 3  # (then the step after the checkpoint)
+        assert r["loaded"] and r["after"][0] == r["after"][1], rank
+
+
+def fsdp2_offload_policy(offload: bool):
+    from torch.distributed.fsdp import OffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
+
+
+# -- the choice, pure --------------------------------------------------------------------------------------
+def test_units_go_to_the_host_from_the_last_in_the_forward_the_root_last():
+    units = [("", 10), ("b.0", 4), ("b.1", 4), ("b.2", 4)]
+    assert choose_offloaded(units, 22) == dict.fromkeys(["", "b.0", "b.1", "b.2"], Placement.RESIDENT)
+    got = choose_offloaded(units, 15)
+    assert [u for u, p in got.items() if p is Placement.STREAMED] == ["b.1", "b.2"]
+    got = choose_offloaded(units, 3)
+    assert [u for u, p in got.items() if p is Placement.STREAMED] == ["", "b.0", "b.1", "b.2"]
+
+
+def test_a_budget_no_offload_fits_says_what_to_change():
+    with pytest.raises(ValueError, match="raise the budget or the world size"):
+        fsdp2.offload_by_budget(_model(), -1, 2)
+
+
+def test_blocks_are_the_outermost_indexed_modules():
+    paths = ["", "tok", "blocks", "blocks.0", "blocks.0.fc", "blocks.1", "blocks.1.layers.0", "head"]
+    assert blocks_of(paths) == ["blocks.0", "blocks.1"]
+    assert fsdp2.default_units(_model()) == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_model_state_per_unit_counts_shards_gradients_and_state():
+    model = _model()
+    sizes = fsdp2.unit_bytes(model, ["blocks.0", "blocks.1", "blocks.2"], 2, state_per_param=2.0)
+    block = sum(p.numel() * 4 for p in model.blocks[0].parameters())
+    assert sizes["blocks.0"] == block // 2 * 4  # shard + gradient + two moments, every dim 0 even here
+    assert functools.reduce(int.__add__, sizes.values()) == sum(p.numel() for p in model.parameters()) * 4 // 2 * 4
