@@ -26,7 +26,6 @@ Writes <out>/joint_cpu.json, joint_cpu.md and joint_cpu.png.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import logging
@@ -42,6 +41,7 @@ import torch
 
 import swap
 from bench.checkpointing import blocks_at, checkpoint_blocks
+from bench.metering import metered
 from bench.plotting import pyplot, save
 from swap.forecast import zoo as models
 from swap.joint.regions import RecomputePlan, Region
@@ -109,12 +109,7 @@ def train(w: Workload, iterations: int, context: Optional[Any] = None, meter: Op
         checkpoint_blocks(blocks_at(model, w.blocks))
     opt = w.optimizer(model.parameters())
     out: dict[str, Any] = {"losses": [], "wall": [], "cpu": [], "peaks": []}
-    with contextlib.ExitStack() as stack:
-        if meter is not None:
-            stack.enter_context(meter.track_existing())
-            meter.reset_window()
-        if context is not None:
-            stack.enter_context(context)
+    with metered(meter, context):
         for it in range(iterations):
             batch = w.batch(it)
             t0, c0 = time.perf_counter(), time.process_time()

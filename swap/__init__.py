@@ -41,6 +41,7 @@ from .runtime.executor import WholeModelCompiled
 from .runtime.host_pool import PinningUnavailable
 from .runtime.manager import SwapManager
 from .runtime.meter import LiveBytesMeter
+from .runtime.model_state.host_memory import HostMemoryError
 from .runtime.report import SwapReport
 from .runtime.signals import BudgetWarning
 from .schedule.scheduler import POLICIES, InfeasibleBudget, Schedule
@@ -58,6 +59,7 @@ __all__ = [
     "STRATEGIES",
     "BudgetWarning",
     "HeadInfeasible",
+    "HostMemoryError",
     "InfeasibleBudget",
     "LiveBytesMeter",
     "PinningUnavailable",

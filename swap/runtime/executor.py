@@ -31,14 +31,16 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from typing import Any, Callable, Optional
 
 import torch
 
 from ..schedule.scheduler import Schedule
 from ..schedule.sequence import SAVE, USE, Sequence
+from .clean import CleanMover, CleanVariable, on_device_bytes
+from .eviction import evict_lru
 from .host_pool import HostPool
+from .kept import KeptTensors
 from .lifecycle import DECLINED, FALLBACK, PLANNED, PROFILE, Counters, Lifecycle, Planner, Profiled, Warn
 from .memory import DeviceMemory
 from .recorder import Recorder
@@ -54,20 +56,10 @@ class Executor:
     """Follows a schedule from inside the saved-tensor hooks (the module docstring says how). ``planner``,
     ``replanner``, ``warn`` and ``unmanaged``: what its ``Lifecycle`` calls back."""
 
-    def __init__(
-        self,
-        device: torch.device,
-        engine: Any,
-        pool: HostPool,
-        memory: DeviceMemory,
-        planner: Planner,
-        budget: int,
-        profile_iterations: int = 2,
-        *,
-        replanner: Optional[Callable[[Sequence], Schedule]] = None,
-        warn: Optional[Warn] = None,
-        unmanaged: Optional[Callable[[int], None]] = None,
-    ) -> None:
+    def __init__(self, device: torch.device, engine: Any, pool: HostPool, memory: DeviceMemory, planner: Planner,
+                 budget: int, profile_iterations: int = 2, *,
+                 replanner: Optional[Callable[[Sequence], Schedule]] = None, warn: Optional[Warn] = None,
+                 unmanaged: Optional[Callable[[int], None]] = None) -> None:  # fmt: skip
         self.device = device
         self.engine = engine
         self.pool = pool
@@ -93,8 +85,10 @@ class Executor:
         self.closed = False
         self.iteration = 0
         self.modules = ModulePaths()
-        self._kept: dict[int, Any] = {}  # profiling: saved tensors kept on the device (min_bytes, exclude)
-        self._kept_bytes = 0
+        self.kept = KeptTensors(self._acct)  # profiling: saved tensors kept on the device (min_bytes, exclude)
+        self.clean: dict[int, CleanVariable] = {}  # bucket -> its variable (Note [Clean variables at run time])
+        self.clean_mover: Optional[CleanMover] = None  # whose buckets are this iteration's first variables
+        self._span: Optional[tuple[int, CleanVariable]] = None  # the forward weight use whose module runs
         self._backward_done = True  # so the first saved tensor starts iteration 1
         self._in_backward = False
         self._iteration_counted = True
@@ -170,7 +164,7 @@ class Executor:
                     self._backward_done, self._iteration_counted = False, False
                 return passthrough(t)
             if self._backward_done and not self._in_backward:
-                self._begin_iteration(t)
+                self._begin_iteration(t.untyped_storage().nbytes())
                 if self.lifecycle.mode == DECLINED:
                     return passthrough(t)
             storage = t.untyped_storage()
@@ -201,7 +195,33 @@ class Executor:
         if self._backward_done and not self._in_backward and self.lifecycle.mode != DECLINED:
             with self.lock:
                 if self._backward_done and not self._in_backward and not self.closed:
-                    self._begin_iteration(t)
+                    self._begin_iteration(t.untyped_storage().nbytes())
+
+    def use_clean(self, key: int, nbytes: int, mover: CleanMover, module: str) -> bool:
+        """A use of bucket ``key`` of weights, a step like any access (Note [Clean variables at run time]); False
+        when the executor takes no step for it (declined, closed, no grad: the caller moves the weights itself)."""
+        with self.lock:
+            running = backward_running()  # a forward without grad (evaluation) is no iteration's:
+            if self.closed or self._in_hook or self.mode == DECLINED or not (running or torch.is_grad_enabled()):
+                return False
+            if self._in_backward and not running:
+                self._backward_end()  # Note [A backward that raised]
+            if running:
+                self._queue_end_of_backward()
+            elif self.between_iterations:
+                self._begin_iteration(nbytes)
+            if self.lifecycle.mode == DECLINED:
+                return False
+            var = self.clean.get(key)
+            if var is None or var.iteration != self.iteration:
+                return False  # not one of this iteration's buckets (re-packed, or placed since it began)
+            if self.recorder is not None and not var.module:
+                var.module = module
+            if not running:  # Note [Clean variables at run time]: its module's saves join the use's group
+                self._node_groups += 1
+                self._span = (self._node_groups, var)
+            self._step(var, USE, None)
+            return True
 
     def unpack(self, p: Any) -> torch.Tensor:
         if not isinstance(p, Packed):
@@ -234,44 +254,12 @@ class Executor:
 
     def note_kept(self, t: torch.Tensor) -> None:
         """Profiling: a saved tensor stays on the device because of min_bytes or exclude (for diagnosis)."""
-        if self.lifecycle.mode != PROFILE or self.closed:
-            return
-        st = t.untyped_storage()
-        key = id(st)
-        entry = self._kept.get(key)
-        if entry is not None and entry[0]() is st:
-            return
-        n = st.nbytes()
-
-        def gone(ref: Any, key: int = key, n: int = n) -> None:
-            with self._acct:
-                if self._kept.get(key, (None,))[0] is ref:
-                    del self._kept[key]
-                    self._kept_bytes -= n
-
-        with self._acct:
-            self._kept[key] = (weakref.ref(st, gone), n)
-            self._kept_bytes += n
+        if self.lifecycle.mode == PROFILE and not self.closed:
+            self.kept.note(t)
 
     def evict(self, nbytes: int) -> bool:
-        """Frees device copies of resident variables, least recently used first (copying those that have no
-        host copy yet, synchronously), until ``nbytes`` are freed. True if anything was evicted."""
-        with self.lock:
-            if self.closed:
-                return False
-            current = self.step - 1
-            victims = sorted(
-                (v for v in self.vars if v.dev is not None and v.last_access < current and v.h2d is None),
-                key=lambda v: v.last_access,
-            )
-            freed = 0
-            for v in victims:
-                if freed >= nbytes:
-                    break
-                self.transfers.release(v)
-                freed += v.nbytes
-                self.counters.evictions += 1
-            return freed > 0
+        """The allocator's OOM handler (swap.runtime.eviction): True if anything was evicted."""
+        return evict_lru(self, nbytes)
 
     # -- steps ------------------------------------------------------------------------------------------
     def _log(self, i: int, action: str, var: Variable) -> None:
@@ -298,7 +286,8 @@ class Executor:
                 prev = life.previous
                 if self._matching and prev is not None:
                     self._matching = i < len(prev) and prev.var[i] == var.id and prev.kind[i] == kind
-                rec.open_step(var.id, kind, self.residency.on_device_bytes, self.memory.current(), self._kept_bytes,
+                counted = self.residency.on_device_bytes + on_device_bytes(self.clean.values(), self.iteration)
+                rec.open_step(var.id, kind, counted, self.memory.current(), self.kept.bytes,
                               self._node_group(kind))  # fmt: skip
                 self.timer.start()
         finally:
@@ -307,6 +296,9 @@ class Executor:
     def _node_group(self, kind: str) -> int:
         """Profiling: consecutive uses by one backward node share a group (the node holds what it unpacked)."""
         node = current_autograd_node() if kind == USE else None
+        span = self._span
+        if node is None and span is not None and span[1].pinned():  # Note [Clean variables at run time]
+            return span[0]
         if node is None:
             self._last_node = None
             return -1
@@ -391,8 +383,9 @@ class Executor:
             moves.swap_out(self.vars[u], i)
 
     # -- iteration boundaries (Note [Iteration boundaries] in swap.runtime.lifecycle) ---------------------
-    def _begin_iteration(self, t: torch.Tensor) -> None:
-        """The first saved tensor after a backward: judge the iteration that ended, start the next."""
+    def _begin_iteration(self, first_size: int) -> None:
+        """The first access after a backward (of ``first_size`` bytes): judge the iteration that ended, start the
+        next."""
         peak = self.memory.window_peak()
         shadow = self.memory.shadow_window_peak()
         if self.iteration > 0 and self.step > 0:
@@ -409,14 +402,21 @@ class Executor:
         first_live = self.memory.current()
         self._reset_iteration()
         if ended == PROFILE and rec is not None:
-            seq = rec.finish([v.nbytes for v in old_vars], [v.module for v in old_vars], self.timer.resolve)
+            seq = rec.finish([v.nbytes for v in old_vars], [v.module for v in old_vars], self.timer.resolve,
+                             [isinstance(v, CleanVariable) for v in old_vars])  # fmt: skip
             life.profiled(seq, rec.first_live, first_live, shadow, max([peak] + rec.peak), rec.overruns)
         elif ended == PLANNED:
             life.planned(first_live, steps)
         elif ended == FALLBACK:
             life.reprofile()
         if life.mode == PROFILE:
-            self.recorder = Recorder(first_live, t.untyped_storage().nbytes())
+            self.recorder = Recorder(first_live, first_size)
+        if self.clean_mover is not None and life.mode != DECLINED:  # Note [Clean variables at run time]
+            for var in self.clean_mover.variables(len(self.vars), self.iteration, self.residency):
+                self.vars.append(var)
+                self.clean[var.key] = var
+                if self.recorder is not None:
+                    self.recorder.held_until[var.id] = 0  # nothing but us holds it: releasing frees it at once
 
     def _backward_end(self) -> None:
         """Autograd finished a backward pass (engine callback)."""
@@ -492,7 +492,7 @@ class Executor:
                 self.closed = True
                 self.transfers.close()
                 # Our references go; autograd's handles keep what a late unpack may still need.
-                self.vars, self.by_storage = [], {}
+                self.vars, self.by_storage, self.clean, self.clean_mover, self._span = [], {}, {}, None, None
 
 
 __all__ = ["Counters", "Executor", "Profiled", "WholeModelCompiled", "PROFILE", "PLANNED", "FALLBACK", "DECLINED"]

@@ -6,10 +6,16 @@ when backward (or anyone reading ``grad_fn._saved_*``) needs it back. The operat
 regions (swap.runtime.op_profiler, swap.runtime.regions) are handed this object: ``manages`` says what it would
 take, ``keep`` saves a checkpoint's kept output, ``pair`` tells these hooks from a user's own, and ``busy``
 says that what runs now runs inside them (the hooks' own copies are not the model's operators).
+
+With model state managed (swap.runtime.model_state), saved tensors that alias a managed parameter's storage go
+to its streamer before anything else (whatever their size: the weights behind them leave the device between
+uses, so backward must fetch them back), and come back through it.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Optional, Protocol
 
 import torch
@@ -29,6 +35,16 @@ class SaveListener(Protocol):
         """``t`` was saved as ``packed`` in a profiling iteration."""
 
 
+class ParamSaves(Protocol):
+    """Saved views of managed parameters (swap.runtime.model_state.streaming.Streamer)."""
+
+    def pack(self, t: torch.Tensor) -> Any:
+        """What autograd keeps for ``t`` if it aliases a managed parameter, else None."""
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        """The saved tensor, its weights on the device."""
+
+
 class SavedTensorHooks:
     """``pack`` and ``unpack`` for ``torch.autograd.graph.saved_tensors_hooks``, installed by ``install``.
 
@@ -44,6 +60,8 @@ class SavedTensorHooks:
         self.recompute: Optional[RecomputeHooks] = RecomputeHooks() if recompute else None  # Note [Recompute or swap]
         self.executor: Optional[Executor] = None
         self.listener: Optional[SaveListener] = None
+        self.params: Optional[ParamSaves] = None  # model state's saved parameters, when managed
+        self._param_packed: Any = ()  # the type of what ``params.pack`` returns
         self.skipped: dict[str, list[int]] = {}  # profiling: why saved tensors stayed -> [count, bytes]
         self.profile_skips: dict[str, list[int]] = {}  # ... in the last profiled iteration
         self.other_devices: set[str] = set()
@@ -79,6 +97,20 @@ class SavedTensorHooks:
     def busy(self) -> bool:
         """Whether the caller runs inside these hooks (the operator profiler skips what runs there)."""
         return self._depth > 0
+
+    def manage_params(self, params: Optional[ParamSaves], packed_type: Any = ()) -> None:
+        """Saved tensors aliasing managed parameters go to ``params`` (which packs them as ``packed_type``);
+        None: no longer (the hooks must not keep the model alive once the manager has exited)."""
+        self.params, self._param_packed = params, packed_type
+
+    @contextlib.contextmanager
+    def own_work(self) -> Iterator[None]:
+        """The manager's own operators run inside: ``busy`` while they do."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
 
     def enable_rebuilds(self) -> RecomputeHooks:
         """Turns rebuilds on (a joint plan chose them), if they are not on already."""
@@ -142,6 +174,9 @@ class SavedTensorHooks:
     def unpack(self, packed: Any) -> torch.Tensor:
         self._depth += 1
         try:
+            if type(packed) is self._param_packed:
+                t = self.params.unpack(packed)
+                return self.executor.unpack(t)  # not the executor's: it only learns that a backward pass runs
             if self.recompute is not None and self.recompute.intercepts(packed):
                 return self.recompute.unpack(packed, self.executor.unpack)
             return self.executor.unpack(packed)
@@ -150,6 +185,9 @@ class SavedTensorHooks:
 
     def _take(self, t: torch.Tensor, rebuild: bool = True) -> Any:
         ex = self.executor
+        if self.params is not None and (packed := self.params.pack(t)) is not None:
+            ex.observe(t)  # it still marks where iterations begin
+            return packed
         recompute = self.recompute
         if ex.mode == DECLINED and recompute is None:
             return ex.pack(t)

@@ -28,15 +28,18 @@ from typing import Any, Optional, Union
 import torch
 
 from ..schedule.budget import InfeasibleBudget
+from ..schedule.model_state import Bucket, ModelStateDoesNotFit, ModelStatePlan, Placement, plan_model_state
 from ..schedule.scheduler import Schedule, validate
 from ..schedule.sequence import Sequence
 from ..units import Size, parse_size
 from . import snapshot
 from .arguments import check_arena, check_device, check_flag, check_steps, check_strategy, parse_window
-from .executor import Executor
+from .executor import DECLINED, PLANNED, Executor
 from .hooks import SavedTensorHooks
 from .joint import JointRuntime
 from .memory import DeviceMemory, vmalloc_arena
+from .model_state.runtime import ModelStateRuntime, check_model_state
+from .model_state.streaming import ParamPacked
 from .notices import Notices
 from .ranks import Ranks
 from .recompute import RecomputeHooks
@@ -74,6 +77,18 @@ class SwapManager:
         strategy: "auto" (what runs when no policy is given): keep, swap or recompute each saved tensor,
             checkpointing modules of the model where that is faster than swapping them (Note [Applying a joint
             plan] in swap.runtime.joint). ``policy="auto"`` still means this, with a DeprecationWarning.
+        model, optimizer: the model and the torch optimizer that steps it (both or neither): their parameters,
+            gradients and optimizer state then count against the budget too (swap.runtime.model_state). The loop
+            is unchanged: ``opt.step()``, an LR scheduler, gradient accumulation, ``zero_grad``,
+            ``torch.nn.utils.clip_grad_norm_`` (or ``sm.clip_grad_norm_``) and both state dicts work as in plain
+            torch. Adam, AdamW and SGD are supported.
+        model_state: with ``model=``: "offload" streams every parameter through the device and steps it on the
+            host (exact: the very optimizer, bitwise on CPU runs); "resident" keeps the state on the device (as
+            without ``model=``); "auto" (the default) chooses per bucket under the budget, starting offloaded.
+        bucket_bytes: parameters are moved and stepped in buckets of about this many bytes (packed in the order
+            the forward pass reads them).
+        host_memory: host bytes the offloaded model state may take; None: what the kernel reports available.
+            The manager refuses at construction (``HostMemoryError``) if the state would not fit.
         group: under DDP or FSDP2, the process group whose ranks choose ``strategy="auto"``'s plan together
             (Note [Ranks agree on a plan] in swap.runtime.ranks): None, the default group when torch.distributed
             is initialised with more than one rank; False, each rank plans alone. Each rank keeps its own budget.
@@ -99,6 +114,11 @@ class SwapManager:
         arena: Any = None,
         recompute: bool = False,
         strategy: Optional[str] = None,
+        model: Optional[torch.nn.Module] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        model_state: str = "auto",
+        bucket_bytes: Size = "32MiB",
+        host_memory: Size = None,
         group: Any = None,
     ) -> None:
         policy = self.policy = check_strategy(strategy, policy)  # "auto" or a policy
@@ -127,6 +147,18 @@ class SwapManager:
         self._joint: Optional[JointRuntime] = JointRuntime(self.device, self.budget) if policy == "auto" else None
         self._final: Optional[dict[str, Any]] = None
         self._group = group
+        self.model_state: Optional[ModelStateRuntime] = None
+        if check_model_state(model, optimizer, model_state) in ("auto", "offload"):
+            if policy == "none":
+                raise ValueError("policy='none' turns the manager off, so it cannot place model state: pass another "
+                                 "policy, or model_state='resident'")  # fmt: skip
+            self.model_state = ModelStateRuntime(
+                model, optimizer, self.device, parse_size(bucket_bytes, "bucket_bytes", minimum=1),
+                parse_size(host_memory, "host_memory", minimum=1, none="what the kernel reports available"),
+                model_state,
+            )  # fmt: skip
+            if model_state == "auto":
+                self.model_state.decide = self._place_model_state
 
     @property
     def _recompute(self) -> Optional[RecomputeHooks]:
@@ -169,9 +201,51 @@ class SwapManager:
                                  replanner=s.schedule, warn=self._notices.warn, unmanaged=s.unmanaged)  # fmt: skip
         if self.arena is not None:
             self.arena.set_oom_handler(self.executor.evict)
+        ms = self.model_state
+        if ms is not None:  # before the operator profiler: its dispatch mode must sit above the guard's
+            counters = self.executor.counters
+            ms.start(engine, self.hooks.own_work, self._fits,
+                     lambda: (counters.swapped_in_bytes, counters.swapped_out_bytes))  # fmt: skip
+            self.hooks.manage_params(ms.streamer, ParamPacked)
+            streamer, ex = ms.streamer, self.executor  # Note [Clean variables at run time]: weights in the plan
+            streamer.step_hook = lambda bucket, nbytes, module: ex.use_clean(bucket, nbytes, streamer, module)
+            ex.clean_mover = streamer
         self.hooks.install(self.executor, self._joint)
         if self._joint is not None:
             self._joint.start(self.executor, self.hooks)
+
+    def _fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more on the device now keeps the budget, with room for the most a step of the last
+        profile allocated on top of what was live (weights are prefetched only then)."""
+        seq = self.executor.lifecycle.latest
+        if seq is None:
+            return False
+        return self.memory.current() + nbytes + max(seq.transient, default=0) <= self.budget
+
+    # Note [Placing model state under the budget]
+    # With model_state="auto" every bucket starts streamed, the placement that needs least of the device, so
+    # the profiling iterations keep the budget whatever the model. Once the activations are planned (or the
+    # manager declined to swap them), what the plan leaves of the budget at its tightest step is the room
+    # (``schedule.peak`` was measured with the streamed weights in flight, so those bytes are counted twice:
+    # the room errs small); ``plan_model_state`` fills it with resident buckets first (forward order: the last
+    # of the backward pass, whose host step nothing could hide), then host masters. Applied at that optimizer
+    # step (Note [Changing placements]); the activation plan then grows by what became resident
+    # (Note [Learning from an overrun] in swap.runtime.lifecycle).
+    def _place_model_state(self, buckets: list[Bucket]) -> Optional[ModelStatePlan]:
+        ex = self.executor
+        if ex.mode == PLANNED and ex.schedule is not None:
+            peak = ex.schedule.peak
+        elif ex.mode == DECLINED and ex.counters.iterations >= 2:
+            peak = self.memory.peak
+        else:
+            return None  # still profiling: asked again at the next step
+        try:
+            plan = plan_model_state(buckets, max(0, self.budget - peak), mode="auto")
+        except ModelStateDoesNotFit as e:
+            plan = ModelStatePlan.uniform(len(buckets), Placement.STREAMED)
+            plan.notes.append(f"every bucket stays streamed: {e}")
+        self._notices.note("model state: " + "; ".join(plan.notes))
+        return plan
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         """Removes the hooks, drains the copy lanes and frees the host pool, also after an exception."""
@@ -196,18 +270,50 @@ class SwapManager:
                 self.arena.set_oom_handler(None)
             ex = self.executor
             self.memory.window_peak()
+            try:
+                if self.model_state is not None:
+                    self.hooks.manage_params(None)
+                    self.model_state.close()  # needs the copy engine; its guard sits below the profiler (closed)
+            finally:
+                self._stop_engine(ex)
+
+    def _stop_engine(self, ex: Executor) -> None:
+        try:
             ex.engine.drain()
             ex.close()
             ex.engine.close()
             self._final = self._snapshot()
+        finally:
             ex.pool.close()
             self.memory.close()
 
     # -- results ----------------------------------------------------------------------------------------
     def _snapshot(self) -> dict[str, Any]:
         window = self._scheduling.window_used if self._scheduling is not None else self.window
-        return snapshot.snapshot(self.policy, self.device, self.budget, window, self.executor, self._joint,
+        data = snapshot.snapshot(self.policy, self.device, self.budget, window, self.executor, self._joint,
                                  self.hooks.recompute)  # fmt: skip
+        if self.model_state is not None:
+            data["model_state"] = self.model_state.snapshot()
+        return data
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, parameters: Any = None,
+                        error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:  # fmt: skip
+        """``torch.nn.utils.clip_grad_norm_`` over ``parameters`` (default: the model's), exact with gradients on
+        the host (Note [Exact clipping] in swap.runtime.model_state.clipping); returns the total norm."""
+        ms = self.model_state
+        if parameters is None:
+            if ms is None or ms.model is None:
+                raise ValueError("no model to clip: pass parameters= (the manager was given no model=, or has exited)")
+            parameters = ms.model.parameters()
+        if ms is not None and ms.started:
+            return ms.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def flush(self) -> None:
+        """Waits for every pending host step (Note [Host step after confirmation]); nothing to do without model
+        state."""
+        if self.model_state is not None and self.model_state.started:
+            self.model_state.flush()
 
     def report(self) -> SwapReport:
         """Counters of the run so far (or of the whole run, after exit); ``print`` it for a table."""

@@ -78,8 +78,10 @@ class Recorder:
         self.live.append(live)
         self.kept.append(kept)
 
-    def finish(self, sizes: list[int], modules: list[str], resolve: Any) -> Optional[Sequence]:
-        """The sequence this iteration recorded, or None if it recorded no access."""
+    def finish(self, sizes: list[int], modules: list[str], resolve: Any,
+               clean: Optional[list[bool]] = None) -> Optional[Sequence]:  # fmt: skip
+        """The sequence this iteration recorded, or None if it recorded no access. ``clean``: per variable, a
+        bucket of weights (Note [Clean variables at run time] in swap.runtime.clean)."""
         n = len(self.var)
         if n == 0:
             return None
@@ -112,5 +114,5 @@ class Recorder:
         return Sequence(
             list(self.var), list(self.kind), list(sizes), nonswap, compute, swappable, held_until,
             freed=freed, modules=list(modules), transient=transient, kept=list(self.kept), base=self.base,
-            node_last=node_last,
+            node_last=node_last, clean=list(clean) if clean else [],
         )  # fmt: skip

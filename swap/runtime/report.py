@@ -16,7 +16,10 @@ class SwapReport(dict):
     that cannot be recomputed (module, operator, why, count per iteration) and ``not_checkpointed``: candidate
     modules that are never checkpointed, and why (swap.runtime.joint). With rebuilds on (``recompute=True``, or
     chosen by "auto"): ``rebuilds`` run over the whole run (one per backward use of a rebuilt tensor) and
-    ``rebuilt_bytes``, what they made on the device instead of moving it (Note [Recompute or swap])."""
+    ``rebuilt_bytes``, what they made on the device instead of moving it (Note [Recompute or swap]). With model
+    state managed (``model=``, ``optimizer=``): ``model_state``, a dict of its placements and buckets, bytes moved
+    per kind (weights in/out, gradients out, activations in/out), host optimizer seconds and the part something
+    waited for, host and pinned bytes against their prediction, and ``steps``: the same per optimizer step."""
 
     ROWS = [
         ("status", "status", str),
@@ -70,6 +73,38 @@ class SwapReport(dict):
             lines.append("")
             lines.append("modules never checkpointed:")
             lines.extend(f"  {path}: {why}" for path, why in blocked.items())
+        ms = self.get("model_state")
+        if ms:
+            lines.extend(_model_state_lines(ms))
         for note in self.get("notes", []):
             lines.append(f"note: {note}")
         return "\n".join(lines)
+
+
+def _model_state_lines(ms: dict) -> list[str]:
+    """The model-state part of the table: totals, then one row per optimizer step."""
+    lines = ["", "model state"]
+    if "placements" in ms:
+        lines.append(f"{'placements':<30}{', '.join(f'{n} {p}' for p, n in ms['placements'].items()):>18}")
+    for key, label in (("host_bytes", "host"), ("pinned_bytes", "pinned")):
+        if key in ms:
+            figure = f"{_bytes(ms[key])} ({_bytes(ms[key + '_predicted'])})"
+            lines.append(f"{label + ' (predicted)':<30}{figure:>18}")
+    if "host_step_seconds" in ms:
+        figure = f"{ms['host_step_seconds']:.3f} s ({ms['host_step_exposed_seconds']:.3f} s)"
+        lines.append(f"{'host optimizer (waited for)':<30}{figure:>18}")
+    steps = ms.get("steps", [])
+    if steps:
+        lines.append("")
+        lines.append(f"{'step':>5}{'weights in':>12}{'out':>9}{'grads out':>11}{'act. in':>10}{'act. out':>10}"
+                     f"{'host opt':>10}{'hidden':>9}{'stalls':>9}")  # fmt: skip
+        for r in steps:
+            lines.append(
+                f"{r['step']:>5}{_bytes(r['weights_in_bytes']):>12}{_bytes(r['weights_out_bytes']):>9}"
+                f"{_bytes(r['grads_out_bytes']):>11}{_bytes(r['activations_in_bytes']):>10}"
+                f"{_bytes(r['activations_out_bytes']):>10}{r['host_step_seconds']:>9.3f}s"
+                f"{r['host_step_hidden_seconds']:>8.3f}s{r['exposed_stall_seconds']:>8.3f}s"
+            )
+        lines.append("(per optimizer step: the passes before it and its host update; stalls: waits for weights "
+                     "and for the update)")  # fmt: skip
+    return lines

@@ -96,6 +96,16 @@ class Residency:
         if var.original() is None:
             self._set_on_device(var, False)
 
+    def clean_dropped(self, var: Any) -> None:
+        """A bucket of weights (swap.runtime.clean) left the device between two steps, where the conservative plan
+        let go of it (a module returned): a planned run holds it until its planned release, so, while profiling,
+        its bytes count as held for the rest of the step (Note [A held tensor freed mid-step])."""
+        clock = self.clock
+        rec = clock.recorder
+        if rec is not None and var.iteration == clock.iteration and not clock.in_hook:
+            rec.held_freed(var.nbytes)
+            self.memory.add_held(var.nbytes)
+
     def var_dead(self, var: Variable) -> None:
         """Autograd released every handle of ``var``: its memory goes (now, or once its copies are done)."""
         if not var.alive:

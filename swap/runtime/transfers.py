@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .clean import CleanVariable
 from .host_pool import HostBlock, HostPool
 from .lifecycle import Counters
 from .tracer import Variable
@@ -121,6 +122,11 @@ class Transfers:
     def release(self, var: Variable, i: Optional[int] = None) -> None:
         if var.dev is None:
             return
+        if isinstance(var, CleanVariable):  # weights: dropped, no copy out (Note [Clean variables at run time])
+            var.mover.drop(var.key)
+            if i is not None:
+                self.log(i, "release", var)
+            return
         if var.host is None and var.alive:
             self.swap_out(var, None)  # never dropped without a copy while autograd may still ask for it
         # Note [Releases without host waits]
@@ -137,6 +143,10 @@ class Transfers:
 
     def swap_in(self, var: Variable, i: int) -> None:
         if var.dev is not None or not var.alive:
+            return
+        if isinstance(var, CleanVariable):  # weights: fetched from their host master by their mover
+            var.mover.fetch(var.key, prefetch=True)
+            self.log(i, "swap_in", var)
             return
         original = var.original()
         if original is not None and var.unchanged():
@@ -158,6 +168,13 @@ class Transfers:
         return flat
 
     def ensure_resident(self, var: Variable, i: int) -> None:
+        if isinstance(var, CleanVariable):
+            if var.dev is None:
+                self.counters.demand_fetches += 1
+                self.log(i, "demand", var)
+                var.mover.fetch(var.key, prefetch=False)
+            self.counters.stall_seconds += var.mover.ready(var.key)
+            return
         if var.dev is None:
             original = var.original()
             if original is None or not var.unchanged():

@@ -29,6 +29,8 @@ ALLOWED = {
     "_get_foreach_kernels_supported_devices": "torch.optim's device list for foreach kernels (meta-device capture)",
     "_destroy": "torch.library.Library has no public way to drop its registrations",
     "_assert_async": "a check queued on the device, with no host sync (the tiled head's label check on CUDA)",
+    "_clip_grads_with_norm_": "the helper torch's clip_grad_norm_ looks up at call time: a copy of clip_grad_norm_ "
+    "imported before the manager must refuse, not leave the host gradients out (Note [Exact clipping])",
     # tensors, storages, operators and autograd nodes
     "_base": "a view's base tensor (parameters are recognised through their views)",
     "_version": "a tensor's version counter: in-place writes to saved tensors are detected with it",

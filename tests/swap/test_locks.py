@@ -22,14 +22,14 @@ def test_a_storage_dying_while_the_executor_holds_its_counts_lock():
         ex = sm.executor
         holder = [torch.ones(4096)]
         ex.note_kept(holder[0])  # profiling: counted, with a weakref callback on its storage
-        assert ex._kept_bytes == 4096 * 4
+        assert ex.kept.bytes == 4096 * 4
 
         def dies_under_the_lock():
-            with ex._acct:
-                holder.clear()  # the last reference: the callback runs here and takes _acct again
+            with ex.kept.lock:  # the executor's counts lock
+                holder.clear()  # the last reference: the callback runs here and takes it again
 
-        assert finishes(dies_under_the_lock), "the storage's callback deadlocked on Executor._acct"
-        assert ex._kept_bytes == 0
+        assert finishes(dies_under_the_lock), "the storage's callback deadlocked on the executor's counts lock"
+        assert ex.kept.bytes == 0
 
 
 def test_a_block_freed_by_a_finalizer_while_the_pool_lock_is_held():

@@ -3,13 +3,13 @@ meter counts as device memory) and, with a meter, each iteration's peak (the opt
 
 from __future__ import annotations
 
-import contextlib
 import gc
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
+from bench.metering import metered
 from swap.forecast import zoo as models
 
 KiB = 1024
@@ -52,12 +52,7 @@ def run(
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses, grads, peaks = [], [], []
     sm = manager() if manager else None
-    with contextlib.ExitStack() as stack:
-        if meter is not None:
-            stack.enter_context(meter.track_existing())
-            meter.reset_window()
-        if sm is not None:
-            stack.enter_context(sm)
+    with metered(meter, sm):
         for it in range(iterations):
             # Made one at a time, so runs of any length hold the same data on the device.
             if batch_fn is not None:

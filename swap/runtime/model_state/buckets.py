@@ -1,0 +1,142 @@
+"""The model's parameters as the model-state runtime moves them: one *entry* per device storage (a parameter, or
+several parameters sharing one storage), grouped into buckets in first-use order (Note [Model-state placements]
+in swap.schedule.model_state).
+
+Note [Entries and buckets]
+Copies, drops and host masters are per entry (a whole storage: its bytes move once, and every parameter and view
+on it sees them, as saved activations are moved per storage: Note [One variable per storage]). A bucket is a
+logical group of entries: what one use fetches and drops together, and what one host step updates. So buckets can
+be re-packed once the first forward pass has shown the order parameters are read in, without moving any host
+memory or optimizer state: the first iteration packs in registration order (``model.named_parameters()``), every
+later one in first-use order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
+
+import torch
+
+from ...schedule.model_state import Bucket
+
+
+class Entry:
+    """One device storage holding managed parameters: ``params`` (name, parameter) in registration order."""
+
+    __slots__ = ("index", "storage", "key", "nbytes", "params")
+
+    def __init__(self, index: int, storage: torch.UntypedStorage, params: list[tuple[str, torch.nn.Parameter]]) -> None:
+        self.index = index
+        self.storage = storage
+        self.key = storage._cdata  # the storage's identity across its Python wrappers
+        self.nbytes = storage.nbytes()
+        self.params = params
+
+    def __repr__(self) -> str:
+        return f"Entry({self.index}, {', '.join(n for n, _ in self.params)}, {self.nbytes} bytes)"
+
+
+def collect_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> list[Entry]:
+    """The entries of the parameters ``optimizer`` steps, in ``model``'s registration order. Raises ``ValueError``
+    for an optimizer holding parameters the model does not own, or parameters the runtime cannot move."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    stepped: dict[int, torch.nn.Parameter] = {}
+    foreign = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in names:
+                foreign.append(tuple(p.shape))
+            stepped[id(p)] = p
+    if foreign:
+        raise ValueError(
+            f"the optimizer steps {len(foreign)} parameter(s) the model does not own (shapes {foreign[:4]}"
+            f"{', ...' if len(foreign) > 4 else ''}): pass model= the module that owns every parameter the optimizer "
+            "steps (the whole model, not a submodule), or an optimizer over model.parameters()"
+        )
+    by_storage: dict[int, Entry] = {}
+    entries: list[Entry] = []
+    for name, p in model.named_parameters():
+        if id(p) not in stepped:
+            continue
+        _check_movable(name, p, device)
+        st = p.untyped_storage()
+        e = by_storage.get(st._cdata)
+        if e is None:
+            e = by_storage[st._cdata] = Entry(len(entries), st, [])
+            entries.append(e)
+        e.params.append((name, p))
+    return entries
+
+
+def _check_movable(name: str, p: torch.nn.Parameter, device: torch.device) -> None:
+    if p.device != device:
+        raise ValueError(f"parameter {name} is on {p.device}, the manager's device is {device}: move the model to "
+                         f"{device} before entering the manager, or pass device={str(p.device)!r}")  # fmt: skip
+    if p.layout != torch.strided or type(p) is not torch.nn.Parameter:
+        raise ValueError(f"parameter {name} is a {type(p).__name__} with layout {p.layout}: only dense "
+                         "torch.nn.Parameter tensors can be moved; keep this model's state on the device with "
+                         "model_state='resident'")  # fmt: skip
+    if not p.is_floating_point():
+        raise ValueError(f"parameter {name} has dtype {p.dtype}: only floating-point parameters are optimized")
+
+
+def pack(sizes: Sequence[int], order: Iterable[int], bucket_bytes: int) -> list[list[int]]:
+    """Entries (indices into ``sizes``) in ``order`` packed greedily into buckets of at most ``bucket_bytes`` (an
+    entry larger than that is a bucket alone: an entry is never split); entries ``order`` omits go last, in index
+    order. Pure."""
+    ordered = list(dict.fromkeys(order))  # first occurrences, in order
+    placed = set(ordered)
+    ordered += [i for i in range(len(sizes)) if i not in placed]
+    buckets: list[list[int]] = []
+    room = 0
+    for i in ordered:
+        if not buckets or sizes[i] > room:
+            buckets.append([])
+            room = bucket_bytes
+        buckets[-1].append(i)
+        room -= sizes[i]
+    return buckets
+
+
+def span_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor of ``t``'s size and strides spans from its first element (its storage offset aside)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def state_bytes(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter, group: dict[str, Any]) -> int:
+    """Bytes of optimizer state ``p`` will have once stepped by ``optimizer`` (its class and ``group``'s flags):
+    Adam/AdamW two moments (three with amsgrad) and a step counter, SGD a momentum buffer when momentum is on."""
+    n = span_bytes(p)
+    if isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
+        scalar = torch.tensor(0.0, dtype=_scalar_dtype()).element_size()
+        return (3 if group.get("amsgrad") else 2) * n + scalar
+    if isinstance(optimizer, torch.optim.SGD):
+        return n if group.get("momentum", 0) else 0
+    return 2 * n  # unknown: the common case of two moments
+
+
+def _scalar_dtype() -> torch.dtype:
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def group_of(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """id(parameter) -> index of its group in ``optimizer``."""
+    return {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+
+
+def specs(entries: list[Entry], buckets: list[list[int]], optimizer: Optional[torch.optim.Optimizer]) -> list[Bucket]:
+    """The plan's view of ``buckets`` (swap.schedule.model_state.Bucket), in bucket order."""
+    groups = group_of(optimizer) if optimizer is not None else {}
+    out = []
+    for b, members in enumerate(buckets):
+        params = [(n, p) for i in members for n, p in entries[i].params]
+        weight = sum(entries[i].nbytes for i in members)
+        grad = sum(span_bytes(p) for _, p in params)
+        state = sum(state_bytes(optimizer, p, optimizer.param_groups[groups[id(p)]]) for _, p in params
+                    if optimizer is not None)  # fmt: skip
+        out.append(Bucket(b, tuple(n for n, _ in params), sum(p.numel() for _, p in params), weight, weight, grad,
+                          state))  # fmt: skip
+    return out

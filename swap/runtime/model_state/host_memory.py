@@ -1,0 +1,82 @@
+"""Host memory for model state, predicted before any of it is allocated, and refused when it would not fit.
+
+Note [Host memory before allocating]
+Offloaded model state lives in host memory: the master weights and the gradient buffers (page-locked, from the
+host pool, exact sizes: Note [Exact-size pinned blocks]), the optimizer state (pageable: it never crosses the
+link), and a staging buffer per gradient being accumulated. All of it is known from the parameters and the
+optimizer before the first byte is taken, so the manager compares the sum with the host memory it may use
+(``host_memory=``, else what the kernel reports available, MemAvailable) and refuses with the figures, the
+largest model that fits and the smallest host that holds this one, instead of letting the kernel's OOM killer end
+the run halfway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...units import fmt_bytes
+from ..host_pool import ALIGN
+from .buckets import Entry, group_of, state_bytes
+from .storage import grad_span
+
+
+class HostMemoryError(MemoryError):
+    """Offloaded model state would not fit in host memory (Note [Host memory before allocating])."""
+
+
+@dataclass
+class HostPrediction:
+    """Host bytes model state will take: masters and gradient buffers (pinned), optimizer state, staging."""
+
+    masters: int
+    grads: int
+    state: int
+    staging: int
+    params: int  # parameters (elements) these bytes are for
+
+    @property
+    def pinned(self) -> int:
+        return self.masters + self.grads + self.staging
+
+    @property
+    def total(self) -> int:
+        return self.pinned + self.state
+
+
+def _aligned(n: int) -> int:
+    return max(ALIGN, -(-n // ALIGN) * ALIGN)
+
+
+def predict(entries: list[Entry], optimizer: torch.optim.Optimizer, bucket_bytes: int) -> HostPrediction:
+    """What ``entries``' model state takes on the host, in the host pool's units (its 512-byte alignment); the
+    staging buffers for accumulated gradients are a bucket's worth (or the largest gradient)."""
+    groups = group_of(optimizer)
+    params = [p for e in entries for _, p in e.params]
+    grad_sizes = [_aligned(grad_span(p)) for p in params]
+    return HostPrediction(
+        masters=sum(_aligned(e.nbytes) for e in entries),
+        grads=sum(grad_sizes),
+        state=sum(state_bytes(optimizer, p, optimizer.param_groups[groups[id(p)]]) for p in params),
+        staging=_aligned(max(max(grad_sizes, default=0), bucket_bytes)),
+        params=sum(p.numel() for p in params),
+    )
+
+
+def refuse_over(prediction: HostPrediction, limit: int, source: str) -> None:
+    """Raises ``HostMemoryError`` when ``prediction`` exceeds ``limit`` bytes (``source`` says where the limit
+    came from)."""
+    total = prediction.total
+    if total <= limit:
+        return
+    per_param = total / max(prediction.params, 1)
+    fits = int(limit / per_param) if per_param else 0
+    raise HostMemoryError(
+        f"offloaded model state needs {fmt_bytes(total)} of host memory (master weights {fmt_bytes(prediction.masters)}"
+        f", gradients {fmt_bytes(prediction.grads)}, optimizer state {fmt_bytes(prediction.state)}, staging "
+        f"{fmt_bytes(prediction.staging)}), but {source} is {fmt_bytes(limit)}. The largest model that fits is about "
+        f"{fits / 1e6:.1f} M parameters ({per_param:.1f} bytes each, this one has {prediction.params / 1e6:.1f} M); "
+        f"this one needs a host with at least {fmt_bytes(total)} free (pass host_memory= if more is free than the "
+        "kernel reports), or keep the model state on the device with model_state='resident'"
+    )

@@ -1,0 +1,178 @@
+"""The host step: the user's optimizer, run on the host masters of the offloaded parameters.
+
+Note [Host step after confirmation]
+The host step of a bucket needs its final gradient and the step's scale (the clip coefficient), and both are
+certain only at ``opt.step()``. So a step pre-hook on the user's optimizer, at ``opt.step()``: snapshots every
+param group's hyperparameters (a scheduler's ``sched.step()`` may change them before the host runs), takes which
+host gradients this step has, and queues one host step per bucket, in the order the forward pass uses the buckets,
+on the host worker; ``opt.step()`` then returns at once and steps only the parameters still on the device (the
+offloaded ones have ``p.grad = None``). The next use of a bucket waits for its update (*update-before-use*), as
+does anything that reads parameters in between (a state dict, ``sm.flush()``, the manager's exit), so the host
+step hides behind the next forward pass. It is exact: on CPU runs the host step is the very kernel plain training
+runs, so parameters and optimizer state are bitwise plain torch's.
+
+Note [Shadow optimizer]
+The host step is an instance of the user's optimizer class over the host masters, with the user's param groups
+(those holding offloaded parameters) and their hyperparameters, copied from the user's groups at every step, so
+schedulers, ``add_param_group`` edits and implementation flags (foreach, fused, maximize, amsgrad) take effect.
+Host-only changes: ``capturable`` is off (the host runs no CUDA graph), and ``fused`` falls back to the default
+kernel where the host has no fused one (a note in the report says so). One bucket is stepped by pointing each
+shadow group's ``params`` at the bucket's parameters in it for the call: the optimizer's state is keyed by
+parameter, so buckets can be re-packed at no cost, and one step never touches another bucket's state.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+# Optimizers whose step updates each parameter from its own gradient and state only (so a bucket can be stepped
+# alone) and that step without a closure; tested bitwise against plain torch.
+SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """Raises for an optimizer whose state the runtime cannot move (saying what to do instead)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("LBFGS re-evaluates the model inside step(closure) and keeps state over all parameters at "
+                         "once, so its state cannot be stepped bucket by bucket on the host: keep it on the device "
+                         "with model_state='resident', or use Adam, AdamW or SGD")  # fmt: skip
+    if type(optimizer) not in SUPPORTED:
+        raise ValueError(f"{type(optimizer).__name__} is not supported for offloaded model state (supported: "
+                         f"{', '.join(c.__name__ for c in SUPPORTED)}): keep the state on the device with "
+                         "model_state='resident'")  # fmt: skip
+
+
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's hyperparameters as the host step uses them (tensors copied: a scheduler may write them in
+    place later); Note [Shadow optimizer]."""
+    out = {}
+    with _disable_current_modes():
+        for k, v in group.items():
+            if k == "params":
+                continue
+            out[k] = v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+    if out.get("capturable"):
+        out["capturable"] = False
+    return out
+
+
+class HostStepper:
+    """Host steps of ``user`` (the user's optimizer) over ``host_of`` (id(parameter) -> host master), on
+    ``worker``; ``grads`` is the gradient sink (swap.runtime.model_state.gradients)."""
+
+    def __init__(self, user: torch.optim.Optimizer, host_of: dict[int, torch.Tensor], grads: Any,
+                 worker: ThreadPoolExecutor) -> None:  # fmt: skip
+        self.user = user
+        self.host_of = host_of
+        self.grads = grads
+        self.worker = worker
+        self.pending: dict[int, tuple[Future, int]] = {}  # bucket -> its queued host step, and the step's number
+        self.seconds: dict[int, float] = {}  # step number -> host optimizer seconds, on the worker
+        self.exposed: dict[int, float] = {}  # step number -> seconds something waited for its updates
+        self.steps = 0
+        self.overrides: dict[str, Any] = {}  # host-only settings over the user's (Note [Shadow optimizer])
+        self.notes: list[str] = []
+        self.shadow = self._build()
+
+    def _build(self) -> torch.optim.Optimizer:
+        groups = []
+        self.shadow_group: dict[int, int] = {}  # user group -> shadow group
+        for g, group in enumerate(self.user.param_groups):
+            hosts = [self.host_of[id(p)] for p in group["params"] if id(p) in self.host_of]
+            if hosts:
+                self.shadow_group[g] = len(groups)
+                groups.append({**hyperparameters(group), "params": hosts})
+        self.full = [list(g["params"]) for g in groups]
+        try:
+            return type(self.user)(groups)
+        except (RuntimeError, ValueError) as e:  # a fused kernel the host does not have: the default one
+            if not any(g.get("fused") for g in groups):
+                raise
+            self.overrides["fused"] = None
+            self.notes.append(f"fused=True is not available for the host step ({e}); it runs the default kernel")
+            return type(self.user)([{**g, **self.overrides} for g in groups])
+
+    # -- queueing ---------------------------------------------------------------------------------------
+    def queue(self, buckets: dict[int, list[torch.nn.Parameter]]) -> None:
+        """Note [Host step after confirmation]: one host step per bucket (its number -> its parameters), in the
+        order given."""
+        self.steps += 1
+        groups = self.user.param_groups
+        if len(groups) != len(self.shadow_group) and any(
+            any(id(p) in self.host_of for p in g["params"]) for i, g in enumerate(groups) if i not in self.shadow_group
+        ):  # fmt: skip
+            raise RuntimeError("a param group holding offloaded parameters was added after the manager started: "
+                               "add param groups before entering the SwapManager")  # fmt: skip
+        hyper = {s: {**hyperparameters(groups[g]), **self.overrides} for g, s in self.shadow_group.items()}
+        group_of = {id(p): self.shadow_group[g] for g, grp in enumerate(groups) if g in self.shadow_group
+                    for p in grp["params"]}  # fmt: skip
+        for b, params in buckets.items():
+            work = [(group_of[id(p)], self.host_of[id(p)], self.grads.grad(p)) for p in params]
+            work = [w for w in work if w[2] is not None]
+            if not work:
+                continue
+            # One worker, first in first out: a step queued earlier for this bucket is done before this one runs.
+            self.pending[b] = (self.worker.submit(self._step, work, hyper, self.steps), self.steps)
+
+    def _step(self, work: list[tuple[int, torch.Tensor, torch.Tensor]], hyper: dict[int, dict[str, Any]],
+              number: int) -> None:  # fmt: skip
+        t0 = time.perf_counter()
+        shadow = self.shadow
+        try:
+            for s, group in enumerate(shadow.param_groups):
+                group.update(hyper[s])
+                group["params"] = [hp for g, hp, _ in work if g == s]
+            for _, hp, grad in work:
+                hp.grad = grad
+            shadow.step()
+        finally:
+            for _, hp, _ in work:
+                hp.grad = None
+            for s, group in enumerate(shadow.param_groups):
+                group["params"] = self.full[s]
+            self.seconds[number] = self.seconds.get(number, 0.0) + time.perf_counter() - t0
+
+    # -- waiting ----------------------------------------------------------------------------------------
+    def updated(self, bucket: int) -> bool:
+        pending = self.pending.get(bucket)
+        return pending is None or pending[0].done()
+
+    def wait(self, bucket: int) -> None:
+        """Update-before-use: returns once ``bucket``'s pending host step is done (raising what it raised)."""
+        pending = self.pending.pop(bucket, None)
+        if pending is None:
+            return
+        f, number = pending
+        if not f.done():
+            t0 = time.perf_counter()
+            f.result()
+            self.exposed[number] = self.exposed.get(number, 0.0) + time.perf_counter() - t0
+        else:
+            f.result()
+
+    def flush(self) -> None:
+        for b in list(self.pending):
+            self.wait(b)
+
+    def state_of(self, p: torch.nn.Parameter) -> dict[str, Any]:
+        """The host optimizer state of offloaded parameter ``p`` (empty before its first step)."""
+        return self.shadow.state.get(self.host_of[id(p)], {})
+
+    def set_state(self, p: torch.nn.Parameter, state: dict[str, Any]) -> None:
+        self.shadow.state[self.host_of[id(p)]] = state
+
+    def take_state(self, p: torch.nn.Parameter) -> dict[str, Any]:
+        """Removes and returns ``p``'s host state (it becomes resident: the user's optimizer steps it now)."""
+        return self.shadow.state.pop(self.host_of[id(p)], {})
+
+
+def run_on(worker: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on the host worker, in order with the host work queued before it; its result."""
+    return worker.submit(fn, *args).result()

@@ -1,0 +1,400 @@
+"""The model-state runtime: the user's parameters, gradients and optimizer state placed and updated under the
+manager's budget. It wires the parts, each in its own module: entries and buckets (``buckets``), host masters and
+device copies (``storage``), the parameter guard (``guard``), streaming (``streaming``), gradients
+(``gradients``), the host step (``host_step``), state dicts (``state_dicts``), clipping (``clipping``) and host
+memory (``host_memory``). The manager builds it when given ``model=`` and ``optimizer=``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from typing import Any, Callable, Optional
+
+import torch
+
+from ...schedule.model_state import ModelStatePlan, Placement
+from ..host_pool import ALIGN, HostPool, Pinner
+from ..resources import available_host_memory
+from . import clipping
+from .buckets import collect_entries, specs
+from .gradients import GradSink
+from .guard import ParamGuard
+from .host_memory import predict, refuse_over
+from .host_step import HostStepper, check_optimizer
+from .state_dicts import StateDictHooks, host_state_value
+from .storage import Copies, Masters
+from .streaming import Streamer
+
+MODES = ("auto", "resident", "offload")
+
+
+def device_state_value(key: str, value: Any, p: torch.nn.Parameter, group: dict[str, Any]) -> Any:
+    """A host state value for resident parameter ``p``, as torch's ``Optimizer.load_state_dict`` places it (a
+    copy, made on this thread, where a meter counting the device sees it)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if key == "step":
+        if group.get("capturable") or group.get("fused"):
+            return value.to(dtype=torch.float32, device=p.device, copy=True)
+        return value.clone()
+    return value.to(dtype=p.dtype if p.is_floating_point() else value.dtype, device=p.device, copy=True)
+
+
+def check_model_state(model: Any, optimizer: Any, mode: Any) -> Optional[str]:
+    """``model=``, ``optimizer=``, ``model_state=``: the mode to run (None: no model state managed)."""
+    if mode not in MODES:
+        raise ValueError(f"model_state must be one of {', '.join(map(repr, MODES))}, not {mode!r}")
+    if model is None and optimizer is None:
+        return None
+    if model is None or optimizer is None:
+        given, missing = ("model", "optimizer") if optimizer is None else ("optimizer", "model")
+        raise ValueError(f"{given}= was given without {missing}=: the manager places a model's state only with "
+                         "the optimizer that steps it; pass both, or neither (then only activations are managed)")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    if mode != "resident":
+        check_optimizer(optimizer)
+    return mode
+
+
+class ModelStateRuntime:
+    """Streams ``model``'s parameters that ``optimizer`` steps (every bucket ``STREAMED``, host step after
+    confirmation: the conservative plan) in buckets of about ``bucket_bytes``, on ``device``. ``host_memory``:
+    host bytes it may use (None: what is available now). Raises ``HostMemoryError`` before allocating anything when
+    the state would not fit."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                 bucket_bytes: int, host_memory: Optional[int] = None, mode: str = "offload") -> None:  # fmt: skip
+        self.mode = mode
+        self.model = model
+        self.optimizer = optimizer
+        self.device = device
+        self.bucket_bytes = bucket_bytes
+        self.entries = collect_entries(model, optimizer, device)
+        if not self.entries:
+            raise ValueError("the optimizer steps none of the model's parameters: nothing to place")
+        self.prediction = predict(self.entries, optimizer, bucket_bytes)
+        if host_memory is not None:
+            refuse_over(self.prediction, host_memory, "host_memory=")
+        else:
+            refuse_over(self.prediction, available_host_memory(), "the host memory available now (MemAvailable)")
+        self.copies = Copies()
+        self.pools: list[HostPool] = []
+        self.worker: Optional[ThreadPoolExecutor] = None
+        self.records: list[dict[str, Any]] = []
+        self._restore: list[Callable[[], None]] = []
+        self._last = self._totals(lambda: (0, 0))
+        self.started = False
+        self.final: Optional[dict[str, Any]] = None
+        self.plan: Optional[ModelStatePlan] = None  # the plan applied (None: the conservative one, all streamed)
+        self._proposed: Optional[ModelStatePlan] = None
+        # Asked at each optimizer step until it returns a plan (the manager's, once the activations are planned).
+        self.decide: Optional[Callable[[list[Any]], Optional[ModelStatePlan]]] = None
+        # Page-locks the host masters and gradient buffers: the CUDA driver on CUDA runs (None), or one given
+        # (tests, a host with its own way to pin).
+        self.pinner: Optional[Pinner] = None
+
+    # -- starting ---------------------------------------------------------------------------------------
+    def start(self, engine: Any, own_work: Callable[[], Any], fits: Callable[[int], bool],
+              activation_bytes: Callable[[], tuple[int, int]]) -> None:  # fmt: skip
+        """Host masters and buffers allocated, weights dropped off the device, hooks installed. ``own_work()``: a
+        context in which the saved-tensor hooks know the runtime's own operators run; ``fits(n)``: whether ``n``
+        more device bytes keep the budget; ``activation_bytes()``: activation bytes (in, out) so far."""
+        pinned = self.pinned
+        pred = self.prediction
+        # Exact sizes, one block each (Note [Host memory before allocating]); staging may not grow past its own.
+        pools = [HostPool(pinned, limit=n if limited else None, block_size=max(n, ALIGN), pinner=self.pinner,
+                          device=self.device)
+                 for n, limited in ((pred.masters, False), (pred.grads, False), (pred.staging, True))]  # fmt: skip
+        self.pools = pools
+        self.activation_bytes = activation_bytes
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="swap-host-step")
+        entries, copies = self.entries, self.copies
+        self.guard = ParamGuard({}, self._dropped, self._demand, self._wrote)
+        self._own_work = own_work
+        self.masters = Masters(entries, pools[0], engine, self.device, self.busy, copies)
+        self.masters.allocate()
+        self.grads = GradSink(entries, pools[1], pools[2], engine, self.worker,
+                              lambda i: self.stepper.wait(self.streamer.bucket_of[i]),
+                              lambda: self.streamer.in_backward(), copies, self.busy)  # fmt: skip
+        self.grads.allocate()
+        host_of = {id(p): self.masters.host_param(e, p) for e in entries for _, p in e.params}
+        self.host_of = host_of
+        self.stepper = HostStepper(self.optimizer, host_of, self.grads, self.worker)
+        self._absorb_optimizer_state()
+        self.streamer = Streamer(entries, self.masters, self.bucket_bytes, self.stepper.wait, self.stepper.updated,
+                                 fits, copies, backward_ended=self.grads.settle,
+                                 before_repack=self.stepper.flush)  # fmt: skip
+        self.guard.watched = self.streamer.watched
+        for e in entries:
+            self.masters.drop(e)
+        self.started = True
+        self.guard.__enter__()
+        self._restore.append(lambda: self.guard.__exit__(None, None, None))
+        self.streamer.install(self.model)
+        self._restore.append(self.streamer.uninstall)
+        self.grads.install()
+        self._restore.append(self.grads.uninstall)
+        handle = self.optimizer.register_step_pre_hook(self._step_pre_hook)
+        self._restore.append(handle.remove)
+        for obj in (self.optimizer, self.model):
+            self._wrap_zero_grad(obj)
+        self.state_dicts = StateDictHooks(self.model, self.optimizer, entries, self.flush, self._host_param,
+                                          self.stepper.state_of, self.stepper.set_state, self._settle,
+                                          self.grads.manages)  # fmt: skip
+        self.state_dicts.install()
+        self._restore.append(self.state_dicts.uninstall)
+        clipping.route(self)
+        self._restore.append(lambda: clipping.unroute(self))
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the host masters and gradient buffers are page-locked (CUDA runs, or a ``pinner`` given)."""
+        return self.device.type == "cuda" or self.pinner is not None
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """The runtime's own operators: the guard lets them through, the operator profiler does not record them."""
+        with self.guard.busy(), self._own_work():
+            yield
+
+    def _absorb_optimizer_state(self) -> None:
+        """State the user's optimizer already has for managed parameters moves to the host step."""
+        state = self.optimizer.state
+        for e in self.entries:
+            for _, p in e.params:
+                if p in state:
+                    like = self.host_of[id(p)]
+                    self.stepper.set_state(p, {k: host_state_value(k, v, like) for k, v in state[p].items()})
+                    del state[p]
+
+    def _wrap_zero_grad(self, obj: Any) -> None:
+        """``zero_grad`` of ``obj`` also resets the host gradients (Note [Gradients on the host])."""
+        original = obj.zero_grad
+        had_own = "zero_grad" in vars(obj)
+
+        def zero_grad(set_to_none: bool = True, *args: Any, **kwargs: Any) -> None:
+            original(set_to_none, *args, **kwargs)
+            self.grads.zero(self.grads.params, set_to_none)
+
+        obj.zero_grad = zero_grad
+
+        def restore() -> None:
+            if had_own:
+                obj.zero_grad = original
+            else:
+                del obj.zero_grad
+
+        self._restore.append(restore)
+
+    # -- the guard's callbacks --------------------------------------------------------------------------
+    def _dropped(self, entry: int) -> bool:
+        return not self.masters.current[entry]
+
+    def _demand(self, entry: int) -> None:
+        self.streamer.demand(entry)
+
+    def _wrote(self, entry: int) -> None:
+        self.masters.dirty[entry] = True
+
+    def _host_param(self, p: torch.nn.Parameter) -> torch.Tensor:
+        return self.host_of[id(p)]
+
+    def _settle(self, entries: list[int]) -> None:
+        """Written device copies of ``entries`` go back to their masters, and the weights off the device."""
+        with self.streamer.lock:
+            for i in entries:
+                self.masters.drop(self.entries[i])
+            self.streamer.held -= {self.streamer.bucket_of[i] for i in entries}
+
+    # -- the optimizer step -----------------------------------------------------------------------------
+    def _step_pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """Note [Host step after confirmation]."""
+        if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:  # args[0] is the optimizer
+            raise RuntimeError("opt.step(closure) re-evaluates the model inside the step, and the SwapManager steps "
+                               "offloaded parameters on the host after their gradients are final: call the closure "
+                               "yourself (loss = closure()), then opt.step()")  # fmt: skip
+        s = self.streamer
+        s.drop_all(stale=True)
+        if self._proposed is None and self.plan is None and self.decide is not None:
+            self._proposed = self.decide(specs(self.entries, s.buckets, self.optimizer))
+        if self._proposed is not None:
+            self._apply(self._proposed)
+        offloaded = [b for b, p in enumerate(s.placements) if p != Placement.RESIDENT]
+        self.stepper.queue({b: [p for i in s.buckets[b] for _, p in self.entries[i].params] for b in offloaded})
+        self._record()
+
+    def propose(self, plan: ModelStatePlan) -> None:
+        """Places the buckets as ``plan`` says from the next ``opt.step()`` on (Note [Changing placements])."""
+        if len(plan.placements) != len(self.streamer.buckets):
+            raise ValueError(f"the plan places {len(plan.placements)} buckets, the model has "
+                             f"{len(self.streamer.buckets)}")  # fmt: skip
+        self._proposed = plan
+
+    # Note [Changing placements]
+    # Every bucket starts streamed (the conservative plan: it holds the least of the device). A plan made later
+    # is applied at an ``opt.step()``, before the host steps are queued and before the user's optimizer runs:
+    # the gradients are final and on the host then, and the weights off the device. A bucket made resident
+    # waits for its pending host update, fetches its weights for good, and hands its host gradients and
+    # optimizer state to the user's optimizer on the device (copied there, cast as torch's load casts them), so
+    # this very step is a device step; a bucket made a host master keeps its compute copy from its next use on.
+    # Placements only move towards the device (a plan is made once, from the profiled iterations).
+    def _apply(self, plan: ModelStatePlan) -> None:
+        s = self.streamer
+        self._proposed = None
+        for b, placement in enumerate(plan.placements):
+            old = s.placements[b]
+            if placement == old or old == Placement.RESIDENT:
+                continue
+            self.stepper.wait(b)
+            for i in s.buckets[b]:
+                e = self.entries[i]
+                if placement == Placement.RESIDENT:
+                    self._make_resident(e)
+                else:
+                    self.masters.placement[i] = placement
+            s.placements[b] = placement
+        self.plan = plan
+
+    def _make_resident(self, e: Any) -> None:
+        self.masters.make_resident(e)
+        self.streamer.watched.pop(e.key, None)
+        state = self.optimizer.state
+        groups = self.optimizer.param_groups
+        group_of = {id(p): g for g in groups for p in g["params"]}
+        for _, p in e.params:
+            self.copies.state_in += self.grads.to_device(p, self.device)
+            moved = {k: device_state_value(k, v, p, group_of[id(p)]) for k, v in self.stepper.take_state(p).items()}
+            if moved:
+                state[p] = moved
+                self.copies.state_in += sum(v.numel() * v.element_size() for v in moved.values()
+                                            if isinstance(v, torch.Tensor))  # fmt: skip
+
+    def _totals(self, activations: Callable[[], tuple[int, int]]) -> dict[str, Any]:
+        c = self.copies
+        a_in, a_out = activations()
+        return {"weights_in_bytes": c.weights_in, "weights_out_bytes": c.weights_out, "grads_out_bytes": c.grads_out,
+                "state_in_bytes": c.state_in,
+                "activations_in_bytes": a_in, "activations_out_bytes": a_out, "stall_seconds": c.stall_seconds,
+                "demand_fetches": c.demand_fetches}  # fmt: skip
+
+    def _record(self) -> None:
+        """The bytes moved since the last optimizer step (the report's per-step rows)."""
+        now = self._totals(self.activation_bytes)
+        row = {k: now[k] - self._last[k] for k in now}
+        row.update(step=self.stepper.steps, state_out_bytes=0)
+        self._last = now
+        self.records.append(row)
+
+    def _step_row(self, record: dict[str, Any]) -> dict[str, Any]:
+        """A per-step row with its host step's seconds, the part something waited for (exposed) and the rest
+        (hidden behind other work); ``exposed_stall_seconds``: those waits plus waits for weights to land."""
+        k = record["step"]
+        seconds = self.stepper.seconds.get(k, 0.0)
+        exposed = self.stepper.exposed.get(k, 0.0)
+        return {**record, "host_step_seconds": seconds, "host_step_exposed_seconds": exposed,
+                "host_step_hidden_seconds": max(0.0, seconds - exposed),
+                "exposed_stall_seconds": record["stall_seconds"] + exposed}  # fmt: skip
+
+    def flush(self) -> None:
+        """Every pending host step done, every written device copy back on the host."""
+        self.stepper.flush()
+        with self.streamer.lock:
+            self.masters.write_back_dirty()
+
+    # -- clipping -------------------------------------------------------------------------------------------
+    def manages(self, p: torch.Tensor) -> bool:
+        return self.started and self.grads.manages(p)
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:  # fmt: skip
+        """Note [Exact clipping]."""
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        self.grads.settle()
+        grads = []
+        for p in params:
+            g = self.grads.grad(p) if self.grads.manages(p) else p.grad
+            if g is not None:
+                grads.append(g)
+        with torch.no_grad():
+            total = clipping.total_norm(grads, norm_type, error_if_nonfinite, foreach, self.device)
+            managed, others = clipping.managed_split(params, self.grads.manages)
+            torch.nn.utils.clip_grads_with_norm_(others, max_norm, total, foreach)
+            clipping.scale_host([g for p in managed if (g := self.grads.grad(p)) is not None], max_norm, total,
+                                foreach)  # fmt: skip
+        return total
+
+    # -- closing ----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Pending work done; weights, gradients and optimizer state back where plain torch keeps them (the model
+        runs without the manager after this); hooks removed; host memory returned."""
+        if not self.started:
+            return
+        try:
+            self.flush()
+            self.final = self.snapshot()
+            self.grads.settle()
+            saved = self.optimizer.state_dict()  # with the host state (Note [State dicts of offloaded model state])
+            for e in self.entries:
+                self.masters.make_resident(e)
+            self.streamer.held.clear()
+            with torch.no_grad():
+                for p in self.grads.params:
+                    g = self.grads.grad(p)
+                    if g is not None:
+                        p.grad = g.to(self.device, copy=True)
+        finally:
+            for undo in reversed(self._restore):
+                undo()
+            self._restore = []
+            self.started = False
+        self.optimizer.load_state_dict(saved)
+        self.worker.shutdown(wait=True)
+        self.grads.close()
+        self.masters.close()
+        for pool in self.pools:
+            pool.close()
+        # The report keeps ``final``; nothing here may keep the model, its state or host memory alive.
+        self.model = self.optimizer = self.decide = None
+        self.entries, self.pools, self.host_of, self.records = [], [], {}, []
+        for part in ("masters", "grads", "stepper", "streamer", "state_dicts", "guard", "worker"):
+            delattr(self, part)
+
+    # -- the report -------------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """The report's ``model_state`` fields (after ``close``: as they were at its start)."""
+        if self.final is not None:
+            return dict(self.final)
+        pred = self.prediction
+        data: dict[str, Any] = {
+            "mode": self.mode,
+            "host_bytes_predicted": pred.total,
+            "pinned_bytes_predicted": pred.pinned if self.pinned else 0,
+            "state_bytes_predicted": pred.state,
+            "bucket_bytes": self.bucket_bytes,
+        }
+        if not self.started:
+            return data
+        stepper = self.stepper
+        state_bytes = sum(v.untyped_storage().nbytes() for st in list(stepper.shadow.state.values())
+                          for v in st.values() if isinstance(v, torch.Tensor))  # fmt: skip
+        buckets = specs(self.entries, self.streamer.buckets, self.optimizer)
+        return {
+            **data,
+            "placements": {p.value: n for p in Placement if (n := self.streamer.placements.count(p))},
+            "buckets": len(buckets),
+            "bucket_specs": [asdict(b) for b in buckets],  # swap.schedule.model_state.Bucket, for a planner
+            "host_step_seconds": sum(stepper.seconds.values()),
+            "host_step_exposed_seconds": sum(stepper.exposed.values()),
+            "host_bytes": sum(p.reserved for p in self.pools) + state_bytes,
+            "pinned_bytes": sum(p.pinned_bytes for p in self.pools),
+            "state_bytes": state_bytes,
+            "steps": [self._step_row(r) for r in self.records],
+            "notes": list(stepper.notes),
+            **self._totals(self.activation_bytes),
+        }

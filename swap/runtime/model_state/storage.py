@@ -1,0 +1,184 @@
+"""Host masters and device copies of the managed parameters' storages.
+
+Note [Device copies by storage resize]
+A streamed entry keeps its device storage object for the whole run and resizes it: to zero bytes when its weights
+are dropped, back to full size when they are fetched (then filled from the host master). Parameters keep their
+shape, dtype and identity, the optimizer's references stay valid, and every view of them (a ``weight.t()`` saved
+for backward) sees the bytes once they are back. This is FSDP's proven trick; replacing ``p.data`` instead would
+change the parameter's shape while dropped and leave saved views holding the old storage. The live-bytes meter
+follows the resizes (Note [Storages that resize] in swap.runtime.meter). A storage that cannot be resized (memory
+another library owns) is replaced once, at the start, by a resizable copy.
+
+A drop is *clean*: the host master is the truth, nothing is copied back, unless something wrote the device copy
+since it was fetched (``dirty``: ``model.load_state_dict``, a user's in-place edit; the parameter guard sees the
+write), in which case it is copied back first. What a drop does depends on the entry's placement (Note
+[Model-state placements] in swap.schedule.model_state): a ``STREAMED`` entry's storage is freed; a
+``HOST_MASTER`` entry keeps its device memory and is only marked stale (its next fetch refreshes it in place);
+a ``RESIDENT`` entry is never dropped: its device copy is the truth.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ...schedule.model_state import Placement
+from ..host_pool import HostBlock, HostPool
+from .buckets import Entry, span_bytes
+
+
+def host_tensor(block_view: torch.Tensor, like: torch.Tensor, storage_offset: int) -> torch.Tensor:
+    """A host tensor with ``like``'s dtype, size and strides, starting ``storage_offset`` elements into the host
+    block ``block_view`` (a uint8 view from the host pool, aligned for every dtype). Made with Python dispatch off:
+    host memory is not the device's (Note [Host pool on CPU runs])."""
+    size = like.element_size()
+    with _disable_current_modes():
+        return torch.empty(0, dtype=like.dtype).set_(
+            block_view.untyped_storage(), block_view.storage_offset() // size + storage_offset, like.size(),
+            like.stride(),
+        )  # fmt: skip
+
+
+class Copies:
+    """Byte counts of what crossed the link for model state (the report's per-kind counts)."""
+
+    def __init__(self) -> None:
+        self.weights_in = 0
+        self.weights_out = 0
+        self.grads_out = 0
+        self.state_in = 0  # optimizer state (and gradients) brought to the device for a resident placement
+        self.demand_fetches = 0
+        self.stall_seconds = 0.0  # waiting for a fetch to land
+
+
+class Masters:
+    """The host master of every entry (from ``pool``) and the state of its device copy: ``current`` (it holds the
+    weights now), ``allocated`` (it has its bytes), fetched with ``engine``, ``dirty``; ``placement`` per entry.
+    ``busy()`` is a context in which the parameter guard lets our own operators through. Thread-safe: the
+    fetches and drops of a backward pass may run on autograd's device threads."""
+
+    def __init__(self, entries: list[Entry], pool: HostPool, engine: Any, device: torch.device,
+                 busy: Callable[[], Any], copies: Copies) -> None:  # fmt: skip
+        self.entries = entries
+        self.pool = pool
+        self.engine = engine
+        self.device = device
+        self.busy = busy
+        self.copies = copies
+        self.lock = threading.RLock()
+        self.blocks: list[Optional[HostBlock]] = [None] * len(entries)
+        self.current = [True] * len(entries)
+        self.allocated = [True] * len(entries)
+        self.dirty = [False] * len(entries)
+        self.h2d: list[Any] = [None] * len(entries)
+        self._flat: list[Optional[torch.Tensor]] = [None] * len(entries)  # uint8 views over the device storages
+        self.placement = [Placement.STREAMED] * len(entries)
+
+    # -- setting up -------------------------------------------------------------------------------------
+    def allocate(self) -> None:
+        """A host master for every entry, filled from its device copy (which stays resident)."""
+        for e in self.entries:
+            self._ensure_resizable(e)
+            self.blocks[e.index] = block = self.pool.alloc(e.nbytes)
+            with _disable_current_modes():
+                self._flat[e.index] = torch.empty(0, dtype=torch.uint8, device=self.device).set_(e.storage)
+            self.engine.wait_host(self.engine.d2h(block.view, self._flat[e.index]))
+
+    def _ensure_resizable(self, e: Entry) -> None:
+        if e.storage.resizable():
+            return
+        with torch.no_grad():
+            fresh = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
+            fresh.copy_(torch.empty(0, dtype=torch.uint8, device=self.device).set_(e.storage))
+            st = fresh.untyped_storage()
+            for _, p in e.params:
+                p.data = torch.empty(0, dtype=p.dtype, device=self.device).set_(st, p.storage_offset(), p.size(),
+                                                                                 p.stride())  # fmt: skip
+        e.storage, e.key = st, st._cdata
+
+    def host_param(self, e: Entry, p: torch.nn.Parameter) -> torch.Tensor:
+        """The host master of parameter ``p`` of entry ``e``: the same geometry on the host."""
+        return host_tensor(self.blocks[e.index].view, p, p.storage_offset())
+
+    def host_bytes(self) -> int:
+        return sum(b.size for b in self.blocks if b is not None)
+
+    # -- device copies ----------------------------------------------------------------------------------
+    def fetch(self, e: Entry) -> bool:
+        """Starts bringing ``e``'s weights back (False if they are on the device already)."""
+        i = e.index
+        with self.lock:
+            if self.current[i]:
+                return False
+            if not self.allocated[i]:
+                e.storage.resize_(e.nbytes)
+                self.allocated[i] = True
+            self.current[i] = True
+            with self.busy():
+                self.h2d[i] = self.engine.h2d(self._flat[i], self.blocks[i].view)
+            self.copies.weights_in += e.nbytes
+            return True
+
+    def ready(self, e: Entry) -> None:
+        """``e``'s weights may be read now (waits for the copy in flight, if any)."""
+        i = e.index
+        ticket = self.h2d[i]
+        if ticket is not None:
+            self.copies.stall_seconds += self.engine.wait_compute(ticket)
+            self.h2d[i] = None
+
+    def drop(self, e: Entry) -> None:
+        """``e``'s device copy no longer holds the weights: freed if streamed, stale if a host master's compute
+        copy (copied back first only if it was written: Note [Device copies by storage resize])."""
+        i = e.index
+        with self.lock:
+            if not self.current[i] or self.placement[i] == Placement.RESIDENT:
+                return
+            ticket = self.h2d[i]
+            if ticket is not None:  # fetched but not read: the memory's next user comes after the copy
+                self.copies.stall_seconds += self.engine.wait_compute(ticket)  # Note [Releases without host waits]
+                self.h2d[i] = None
+            if self.dirty[i]:
+                self.write_back(e)
+            if self.placement[i] == Placement.STREAMED:
+                e.storage.resize_(0)
+                self.allocated[i] = False
+            self.current[i] = False
+
+    def write_back(self, e: Entry) -> None:
+        """The device copy was written: the host master takes its bytes."""
+        i = e.index
+        self.ready(e)
+        with self.busy():
+            self.engine.wait_host(self.engine.d2h(self.blocks[i].view, self._flat[i]))
+        self.copies.weights_out += e.nbytes
+        self.dirty[i] = False
+
+    def write_back_dirty(self) -> None:
+        with self.lock:
+            for e in self.entries:
+                if self.dirty[e.index] and self.current[e.index]:
+                    self.write_back(e)
+
+    def make_resident(self, e: Entry) -> None:
+        """``e``'s weights on the device for good (a resident placement, or the manager exits): fetched, and its
+        device copy is the truth from now on."""
+        self.fetch(e)
+        self.ready(e)
+        self.placement[e.index] = Placement.RESIDENT
+
+    def close(self) -> None:
+        """Host masters go back to the pool (after ``restore`` of every entry, or with their views kept alive by
+        whoever holds them)."""
+        for i, block in enumerate(self.blocks):
+            if block is not None:
+                self.pool.free(block)
+                self.blocks[i] = None
+
+
+def grad_span(p: torch.nn.Parameter) -> int:
+    """Bytes of a host gradient buffer for ``p`` (its size and strides)."""
+    return max(span_bytes(p), p.element_size())
