@@ -188,14 +188,14 @@ std::uintptr_t Allocator::malloc(std::size_t nbytes, Stream stream, bool call_oo
       } else {
         settle_frees(/*wait=*/false);
         if (nbytes <= capacity_chunks_ * chunk_) {
-          if (std::uintptr_t p = try_malloc(nbytes, stream, false)) return p;
+          if (std::uintptr_t p = try_malloc_unmapping(nbytes, stream)) return p;
           if (!pending_.empty()) {  // memory freed on other streams' work: wait for it rather than fail
             settle_frees(/*wait=*/true);
-            if (std::uintptr_t p = try_malloc(nbytes, stream, false)) return p;
+            if (std::uintptr_t p = try_malloc_unmapping(nbytes, stream)) return p;
           }
           if (device_full_) {  // the device refused chunks earlier; others may have freed memory since
             device_full_ = false;
-            if (std::uintptr_t p = try_malloc(nbytes, stream, false)) return p;
+            if (std::uintptr_t p = try_malloc_unmapping(nbytes, stream)) return p;
           }
           if (call_oom_handler && !t_oom_handler_suppressed) handler = oom_handler_;
         }
@@ -212,7 +212,7 @@ std::uintptr_t Allocator::malloc(std::size_t nbytes, Stream stream, bool call_oo
     ++stats_.num_alloc_retries;
     try {
       settle_frees(/*wait=*/true);
-      if (std::uintptr_t p = try_malloc(nbytes, stream, false)) return p;
+      if (std::uintptr_t p = try_malloc_unmapping(nbytes, stream)) return p;
     } catch (const BackendError&) {
       ++stats_.num_backend_errors;
       throw;
@@ -238,6 +238,27 @@ std::uintptr_t Allocator::try_malloc(std::size_t nbytes, Stream stream, bool cac
   ++stats_.num_alloc;
   trace_.record(TraceEntry::kAlloc, p, size, stream);
   return p;
+}
+
+// Note [Mappings back before a refusal]
+// Mappings are a resource like physical memory: on the host backend the kernel caps a process's mappings
+// (Note [Host mapping limit] in backend_host.cpp), and cached free ranges keep theirs. A request refused for
+// want of mappings is retried once after every cached range has given its chunks back to the pool and its
+// mappings have been unmapped, as the ladder reclaims cached chunks for want of physical memory. Without
+// this, an arena whose every allocation had been freed still refused a 64 MiB request (64 KiB chunks, after
+// a stitch had split its mappings): the cache held the mappings. The refusal that was got past is counted
+// as a backend error; a second one is thrown.
+std::uintptr_t Allocator::try_malloc_unmapping(std::size_t nbytes, Stream stream) {
+  try {
+    return try_malloc(nbytes, stream, false);
+  } catch (const BackendMappingLimit& e) {
+    if (quiet() || cached_chunks_ == 0) throw;
+    note_backend_error(e);
+  }
+  std::exception_ptr unmap_failure;  // counted; the mappings that could not go stay stuck
+  retire_empty_slabs();
+  release_cached_ranges(unmap_failure);
+  return try_malloc(nbytes, stream, false);
 }
 
 std::uintptr_t Allocator::malloc_small(std::size_t size, Stream stream, bool cached_only) {

@@ -187,6 +187,8 @@ class VMALLOC_API Allocator {
   using SizeSet = std::set<std::pair<std::size_t, std::uintptr_t>>;  // (size, address): best fit
 
   std::uintptr_t try_malloc(std::size_t nbytes, Stream stream, bool cached_only);
+  std::uintptr_t try_malloc_unmapping(std::size_t nbytes, Stream stream);  // Note [Mappings back before a refusal]
+  std::size_t release_cached_ranges(std::exception_ptr& first);
   std::uintptr_t malloc_small(std::size_t size, Stream stream, bool cached_only);
   std::uintptr_t malloc_large(std::size_t nchunks, Stream stream, bool cached_only);  // a kAllocated range, or 0
   std::uintptr_t take_cached(std::uintptr_t addr, std::size_t nchunks);

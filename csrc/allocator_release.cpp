@@ -38,24 +38,36 @@ void Allocator::empty_cache() {
   retire_empty_slabs();
   auto remaining = [&] { return cached_chunks_ + stuck_.size() + quarantined_chunks_ + releasable_chunks(); };
   for (std::size_t left = remaining(), before = left + 1; left > 0 && left < before; before = left, left = remaining()) {
-    for (auto it = lru_.begin(); it != lru_.end();) {
-      const auto [seq, addr] = *it;
-      ++it;  // release_tail erases this entry
-      const Stream stream = ranges_.at(addr).stream;
-      bool fenced = false;
-      attempt([&] {
-        fence(stream, seq);
-        fenced = true;
-      });
-      if (!fenced) continue;  // the range stays cached
-      if (std::exception_ptr e = release_tail(addr, ranges_.at(addr).nchunks); e && !first) first = e;
-    }
+    release_cached_ranges(first);
     attempt([&] { release_free_blocks(SIZE_MAX); });
     retry_quarantine();
   }
   // Blocks whose release failed may remain above a lowered capacity.
   shrink_blocked_ = over_capacity_with_cache();
   if (first && remaining() > 0) std::rethrow_exception(first);
+}
+
+// Every cached range gives its chunks to the pool, least recently freed first; mappings left with none are
+// unmapped. A range whose stream cannot be waited for stays cached. Failures are counted, the first kept in
+// `first`. Returns the chunks released.
+std::size_t Allocator::release_cached_ranges(std::exception_ptr& first) {
+  std::size_t released = 0;
+  for (auto it = lru_.begin(); it != lru_.end();) {
+    const auto [seq, addr] = *it;
+    ++it;  // release_tail erases this entry
+    const Range& r = ranges_.at(addr);
+    const std::size_t n = r.nchunks;
+    try {
+      fence(r.stream, seq);
+    } catch (const BackendError& e) {
+      note_backend_error(e);
+      if (!first) first = std::current_exception();
+      continue;  // the range stays cached
+    }
+    if (std::exception_ptr e = release_tail(addr, n); e && !first) first = e;
+    released += n;
+  }
+  return released;
 }
 
 bool Allocator::over_capacity_with_cache() const {

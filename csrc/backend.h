@@ -41,6 +41,13 @@ struct VMALLOC_API BackendError : std::runtime_error {
   std::string call;
 };
 
+// Thrown by map when the process has no memory mapping left to give (the host backend's vm.max_map_count:
+// Note [Host mapping limit] in backend_host.cpp). Unmapping cached ranges makes mappings free again (Note
+// [Mappings back before a refusal] in allocator.cpp).
+struct VMALLOC_API BackendMappingLimit : BackendError {
+  using BackendError::BackendError;
+};
+
 // Thrown by create_chunk when the memory system itself has no physical memory left (as opposed to the
 // allocator's own capacity, which the core enforces before it asks).
 struct VMALLOC_API BackendOutOfMemory : BackendError {

@@ -138,7 +138,11 @@ class HostBackend final : public Backend {
       const int err = errno;
       // A failed MAP_FIXED may have dropped the reservation there: put it back, so the range stays ours.
       reserve_at(addr, bytes);
-      fail("mmap", "mapping a chunk", err, err == ENOMEM ? budget_.diagnose() : "");
+      const std::string limit = err == ENOMEM ? budget_.diagnose() : "";
+      if (!limit.empty())  // the kernel's own mapping limit: unmapping elsewhere would make room
+        throw BackendMappingLimit("mmap", std::string("vmalloc host backend: mmap (mapping a chunk) failed: ") +
+                                              std::strerror(err) + limit);
+      fail("mmap", "mapping a chunk", err);
     }
   }
 

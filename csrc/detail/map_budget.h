@@ -12,8 +12,8 @@ namespace vmalloc::detail {
 class MapBudget {
  public:
   MapBudget();
-  // Throws BackendError (naming the count, the limit and the ways out) if mapping could take the process
-  // into the mappings left to the rest of it.
+  // Throws BackendMappingLimit (naming the count, the limit and the ways out) if mapping could take the
+  // process into the mappings left to the rest of it.
   void before_map(const char* what);
   // The same for an unmap, which splits a mapping unless the chunk is one whole mapping by itself; whole
   // mappings may always be unmapped (that lowers the count: how an arena at the limit frees its way back).

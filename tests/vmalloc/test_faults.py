@@ -5,6 +5,7 @@ decorator (Arena(..., _test_backend=True)) around real host memory; the cuda bac
 against the emulated driver (test_cuda_fake.py)."""
 
 import ctypes
+import os
 import subprocess
 import sys
 import textwrap
@@ -279,6 +280,38 @@ def test_mapping_limit_stitch_fails_cleanly_and_the_arena_recovers():
     outcome = r.stdout.split()
     assert outcome[-1] == "RECOVERED" and outcome[0] in ("STITCHED", "LIMIT")
     print(f"\nmapping-limit case (4 GiB of 64 KiB chunks stitched): {outcome[0]}")
+
+
+def test_at_the_mapping_limit_cached_ranges_give_their_mappings_back_before_a_refusal():
+    """Note [Mappings back before a refusal]: a stitch that met the mapping limit split the cached ranges'
+    mappings; once everything is freed, a 64 MiB request must not fail on mappings the cache still holds.
+    The limit is lowered (VMALLOC_MAX_MAP_COUNT) so a few thousand chunks reach it."""
+    code = textwrap.dedent(
+        """
+        import vmalloc
+        KiB, MiB, n = 1024, 1 << 20, 4096
+        a = vmalloc.Arena("host", capacity=n * 64 * KiB, chunk_size="64KiB", small_max="16KiB")
+        ps = [a.malloc(64 * KiB) for _ in range(n)]
+        for p in ps[::2]:
+            a.free(p)
+        try:
+            a.malloc(n // 2 * 64 * KiB)  # every other chunk, stitched: a mapping each, over the limit
+            print("STITCHED")
+        except vmalloc.BackendError as e:
+            assert "vm.max_map_count" in str(e), e
+            print("LIMIT")
+        a.check_invariants()
+        for p in ps[1::2]:
+            a.free(p)
+        a.free(a.malloc(64 * MiB))  # was: the same mapping-limit error, with nothing allocated
+        a.check_invariants()
+        print("SERVED")
+        """
+    )
+    env = dict(os.environ, VMALLOC_MAX_MAP_COUNT="4096")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["LIMIT", "SERVED"], r.stdout
 
 
 def test_destructor_never_throws_when_every_release_fails():
