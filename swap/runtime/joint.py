@@ -64,6 +64,7 @@ class JointRuntime:
         self.result: Optional[JointResult] = None
         self.table: Optional[OpTable] = None
         self.decided = False
+        self.why_none: Optional[str] = None  # why no plan was made, where the run needed one (for the report)
         # How the plan is chosen from the evaluator; a test or a benchmark may fix a strategy instead.
         self.choose: Callable[[Evaluator], JointResult] = search
 
@@ -178,7 +179,7 @@ class JointRuntime:
         swapped = {v for step in schedule.swap_out for v in step} if schedule is not None else set()
         rows = self.rows(seq, swapped) if seq is not None or best is not None else []
         if best is None:
-            plan = "none (the run fits, or not planned yet)"
+            plan = f"none ({self.why_none or 'the run fits, or not planned yet'})"
         elif not best.feasible:
             plan = f"none ({best.name} does not fit the budget: swapping only)"
         else:

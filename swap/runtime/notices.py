@@ -25,6 +25,13 @@ from .signals import BudgetWarning
 
 log = logging.getLogger("swap")
 
+# Why strategy "auto" plans no recompute when the manager takes no saved tensor: its plan is made on the
+# profiled sequence of the tensors the manager takes (swap.joint.search), and min_bytes / exclude leave it none.
+NO_RECOMPUTE_PLAN = (
+    "strategy 'auto' plans recompute on the saved tensors the manager takes, and it takes none here, so no "
+    "module is recomputed either: lower min_bytes (or exclude less) to let it plan recompute and swaps"
+)
+
 
 class Notices:
     """The notes of one manager (``notes``, in order) and the causes it has warned about."""
@@ -46,10 +53,13 @@ class Notices:
         if message not in self.notes:
             self.notes.append(message)
 
-    def nothing_to_move(self, hooks: SavedTensorHooks, budget: int, seq: Optional[Sequence], peak: int) -> None:
+    def nothing_to_move(self, hooks: SavedTensorHooks, budget: int, seq: Optional[Sequence], peak: int,
+                        joint: bool = False) -> bool:  # fmt: skip
         """BudgetWarning when the manager cannot move what the budget needs moved, naming the cause: Note
         [Nothing to move, over the budget]. ``hooks``: what they left alone; ``seq``: the profiled sequence
-        (None: nothing was recorded, or a later iteration); ``peak``: the highest memory measured."""
+        (None: nothing was recorded, or a later iteration); ``peak``: the highest memory measured; ``joint``:
+        ``strategy="auto"`` is on (its recompute plans from the same saved tensors). True when the condition
+        holds (warned now or before)."""
         skipped = {k: v for k, v in hooks.profile_skips.items() if v[1] > 0}
         movable = 0 if seq is None else sum(b for b, s in zip(seq.sizes, seq.swappable) if s)
         others = hooks.other_devices
@@ -59,9 +69,9 @@ class Notices:
                 f"{hooks.device}: nothing is managed and the budget is not enforced; pass "
                 f"device={sorted(others)[0]!r}"
             ))  # fmt: skip
-            return
+            return True
         if movable > 0 or peak <= budget:
-            return
+            return False
         reasons = {
             "min_bytes": f"smaller than min_bytes={hooks.min_bytes} (lower min_bytes)",
             "exclude": "matched by exclude= (exclude less)",
@@ -77,4 +87,6 @@ class Notices:
             f"nothing can be swapped, and the run reaches {fmt_bytes(peak)}, over the budget of "
             f"{fmt_bytes(budget)}: " + ("per iteration, " + "; ".join(causes) if causes
                                         else "no tensor was saved for backward inside the manager")
+            + (f". {NO_RECOMPUTE_PLAN}" if joint and causes else "")
         ))  # fmt: skip
+        return True

@@ -3,6 +3,18 @@
 A variable's storages die when autograd or the user lets go of them, on any thread (a node freed after it
 ran, a garbage-collection callback), so the callbacks here never wait and never take the executor's lock:
 they change byte counts under ``lock`` only (re-entrant: a callback can run on a thread that holds it).
+
+Note [A held tensor freed mid-step]
+A profiled step's ``nonswap`` is its peak less what was ours on the device when it opened (swap.runtime.recorder).
+That is exact only if our bytes stay put until the peak. They do not when a device storage of a variable counted
+at the open dies inside the step: the forward lets go of a tensor we released (a residual input), or the node
+that used a variable runs and autograd frees it (the scan of a state-space model uses a state and frees it
+before the next operator allocates). A peak after that free is lower by those bytes, so ``nonswap`` came out
+low by them; a planned iteration, where the same variable can live a little longer (its copy still in flight,
+held for a later use), then ran over its plan from its first iteration (Mamba, by 60 to 140 KiB). So the
+bytes of such a storage are counted as held from the moment it dies (``DeviceMemory.add_held``), and the step's
+peak is read with them (``held_window_peak``): exact where the memory measures it (CPU), and the freed bytes
+added to the peak where it cannot (a GPU's allocator counters): an upper bound, never low.
 """
 
 from __future__ import annotations
@@ -42,10 +54,21 @@ class Residency:
         self.lock = lock
         self.retire = retire
         self.on_device_bytes = 0
+        self._died_counted: dict[int, int] = {}  # variable -> the step it died in, counted (its bytes may go later)
 
     def reset(self) -> None:
         """A new iteration: none of its variables exists yet."""
         self.on_device_bytes = 0
+        self._died_counted = {}
+
+    def _freed_mid_step(self, var: Variable) -> None:
+        """Profiling: a device storage of ``var``, counted when the step opened, died inside the step (Note [A
+        held tensor freed mid-step])."""
+        clock = self.clock
+        rec = clock.recorder
+        if rec is not None and var.iteration == clock.iteration and not clock.in_hook:
+            rec.held_freed(var.nbytes)
+            self.memory.add_held(var.nbytes)
 
     def saved(self, var: Variable) -> None:
         """``var`` was made from a saved tensor's storage, which is on the device."""
@@ -53,10 +76,16 @@ class Residency:
             self.on_device_bytes += var.nbytes
 
     def _set_on_device(self, var: Variable, flag: bool) -> None:
+        """``var``'s bytes are on the device again, or its last device storage died (``flag`` False)."""
         with self.lock:
             if var.on_device == flag:
                 return
             var.on_device = flag
+            # counted at this step's open: alive, or died in this step
+            counted = self._died_counted.pop(var.id, None) == self.clock.now() or var.alive
+        if not flag and counted:
+            self._freed_mid_step(var)
+        with self.lock:
             if not var.alive:
                 return
             delta = var.nbytes if flag else -var.nbytes
@@ -77,13 +106,13 @@ class Residency:
     def original_died(self, var: Variable) -> None:
         clock = self.clock
         rec = clock.recorder
+        copy_alive = var.copy_ref is not None and var.copy_ref() is not None
         if rec is not None and var.iteration == clock.iteration:
             rec.held_until.setdefault(var.id, clock.now())
-            if not clock.in_hook and var.alive and var.dev is None:
-                rec.held_freed(var.nbytes)
-                self.memory.add_held(var.nbytes)
-        if var.copy_ref is None or var.copy_ref() is None:
-            self._set_on_device(var, False)
+            if copy_alive and var.alive and var.dev is None:
+                self._freed_mid_step(var)  # the forward's storage went; the copy we fetched stays
+        if not copy_alive:
+            self._set_on_device(var, False)  # its last device storage went: Note [A held tensor freed mid-step]
 
     def copy_died(self, var: Variable, ref: Any) -> None:
         if ref is not var.copy_ref:
@@ -116,6 +145,7 @@ class Residency:
         with self.lock:
             if var.on_device and var.iteration == clock.iteration:
                 self.on_device_bytes -= var.nbytes
+                self._died_counted[var.id] = clock.now()  # Note [A held tensor freed mid-step]
             var.alive = False
         if not var.on_device:
             self.memory.add_shadow(-var.nbytes)  # a run without swapping frees it now

@@ -16,7 +16,7 @@ from ..units import fmt_bytes
 from .hooks import SavedTensorHooks
 from .joint import JointDecision, JointRuntime
 from .lifecycle import Profiled, Reprofile
-from .notices import Notices
+from .notices import NO_RECOMPUTE_PLAN, Notices
 from .ranks import Ranks, agree
 
 log = logging.getLogger("swap")
@@ -54,14 +54,21 @@ class Scheduling:
 
     def unmanaged(self, peak: int) -> None:
         """A declined iteration with nothing to manage reached ``peak`` (Note [Nothing to move, over the budget])."""
-        self.notices.nothing_to_move(self.hooks, self.budget, None, peak)
+        self._nothing_to_move(None, peak)
+
+    def _nothing_to_move(self, seq: Optional[Sequence], peak: int) -> None:
+        """Note [Nothing to move, over the budget]; with ``strategy="auto"``, the report's recompute line says
+        why no recompute was planned either."""
+        joint = self.joint
+        if self.notices.nothing_to_move(self.hooks, self.budget, seq, peak, joint is not None) and joint is not None:
+            joint.why_none = NO_RECOMPUTE_PLAN
 
     def profiled(self, p: Profiled) -> Union[Schedule, Reprofile, None]:
         """A profiling iteration ended: raise if no plan can fit, warn if the manager cannot help, and (after
         the last one) decline or plan."""
         seq = p.sequence
         self.hooks.end_profile()  # the next iteration counts afresh
-        self.notices.nothing_to_move(self.hooks, self.budget, seq, max(p.peak, p.unswapped_peak or 0))
+        self._nothing_to_move(seq, max(p.peak, p.unswapped_peak or 0))
         joint = self.joint
         if seq is None:
             if p.final and joint is not None:  # nothing to plan: the operator profiler must not tax every later step

@@ -159,3 +159,25 @@ def test_report_before_any_iteration_says_not_started():
         x = torch.randn(512, 512, requires_grad=True)
         (x * 2).sigmoid().sum().backward()
         assert sm.report()["status"] == "profiling" and sm.report()["iterations"] == 1
+
+
+def test_auto_with_nothing_to_move_says_why_it_plans_no_recompute_either():
+    # A 12-block MLP-Mixer with AdamW, nothing movable (min_bytes), under strategy "auto": the warning is the
+    # note, and the report's recompute line used to say "the run fits, or not planned yet" about a run that
+    # does not fit. The joint plan is made on the saved tensors the manager takes; here it takes none.
+    meter = swap.LiveBytesMeter("cpu")
+    _, model = train_accumulating("mixer", meter=meter, iterations=2, micro=1)
+    static = 4 * sum(p.nbytes for p in model.parameters())
+    budget = (static + meter.peak) // 2
+    del model
+    gc.collect()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # what a user sees: not only under "always"
+        sm, _ = train_accumulating("mixer", manager=lambda: swap.SwapManager(budget=budget, min_bytes="100GiB"),
+                                   iterations=3, micro=1)  # fmt: skip
+    found = [str(w.message) for w in caught if issubclass(w.category, swap.BudgetWarning)]
+    assert len(found) == 1 and "nothing can be swapped" in found[0], found
+    r = sm.report()
+    assert r["status"] == "declined" and r["policy"] == "auto"
+    assert "plans recompute on the saved tensors the manager takes" in r["recompute_plan"], r["recompute_plan"]
+    assert "lower min_bytes" in found[0] and "recompute" in found[0]

@@ -40,6 +40,12 @@ class TilingInfeasible(ValueError):
         super().__init__(message)
         self.op, self.working_set, self.budget, self.tiles = op, working_set, budget, tiles
 
+    @property
+    def min_budget(self) -> int:
+        """The smallest budget a plan fits: the peak step is tiled as far as it goes (or cannot be tiled), and
+        what it holds does not depend on the other segments' tiles."""
+        return self.working_set
+
 
 @dataclass
 class TilePlan:

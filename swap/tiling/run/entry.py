@@ -35,7 +35,9 @@ def tiled(model: nn.Module, budget: Size = None, *, tiles: Union[None, int, tupl
             ``swap.SwapManager`` around the step moves them; and keep a model input that only tiled segments read
             (the image) on the host: pass it in host memory (pinned, ideally), each tile's slice is copied to the
             model's device (Note [Host inputs] in swap/tiling/plan/cost.py).
-        extra: bytes the step holds that the model does not show (optimizer state, the caller's tensors).
+        extra: bytes the step holds that neither the model nor its optimizer shows (the caller's own tensors);
+            the optimizer's state and the gradients kept from before a call are counted already (Note [What
+            the step holds besides the graph] in swap/tiling/run/held.py).
         progress: log the plan and the tiles to stderr (True), or call this with each line.
     Raises:
         TilingInfeasible / HeadInfeasible (ValueError): nothing fits; names the operator and its working set.

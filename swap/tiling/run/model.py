@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..plan.analyze import Analysis, analyze, trace
 from ..plan.choose import TilePlan, plan_tiles
+from .held import HeldState
 from .progress import Progress, progress_sink
 from .segment import Step, TiledSegment, window_call
 
@@ -63,7 +64,9 @@ class TiledModel(nn.Module):
     """``model`` with its FT segments tiled to fit ``budget`` (see ``swap.tiled``).
 
     ``plan_for(*inputs)`` returns the ``TilePlan`` (and the graph) it uses for inputs of those shapes;
-    ``last_plan`` is the plan of the latest call."""
+    ``last_plan`` is the plan of the latest call. The plan counts what the step holds besides the graph, the
+    optimizer's state and kept gradients, and is made again when that grows (Note [What the step holds
+    besides the graph] in swap/tiling/run/held.py)."""
 
     def __init__(self, model: nn.Module, budget: Optional[int], *, tiles: Union[None, int, tuple[int, ...]] = None,
                  device: Any = None, extra: int = 0, swapped: bool = False,
@@ -73,7 +76,9 @@ class TiledModel(nn.Module):
         self.budget, self.tiles, self.device_profile = budget, tiles, device
         self.extra, self.swapped, self.progress = extra, swapped, progress
         self._traced = trace(model)
-        self._built: dict[tuple, tuple[fx.GraphModule, TilePlan, Analysis]] = {}
+        self._held = HeldState(list(model.parameters()))
+        # input key -> (graph, plan, analysis, the held bytes the plan counted)
+        self._built: dict[tuple, tuple[fx.GraphModule, TilePlan, Analysis, int]] = {}
         self.last_plan: Optional[TilePlan] = None
 
     def _key(self, inputs: tuple) -> tuple:
@@ -87,17 +92,19 @@ class TiledModel(nn.Module):
 
     def _build(self, inputs: tuple) -> tuple[fx.GraphModule, TilePlan, Analysis]:
         key = self._key(inputs)
-        if key not in self._built:
-            self._built[key] = self._rewrite(inputs)
-        return self._built[key]
+        held = self._held.bytes() if self.budget is not None and self.tiles is None else 0
+        built = self._built.get(key)
+        if built is None or held > built[3]:  # the step holds more than the plan counted: plan again
+            self._built[key] = (*self._rewrite(inputs, self.extra + held), held)
+        return self._built[key][:3]
 
-    def _rewrite(self, inputs: tuple) -> tuple[fx.GraphModule, TilePlan, Analysis]:
+    def _rewrite(self, inputs: tuple, extra: int) -> tuple[fx.GraphModule, TilePlan, Analysis]:
         gm = trace(self.model)  # a graph of its own to rewrite, calling the same modules
         tensors = tuple(t for t in tree_flatten(inputs)[0])
         analysis = analyze(gm, tensors)
         dev = self.device_profile
         lowp = any(isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) for t in tensors)
-        plan = plan_tiles(analysis.graph, self.budget, dev=dev, lowp=lowp, swapped=self.swapped, extra=self.extra,
+        plan = plan_tiles(analysis.graph, self.budget, dev=dev, lowp=lowp, swapped=self.swapped, extra=extra,
                           tiles=self.tiles)  # fmt: skip
         say = progress_sink(self.progress, "swap.tiled")
         if say is not None:
