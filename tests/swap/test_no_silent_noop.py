@@ -13,6 +13,7 @@ import torch
 from training import KiB, assert_bitwise_equal, assert_within, run
 
 import swap
+from swap.units import fmt_bytes
 
 
 @functools.cache
@@ -181,3 +182,19 @@ def test_auto_with_nothing_to_move_says_why_it_plans_no_recompute_either():
     assert r["status"] == "declined" and r["policy"] == "auto"
     assert "plans recompute on the saved tensors the manager takes" in r["recompute_plan"], r["recompute_plan"]
     assert "lower min_bytes" in found[0] and "recompute" in found[0]
+
+
+def test_the_warning_quotes_what_the_run_reaches_once_the_optimizer_has_state():
+    # Note [The figure a warning quotes]: judged at the first iteration's end, the warning quoted that
+    # iteration's peak; every later one also holds AdamW's moments, and the run reached about half as much again.
+    static = 4 * sum(p.nbytes for p in BLOCKS["mixer"]().parameters())  # weights, gradients, AdamW's moments
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manager = lambda: swap.SwapManager(budget=static, device="cpu", min_bytes="100GiB")  # noqa: E731
+        sm, _ = train_accumulating("mixer", manager=manager, iterations=3, micro=1)
+    found = [str(w.message) for w in caught if issubclass(w.category, swap.BudgetWarning)]
+    r = sm.report()
+    assert "so far" in found[0], found
+    assert len(found) == 2 and fmt_bytes(r["peak_device_bytes"]) in found[-1], (found, r["peak_device_bytes"])
+    assert found[-1][len("swap: "):] in r["notes"] and found[0][len("swap: "):] not in r["notes"]
+
