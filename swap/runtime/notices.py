@@ -41,6 +41,26 @@ NO_RECOMPUTE_PLAN = (
 )
 
 
+# Note [A manager that saw no training step]
+# A manager learns of an iteration from the tensors autograd saves for backward. Around a loop that runs only
+# under torch.no_grad() or torch.inference_mode() (evaluation, generation) nothing is saved, so it never starts:
+# it manages nothing and does not enforce its budget. It says so when it exits, as a BudgetWarning and in the
+# report's status, rather than leaving a "not started" that reads like a manager still waiting.
+NOT_STARTED = "not started (nothing was saved for backward inside the manager)"
+
+
+def never_started(grad_enabled: bool) -> str:
+    """The warning of a manager that exits having seen no saved tensor (Note [A manager that saw no training
+    step]); ``grad_enabled``: autograd was recording when it exited."""
+    off = "" if grad_enabled else " (autograd was off when it exited)"
+    return (
+        "the manager exited without seeing a tensor saved for backward, so it managed nothing and did not enforce "
+        f"the budget: the code inside ran without autograd recording{off}, under torch.no_grad() or "
+        "torch.inference_mode() (evaluation, generation), or ran no training step. Enter it around the training "
+        "loop (forward and backward); a loop without backward needs no manager"
+    )
+
+
 class Notices:
     """The notes of one manager (``notes``, in order) and the causes it has warned about."""
 

@@ -198,3 +198,19 @@ def test_the_warning_quotes_what_the_run_reaches_once_the_optimizer_has_state():
     assert len(found) == 2 and fmt_bytes(r["peak_device_bytes"]) in found[-1], (found, r["peak_device_bytes"])
     assert found[-1][len("swap: "):] in r["notes"] and found[0][len("swap: "):] not in r["notes"]
 
+
+def test_a_loop_that_runs_only_under_no_grad_warns_and_the_status_says_why():
+    # Note [A manager that saw no training step]: evaluation inside a manager saves nothing for backward, so
+    # it never started; it stayed "not started" and said nothing.
+    model = BLOCKS["mlp"]()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with swap.SwapManager(budget="1MiB", device="cpu") as sm:
+            with torch.no_grad():
+                for _ in range(3):
+                    model(torch.randn(8, 64, 256))
+    found = [str(w.message) for w in caught if issubclass(w.category, swap.BudgetWarning)]
+    assert len(found) == 1 and "torch.no_grad()" in found[0] and "did not enforce the budget" in found[0], found
+    r = sm.report()
+    assert r["status"].startswith("not started") and "nothing was saved for backward" in r["status"], r["status"]
+    assert found[0][len("swap: "):] in r["notes"] and "nothing was saved for backward" in str(r)
