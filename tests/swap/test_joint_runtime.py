@@ -174,6 +174,24 @@ def test_non_deterministic_cuda_kernels_cannot_be_rerun_unless_deterministic_alg
         torch.use_deterministic_algorithms(was)
 
 
+@pytest.mark.parametrize("op", ["nll_loss2d_forward.default", "index_copy.default", "index_copy_.default",
+                                "scatter.src", "scatter_.value", "scatter.reduce"])
+def test_atomic_writes_on_cuda_are_not_rerun(op):
+    # The 2-d NLL loss's weight sum, index_copy and scatter with duplicate indices are not deterministic on CUDA;
+    # they were rerun by a checkpoint (bitwise only by chance).
+    from swap.runtime.op_facts import blocker
+
+    packet, overload = op.split(".")
+    func = getattr(getattr(torch.ops.aten, packet), overload)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        assert "non-deterministic CUDA kernel" in blocker(func, (), {}, torch.device("cuda"))
+        assert blocker(func, (), {}, torch.device("cpu")) == ""
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
 def test_a_users_own_checkpoint_keeps_working_and_is_not_wrapped_again():
     from torch.utils.checkpoint import checkpoint
 
