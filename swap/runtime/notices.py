@@ -133,8 +133,8 @@ class Notices:
         warned, old = quoted
         if peak <= warned * (1 + REWARN_ABOVE) or (cause, "grew") in self._warned or old not in self.notes:
             return
-        text = message(f"(more than the {fmt_bytes(warned)} warned before, measured before the optimizer's state "
-                       "existed)")  # fmt: skip
+        text = message(f"(more than the {fmt_bytes(warned)} warned before: a later iteration held more, such as "
+                       "the optimizer's state or gradients made since)")  # fmt: skip
         self.notes[self.notes.index(old)] = text
         self._quoted[cause] = (peak, text)
         self._warned.add((cause, "grew"))

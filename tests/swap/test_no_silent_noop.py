@@ -42,9 +42,11 @@ def budget_warnings(**kwargs):
 )
 def test_nothing_to_manage_warns_once_naming_the_cause(kwargs, cause):
     found, report = budget_warnings(**kwargs)
-    assert len(found) == 1, found  # once, not per iteration
-    assert found[0] and re.search(cause, found[0]), found[0]
-    assert any(found[0][len("swap: "):] in n for n in report["notes"])  # and the report keeps it
+    # Once, not per iteration; once more with the figure the run reaches once the optimizer has state (Note [The
+    # figure a warning quotes]).
+    assert 1 <= len(found) <= 2 and all(re.search(cause, w) for w in found), found
+    assert len(found) == 1 or "warned before" in found[1], found
+    assert any(found[-1][len("swap: "):] in n for n in report["notes"])  # and the report keeps it
 
 
 class PreNormMLP(torch.nn.Module):
@@ -102,9 +104,9 @@ def test_memory_grown_after_profiling_with_nothing_to_move_warns(name):
         sm, model = train_accumulating(name, manager=lambda: swap.SwapManager(budget=budget, device="cpu",
                                                                           min_bytes="100GiB"))  # fmt: skip
     found = [str(w.message) for w in caught if issubclass(w.category, swap.BudgetWarning)]
-    assert len(found) == 1, found
-    assert re.search(r"nothing can be swapped, and the run reaches .* over the budget", found[0]), found[0]
-    assert found[0][len("swap: "):] in sm.report()["notes"]  # the note and the warning are one
+    assert 1 <= len(found) <= 2, found  # Note [The figure a warning quotes]: once more, higher
+    assert all(re.search(r"nothing can be swapped, and the run reaches .* over the budget", w) for w in found), found
+    assert found[-1][len("swap: "):] in sm.report()["notes"]  # the note and the warning are one
     # The counts are of one iteration (a micro-batch's forward and backward), not summed over the profiles.
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
