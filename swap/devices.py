@@ -216,12 +216,25 @@ def with_tf32(dev: DeviceProfile, setting: Union[str, bool, None] = "auto") -> D
     if setting is None or setting == "auto":
         import torch
 
-        conv, matmul = bool(torch.backends.cudnn.allow_tf32), bool(torch.backends.cuda.matmul.allow_tf32)
+        cudnn, cublas = torch.backends.cudnn, torch.backends.cuda.matmul
+        conv = _tf32_allowed(lambda: cudnn.allow_tf32, lambda: cudnn.conv.fp32_precision, lambda: cudnn.fp32_precision,
+                             lambda: torch.backends.fp32_precision)  # fmt: skip
+        matmul = _tf32_allowed(lambda: cublas.allow_tf32, lambda: cublas.fp32_precision,
+                               lambda: torch.backends.fp32_precision)  # fmt: skip
     elif setting in ("on", True) or setting in ("off", False):
         conv = matmul = setting in ("on", True)
     else:
         raise ValueError(f"tf32={setting!r}: choose one of {', '.join(TF32_SETTINGS)} (or True / False)")
     return dataclasses.replace(dev, tf32_conv=conv, tf32_matmul=matmul)
+
+
+def _tf32_allowed(legacy: Callable[[], Any], *precisions: Callable[[], str]) -> bool:
+    """PyTorch's TF32 flag: the legacy ``allow_tf32``; once its ``fp32_precision`` settings have set one, PyTorch
+    refuses that read, and the innermost setting that is not "none" (inherit) says ("tf32" or "ieee")."""
+    try:
+        return bool(legacy())
+    except RuntimeError:
+        return next((p for p in (f() for f in precisions) if p != "none"), "ieee") == "tf32"
 
 
 def cuda_profile(device_name: str) -> DeviceProfile:

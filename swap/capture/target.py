@@ -99,8 +99,8 @@ def _cpu_picks_flash(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa
     differentiate."""
 
     def stand_in(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        if t is None:
-            return None
+        if t is None or t.dim() == 0:
+            return None if t is None else torch.zeros((), dtype=t.dtype)
         step = 1 if t.stride(-1) == 1 else 2
         row = torch.zeros(t.shape[-1] * step, dtype=t.dtype)[::step]
         return row.requires_grad_(t.requires_grad and t.is_floating_point()).expand(t.shape)

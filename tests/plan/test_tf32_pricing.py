@@ -73,6 +73,23 @@ def test_auto_follows_pytorchs_flags(monkeypatch):
     assert mm == pytest.approx(at(495e12)(mm_flops))
 
 
+@pytest.fixture
+def precision_api():
+    """PyTorch's fp32_precision settings, put back afterwards (while they disagree with the legacy flags,
+    PyTorch refuses to read those)."""
+    cublas, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    before = cublas.fp32_precision, conv.fp32_precision
+    yield cublas, conv
+    cublas.fp32_precision, conv.fp32_precision = before
+
+
+def test_auto_follows_pytorchs_fp32_precision_settings(precision_api):
+    cublas, conv = precision_api
+    cublas.fp32_precision, conv.fp32_precision = "tf32", "ieee"  # the settings that replace allow_tf32
+    dev = with_tf32(H200, "auto")
+    assert dev.tf32_matmul and not dev.tf32_conv
+
+
 def test_bf16_stays_on_the_tensor_core_peak_and_profiles_without_tf32_on_fp32():
     (conv, conv_flops), (mm, mm_flops) = forward_seconds(with_tf32(H200, "on"), torch.bfloat16)
     assert conv == pytest.approx(at(989e12)(conv_flops)) and mm == pytest.approx(at(989e12)(mm_flops))
