@@ -29,11 +29,14 @@ def prices(monkeypatch, matmul_tf32=False):
 
     a, b = meta(m, m), meta(m, m, dtype=torch.bfloat16)
     x, w, big = meta(32, 256, 28, 28), meta(256, 256, 3, 3), meta(64, m, m)
+    tokens, experts = meta(8192, 4096, dtype=torch.bfloat16), meta(4, 4096, 4096, dtype=torch.bfloat16)
+    offsets = torch.empty(4, dtype=torch.int32, device="meta")
     with profiler:
         torch.mm(a, a)
         torch.mm(b, b)
         F.conv2d(x, w, padding=1)
         torch.relu(big)
+        torch._grouped_mm(tokens, experts, offs=offsets)  # mixture-of-experts' grouped matmul
     profiler.iteration_starts()
     return profiler.table.ops
 
@@ -47,7 +50,7 @@ def memory(dev, nbytes):
 
 
 def test_prices_by_precision_and_kind_on_the_h100s_rates(monkeypatch):
-    mm32, mm16, conv, relu = prices(monkeypatch)
+    mm32, mm16, conv, relu, grouped = prices(monkeypatch)
     flops = 2 * 2048**3
     assert mm32.flops == mm16.flops == flops
     # Only relative prices count (the profiler scales them to the measured forward): bf16 runs 989 / 67 times
@@ -58,13 +61,15 @@ def test_prices_by_precision_and_kind_on_the_h100s_rates(monkeypatch):
     assert mm16.seconds == pytest.approx(compute(H100, flops, 989e12))  # bf16: tensor cores
     assert conv.seconds == pytest.approx(compute(H100, conv.flops, 495e12))  # fp32 conv: TF32 (cuDNN's default)
     assert relu.seconds == pytest.approx(memory(H100, relu.nbytes))  # pointwise: its bytes
+    assert grouped.flops == 2 * 8192 * 4096 * 4096  # each routed row through one expert's matrix
+    assert grouped.seconds == pytest.approx(compute(H100, grouped.flops, 989e12))
     # An H100's compute-to-bandwidth ratios: about 295 FLOP/B in bf16, 148 in TF32, 20 in fp32.
     peaks = (H100.lowp_flops, H100.tf32_flops, H100.fp32_flops)
     assert [round(p / H100.mem_bandwidth) for p in peaks] == [295, 148, 20]
 
 
 def test_fp32_matmuls_take_tf32_when_pytorch_allows_it(monkeypatch):
-    mm32, _, conv, _ = prices(monkeypatch, matmul_tf32=True)
+    mm32, _, conv, _, _ = prices(monkeypatch, matmul_tf32=True)
     assert mm32.seconds == pytest.approx(compute(H100, mm32.flops, 495e12))
     assert conv.seconds == pytest.approx(compute(H100, conv.flops, 495e12))
 
