@@ -24,6 +24,23 @@ def test_sizes_parse_and_round(make_arena):
     a.free(q)
 
 
+@pytest.mark.parametrize("mid_chunks", [0, 4])
+def test_allocation_size_is_what_allocated_bytes_counts(make_arena, mid_chunks):
+    # A planner that budgets in allocated bytes sizes each tensor with it (a 2.25 MiB activation holds two
+    # 2 MiB chunks): every request class, checked against the counter itself.
+    a = make_arena(capacity="64MiB", chunk_size="1MiB", small_max="64KiB", mid_chunks=mid_chunks)
+    mid = (lambda n: -(-n // (256 * KiB)) * 256 * KiB) if mid_chunks else (lambda n: -(-n // MiB) * MiB)
+    expected = {0: 0, 1: 512, 513: 1024, 64 * KiB: 64 * KiB, 64 * KiB + 1: mid(64 * KiB + 1),
+                MiB + 1: mid(MiB + 1), 4 * MiB: 4 * MiB, 4 * MiB + 1: 5 * MiB}  # fmt: skip
+    for n, size in expected.items():
+        before = a.allocated_bytes
+        p = a.malloc(n)
+        assert a.allocation_size(n) == size == a.allocated_bytes - before, n
+        a.free(p)
+    with pytest.raises((TypeError, ValueError)):
+        a.allocation_size(-1)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
