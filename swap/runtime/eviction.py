@@ -22,6 +22,6 @@ def evict_lru(ex: Any, nbytes: int) -> bool:
             if freed >= nbytes:
                 break
             ex.transfers.release(v)
-            freed += v.nbytes
+            freed += v.size
             ex.counters.evictions += 1
         return freed > 0
