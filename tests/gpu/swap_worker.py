@@ -170,8 +170,9 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
     out["budget"] = budget
     report = sm.report()
     out["swapped"] = swapped
-    out["report"] = {k: report[k] for k in ("peak_device_bytes", "budget_bytes", "swapped_out_bytes",
-                                            "demand_fetches", "declined", "memory_source")}  # fmt: skip
+    out["report"] = {k: report.get(k) for k in ("peak_device_bytes", "budget_bytes", "swapped_out_bytes",
+                                                "demand_fetches", "declined", "memory_source", "overruns",
+                                                "replans", "evictions")}  # fmt: skip
     if global_mode:
         s = vmalloc.stats(0)
         out["allocator_peak_allocated"] = s["allocated_bytes.all.peak"]
