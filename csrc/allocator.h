@@ -157,8 +157,7 @@ class VMALLOC_API Allocator {
   std::size_t capacity() const;
   // The bytes a request of `nbytes` holds once served: what malloc adds to allocated_bytes (512 B steps in
   // a slab, quarter chunks in a mid slab, whole chunks otherwise; 0 for 0). A planner that budgets in
-  // allocated bytes counts each tensor at this size, not at its own (Note [Sizes as the allocator counts
-  // them] in swap/runtime/memory.py).
+  // allocated bytes counts each tensor at this size, not at its own: a 2.25 MiB tensor holds 4 MiB.
   std::size_t allocation_size(std::size_t nbytes) const;
 
  private:

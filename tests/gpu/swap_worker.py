@@ -100,7 +100,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # Bitwise equal gradients need every kernel deterministic, and warn_only=True is not enough: it only warns
     # where torch has no deterministic kernel, and some kernels choose their deterministic path only in the
     # strict mode. The GPT's attention is one (fp32 scaled_dot_product_attention on an H100/H200 runs the
-    # memory-efficient kernel, whose backward splits the 256 keys over 4 blocks that add into the query
+    # memory-efficient kernel, whose backward splits the 256 keys over several blocks that add into the query
     # gradient with atomics unless the mode is strict): on an H200 one GPT run's gradients differed from the
     # unswapped run's at one iteration while the losses agreed. Strict mode makes it split nothing, and
     # raises, naming the operator, where a model here has no deterministic kernel (none does: cross-entropy
