@@ -2,13 +2,13 @@
 first, before an allocation fails.
 
 Note [Evicting a prefetch]
-A plan holds its budget in the allocator's bytes, but vmalloc's capacity also holds what no allocation
-counts: the free space inside slabs of small blocks, which a large request cannot use. So at a capacity equal
-to the budget an allocation can fail while the plan holds: on an H200, 6.26 MiB was free when a 2.25 MiB
-activation (two 2 MiB chunks) was refused, fewer than two chunks of it whole. The handler then frees what the step does not use: first variables
-resident and idle, then those whose copy back is still in flight (a prefetch). A prefetch dropped is fetched
-again on demand at its use: slower, never wrong. Its copy is waited for on the compute stream first, like any
-release (Note [Releases without host waits] in swap/runtime/transfers.py).
+A plan holds its budget in the allocator's bytes, but vmalloc's capacity also holds what no allocation counts:
+the free space inside slabs of small blocks, which a large request cannot use. So at a capacity equal to the
+budget an allocation can fail while the plan holds: on an H200, 6.26 MiB was free when a 2.25 MiB activation
+(two 2 MiB chunks) was refused, fewer than two chunks of it whole. The handler then frees what the step does not
+use: first variables resident and idle, then those whose copy back is still in flight (a prefetch). A prefetch
+dropped is fetched again on demand at its use: slower, never wrong. Its copy is waited for on the compute stream
+first, like any release (Note [Releases without host waits] in swap/runtime/transfers.py).
 """
 
 from __future__ import annotations
