@@ -243,6 +243,11 @@ std::uintptr_t Allocator::try_malloc_unmapping(std::size_t nbytes, Stream stream
   return try_malloc(nbytes, stream, false);
 }
 
+std::size_t Allocator::allocation_size(std::size_t nbytes) const {
+  const bool small = nbytes <= small_max_, mid = !small && nbytes <= mid_max_;
+  return round_up(nbytes, small ? kSmallRound : mid ? mid_round_ : chunk_);
+}
+
 std::uintptr_t Allocator::try_malloc(std::size_t nbytes, Stream stream, bool cached_only) {
   struct Calling {  // Note [Sparse fences]: the stream fence() may record on while this malloc runs
     std::optional<Stream>& slot;
@@ -250,7 +255,7 @@ std::uintptr_t Allocator::try_malloc(std::size_t nbytes, Stream stream, bool cac
   } calling{calling_stream_};
   calling_stream_ = stream;
   const bool small = nbytes <= small_max_, mid = !small && nbytes <= mid_max_;
-  const std::size_t size = round_up(nbytes, small ? kSmallRound : mid ? mid_round_ : chunk_);
+  const std::size_t size = allocation_size(nbytes);
   const std::uintptr_t p = small || mid ? malloc_in_slab(size, stream, cached_only, mid)
                                         : malloc_large(size / chunk_, stream, cached_only);
   if (!p) return 0;

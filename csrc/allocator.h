@@ -155,6 +155,10 @@ class VMALLOC_API Allocator {
   Backend& backend() { return *backend_; }
   std::size_t chunk_size() const { return chunk_; }
   std::size_t capacity() const;
+  // The bytes a request of `nbytes` holds once served: what malloc adds to allocated_bytes (512 B steps in
+  // a slab, quarter chunks in a mid slab, whole chunks otherwise; 0 for 0). A planner that budgets in
+  // allocated bytes counts each tensor at this size, not at its own: a 2.25 MiB tensor holds 4 MiB.
+  std::size_t allocation_size(std::size_t nbytes) const;
 
  private:
   enum class Kind : std::uint8_t { kAllocated, kCached, kSlab, kPending };

@@ -294,6 +294,11 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("backend", [](Allocator& a) { return std::string(a.backend().name()); })
       .def_property_readonly("granularity", [](Allocator& a) { return a.backend().granularity(); })
       .def_property_readonly("chunk_size", &Allocator::chunk_size)
+      .def(
+          "allocation_size", [](const Allocator& a, const py::object& n) { return a.allocation_size(to_size(n, "nbytes")); },
+          py::arg("nbytes"),
+          "The bytes a request of nbytes holds once served, as allocated_bytes counts it (512 B steps in a slab, "
+          "quarter chunks in a mid-size slab, whole chunks otherwise).")
       .def_property_readonly("capacity", &Allocator::capacity)
       .def_property_readonly("device", [](const Allocator& a) { return a.config().device; })
       .def_property_readonly("config", [](const Allocator& a) { return config_dict(a.config()); })

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .capture import CaptureError
-from .devices import ALIASES, HOST_PROFILES, INTERCONNECTS, PROFILES, refuse_budget_above
+from .devices import ALIASES, HOST_PROFILES, INTERCONNECTS, PROFILES, TF32_SETTINGS, refuse_budget_above
 from .devices import profile as device_profile
 from .forecast.arguments import check_model_fn
 from .forecast.distributed import SHARDINGS
@@ -206,6 +206,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "file bench/host_profile.py wrote), beside other systems' offload schedules (simulated)")
     ap.add_argument("--model-state", default=None, choices=MODES,
                     help="with --host: how to place model state (default auto)")
+    ap.add_argument("--tf32", default="auto", choices=TF32_SETTINGS,
+                    help="fp32 convolutions and matmuls on TF32 tensor cores: auto (PyTorch's flags: convolutions "
+                         "yes, matmuls after torch.backends.cuda.matmul.allow_tf32 = True), on (both), off (neither)")
     ap.add_argument("--json", default=None, help="write the plan as JSON")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     ap.add_argument("--world-size", type=int, default=1, help="forecast one rank of this many (with --shard)")
@@ -278,7 +281,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             optimizer=optimizer, dtype=dtype, profile=args.profile, policies=policies, min_bytes=args.min_bytes,
             name=name, progress=not args.quiet, strategies=strategies, batch=args.at_batch,
             world_size=args.world_size, shard=args.shard, interconnect=args.interconnect,
-            model_state=args.model_state or ("auto" if args.host else None), host=args.host,
+            model_state=args.model_state or ("auto" if args.host else None), host=args.host, tf32=args.tf32,
         )  # fmt: skip
     except (CaptureError, ValueError) as e:
         print(f"swap.plan: {e}", file=sys.stderr)

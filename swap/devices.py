@@ -14,9 +14,9 @@ operator classes the roofline misprices there and the first touch of large alloc
 ``attention_flops``, ``fresh_page_bandwidth``: Note [Operator classes] in swap/forecast/pricing.py), which the
 datasheet profiles leave unset.
 
-fp32 operators run on the fp32 peak (PyTorch's default keeps TF32 off for matmuls); bf16/fp16 operators on
-the tensor-core peak. Host links are per direction: PCIe Gen4 x16 is 32 GB/s nominal and pinned copies reach
-about 25; Gen5 x16 is 64 nominal, about 55 reached.
+Each operator runs on the peak of its precision and kind (Note [Peaks by precision and kind]). Host links are
+per direction: PCIe Gen4 x16 is 32 GB/s nominal and pinned copies reach about 25; Gen5 x16 is 64 nominal, about
+55 reached.
 
 - v100-16gb: fp32 15.7 TF, fp16 tensor 125 TF; 900 GB/s HBM2, 16 GB; NVLink 2.0 to an IBM POWER9, 50 GB/s
   each way (the window-scheduling paper's "2x50 GB/s"). Sources: NVIDIA Tesla V100 datasheet; that paper's
@@ -46,6 +46,19 @@ measurement of a Gen5 link in both directions we have; the Gen4 and NVLink profi
 Old short names stay as aliases (``v100``, ``p100``, ``h100`` = h100-sxm: the SXM5 part, whose host link is
 PCIe Gen5 all the same; ``rtx4090``), so earlier commands and results keep their meaning.
 
+Note [Peaks by precision and kind]
+bf16/fp16 operators run on the tensor-core peak (``lowp_flops``). An fp32 operator runs on the fp32 peak unless
+PyTorch lets its library use TF32 tensor cores: cuDNN convolutions do by default
+(``torch.backends.cudnn.allow_tf32`` is True), cuBLAS matmuls only when asked
+(``torch.backends.cuda.matmul.allow_tf32``, or ``torch.set_float32_matmul_precision("high")``). A profile says
+which it assumes (``tf32_conv``, ``tf32_matmul``; PyTorch's defaults unless ``with_tf32`` sets them), and such
+an operator then runs on ``tf32_flops`` (the datasheets' dense TF32 figures above; a profile without one keeps
+the fp32 peak). The kinds are the operators' aten names (``OPERATOR_KINDS``): matmuls (mm, addmm, bmm, baddbmm,
+grouped mm) and convolutions (forward and backward). Other operators, attention kernels among them, keep the
+peak of their precision. On an H100 SXM the ratio of peak FLOP/s to memory bandwidth is then 295 FLOP/B for bf16,
+148 for TF32 and 20 for plain fp32: priced on one ratio, an fp32 matmul would be off by up to 15x against a
+memory-bound operator.
+
 Other per-device figures (e.g. the cost of VMM driver calls) belong in tables keyed by these profile names,
 or in fields added here with defaults, so every profile keeps constructing without them.
 """
@@ -65,6 +78,18 @@ from .units import size_arg
 
 log = logging.getLogger("swap")
 GB = 1e9
+OTHER, MATMUL, CONV = 0, 1, 2  # operator kinds (Note [Peaks by precision and kind])
+OPERATOR_KINDS = {
+    **dict.fromkeys(("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.addbmm", "aten._grouped_mm"), MATMUL),
+    **dict.fromkeys(("aten.convolution", "aten.convolution_backward", "aten.cudnn_convolution",
+                     "aten.cudnn_convolution_transpose"), CONV),
+}  # fmt: skip
+
+
+def operator_kind(name: str) -> int:
+    """The kind of an operator by its aten name, with or without its overload ("aten.mm.default")."""
+    kind = OPERATOR_KINDS.get(name)
+    return kind if kind is not None else OPERATOR_KINDS.get(name.rsplit(".", 1)[0], OTHER)
 
 
 @dataclass(frozen=True)
@@ -77,7 +102,7 @@ class DeviceProfile:
     d2h_bandwidth: float  # bytes/s, device to host
     memory: int  # bytes
     efficiency: float = 0.74  # fraction of peak compute and bandwidth that training kernels reach
-    tf32_flops: float = 0.0  # FLOP/s on tensor cores in TF32 (0: none); informational, see the Note
+    tf32_flops: float = 0.0  # FLOP/s on tensor cores in TF32 (0: none; Note [Peaks by precision and kind])
     source: str = ""  # where the figures come from
     op_overhead: float = 0.0  # seconds each operator costs beyond its roofline (launch, framework); 0: unmeasured
     # Measured rates per operator class, where the roofline's two numbers are not enough (Note [Operator
@@ -88,11 +113,21 @@ class DeviceProfile:
     attention_flops: tuple[tuple[int, float], ...] = ()
     fresh_page_bandwidth: float = 0.0  # bytes/s at which a large allocation's fresh pages fault in; 0: free
     duplex_bandwidth: float = 0.0  # bytes/s over the host link in both directions at once; 0: no limit (Note)
+    tf32_conv: bool = True  # fp32 convolutions run in TF32 (PyTorch's default; Note [Peaks by precision and kind])
+    tf32_matmul: bool = False  # fp32 matmuls run in TF32 (off by PyTorch's default)
 
-    def step_seconds(self, flops: Any, nbytes: Any, low_precision: Any = False) -> Any:
-        """Roofline: an operator takes the longer of its compute and its memory traffic, plus the per-operator
-        overhead. Scalars give a float; numpy arrays are priced elementwise (swap.forecast.pricing)."""
-        peak = np.where(low_precision, self.lowp_flops, self.fp32_flops)
+    def peak_flops(self, low_precision: Any = False, kind: Any = OTHER) -> Any:
+        """FLOP/s of operators of a precision and a kind (Note [Peaks by precision and kind]); elementwise."""
+        tf32 = self.tf32_flops or self.fp32_flops
+        conv, matmul = (tf32 if on else self.fp32_flops for on in (self.tf32_conv, self.tf32_matmul))
+        fp32 = np.where(np.equal(kind, CONV), conv, np.where(np.equal(kind, MATMUL), matmul, self.fp32_flops))
+        return np.where(low_precision, self.lowp_flops, fp32)
+
+    def step_seconds(self, flops: Any, nbytes: Any, low_precision: Any = False, kind: Any = OTHER) -> Any:
+        """Roofline: an operator takes the longer of its compute (on the peak of its precision and kind) and its
+        memory traffic, plus the per-operator overhead. Scalars give a float; numpy arrays are priced
+        elementwise (swap.forecast.pricing)."""
+        peak = self.peak_flops(low_precision, kind)
         seconds = np.maximum(np.divide(flops, peak * self.efficiency),
                              np.divide(nbytes, self.mem_bandwidth * self.efficiency)) + self.op_overhead  # fmt: skip
         return seconds if seconds.ndim else float(seconds)
@@ -169,6 +204,50 @@ def profile(name: str) -> DeviceProfile:
     except KeyError:
         names = ", ".join(list(PROFILES) + list(ALIASES))
         raise ValueError(f"unknown device profile {name!r}: choose one of {names}") from None
+
+
+TF32_SETTINGS = ("auto", "on", "off")
+
+
+def with_tf32(dev: DeviceProfile, setting: Union[str, bool, None] = "auto") -> DeviceProfile:
+    """``dev`` with its fp32 operators priced as PyTorch will run them (Note [Peaks by precision and kind]):
+    "auto" (or None) reads PyTorch's flags now (``torch.backends.cudnn.allow_tf32`` for convolutions,
+    ``torch.backends.cuda.matmul.allow_tf32`` for matmuls); "on" (True) both in TF32; "off" (False) neither."""
+    if setting is None or setting == "auto":
+        import torch
+
+        cudnn, cublas = torch.backends.cudnn, torch.backends.cuda.matmul
+        conv = _tf32_allowed(lambda: cudnn.allow_tf32, lambda: cudnn.conv.fp32_precision, lambda: cudnn.fp32_precision,
+                             lambda: torch.backends.fp32_precision)  # fmt: skip
+        matmul = _tf32_allowed(lambda: cublas.allow_tf32, lambda: cublas.fp32_precision,
+                               lambda: torch.backends.fp32_precision)  # fmt: skip
+    elif setting in ("on", True) or setting in ("off", False):
+        conv = matmul = setting in ("on", True)
+    else:
+        raise ValueError(f"tf32={setting!r}: choose one of {', '.join(TF32_SETTINGS)} (or True / False)")
+    return dataclasses.replace(dev, tf32_conv=conv, tf32_matmul=matmul)
+
+
+def _tf32_allowed(legacy: Callable[[], Any], *precisions: Callable[[], str]) -> bool:
+    """PyTorch's TF32 flag: the legacy ``allow_tf32``; once its ``fp32_precision`` settings have set one, PyTorch
+    refuses that read, and the innermost setting that is not "none" (inherit) says ("tf32" or "ieee")."""
+    try:
+        return bool(legacy())
+    except RuntimeError:
+        return next((p for p in (f() for f in precisions) if p != "none"), "ieee") == "tf32"
+
+
+def cuda_profile(device_name: str) -> DeviceProfile:
+    """The datasheet profile of a CUDA device by the name torch gives it ("NVIDIA H100 80GB HBM3"); H100 SXM's
+    for a device none matches (what the runtime prices operators with: only their relative costs count)."""
+    name = device_name.lower().replace(" ", "").replace("-", "")
+    for key, words in (("h200", ("h200",)), ("h100-pcie", ("h100pcie",)), ("h100-sxm", ("h100",)),
+                       ("a100-40gb", ("a100", "40gb")), ("a100-80gb", ("a100",)), ("l4", ("l4",)),
+                       ("rtx4090-24gb", ("4090",)), ("rtx2080ti-11gb", ("2080ti",)), ("v100-16gb", ("v100",)),
+                       ("p100-16gb", ("p100",))):  # fmt: skip
+        if all(w in name for w in words):
+            return PROFILES[key]
+    return PROFILES["h100-sxm"]
 
 
 def refuse_budget_above(budget: int, dev: DeviceProfile, label: str = "",

@@ -171,6 +171,12 @@ def run_config(model: str, allocator: str, batch: int, mode: str, limit: int) ->
         if sm.sequence is not None and h2d > 0 and d2h > 0:
             row["profile"] = {"h2d_bw": h2d, "d2h_bw": d2h, "budget": sm.budget}
             row["predicted_seconds"] = predictions(sm.sequence, h2d, d2h, sm.budget)
+            # The measured profile (per-step times on CUDA events), for `swap.plan --profile FILE` to calibrate
+            # the roofline's efficiency on this device instead of the V100 figure.
+            prof = common.results_dir(common.environment()) / "profiles" / f"{model}-b{batch}-{allocator}-{mode}.json"
+            prof.parent.mkdir(parents=True, exist_ok=True)
+            sm.save_profile(prof)
+            row["profile"]["path"] = str(prof.relative_to(common.ROOT))
     return row
 
 

@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .flops import operator_flops
 from .grad_accumulation import EngineAccumulation
+from .meta_kernels import runs_on_cpu, wider_meta_kernels
 from .target import foreach_on_meta, library_value_checks, target_kernels
 from .trace import (
     ALLOC,
@@ -128,6 +129,7 @@ class _Recorder(TorchDispatchMode):
         self.next_id = 0
         self.watch: dict[int, tuple[weakref.ref, int]] = {}  # allocation id -> (storage ref, aliases we hold)
         self.failed_op: Optional[str] = None
+        self.failed_call: Optional[tuple[Any, tuple, dict]] = None  # the operator that raised, and its inputs
         self.accumulation = EngineAccumulation()  # Note [In-place gradient accumulation under a dispatch mode]
         self.superseded: set[int] = set()  # storages whose allocation an in-place sum's result took over
 
@@ -167,12 +169,12 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
-        self.failed_op = None
+        self.failed_op, self.failed_call = None, None
         summed_into = self.accumulation.in_place_operand(func, args)
         try:
             out = func(*args, **kwargs)
         except Exception:
-            self.failed_op = str(func)
+            self.failed_op, self.failed_call = str(func), (func, args, kwargs)
             raise
         if summed_into is not None:  # eager PyTorch writes this sum into the first operand's memory
             self._take_over(summed_into.untyped_storage(), out.untyped_storage())
@@ -206,7 +208,7 @@ class _Recorder(TorchDispatchMode):
 
 
 # -- errors -----------------------------------------------------------------------------------------------
-def _advice(op: Optional[str], error: BaseException) -> str:
+def _advice(op: Optional[str], error: BaseException, call: Optional[tuple[Any, tuple, dict]] = None) -> str:
     text = f"{op or ''} {error}"
     if "_local_scalar_dense" in text or ".item()" in text:
         return (
@@ -228,6 +230,20 @@ def _advice(op: Optional[str], error: BaseException) -> str:
             "the operator has no meta implementation (a custom C++/CUDA/Triton kernel?). Register one with "
             "torch.library.register_fake (it only computes output shapes), or plan with a stand-in module "
             "built from standard operators that allocates the same tensors."
+        )
+    runs = runs_on_cpu(*call) if call is not None else False  # Note [Meta kernels narrower than the device's]
+    if runs:
+        return (
+            f"the capture has reached its limit, not the model: {op} runs on the CPU with these shapes and dtypes, but "
+            "its meta implementation refuses them. Register a meta kernel that accepts them with "
+            "torch.library.register_fake (it only computes output shapes), or plan in a dtype the meta kernel "
+            "accepts (dtype=...)."
+        )
+    if runs is None:
+        return (
+            f"{op} refused these inputs on the meta device. If the step runs on a real device, the capture has reached "
+            "its limit (the operator's meta implementation accepts less than its device kernel: register a wider one "
+            "with torch.library.register_fake); if it fails there too, fix the model or its inputs."
         )
     return "the error above is the model's own; fix it, or pass inputs/loss_fn that the model accepts."
 
@@ -367,8 +383,8 @@ def capture(
     gc.disable()  # frees happen when references go, not when a collection runs
     t0 = time.perf_counter()
     try:
-        with where, foreach_on_meta(target == "cuda"), library_value_checks(), target_kernels(target), rec, \
-                torch.autograd.graph.saved_tensors_hooks(pack, unpack):  # fmt: skip
+        with where, foreach_on_meta(target == "cuda"), library_value_checks(), target_kernels(target), \
+                wider_meta_kernels(), rec, torch.autograd.graph.saved_tensors_hooks(pack, unpack):  # fmt: skip
             for it in range(steps):
                 b.add(ITER_BEGIN, it)
                 _guarded(lambda it=it: one_step(it), label, where, None, rec)
@@ -404,12 +420,13 @@ def _guarded(fn: Callable[[], Any], label: str, where: Optional[Where], phase: O
         raise
     except Exception as e:
         op = rec.failed_op if rec is not None else None
+        call = rec.failed_call if rec is not None else None
         phase = phase or (where.phase if where is not None else "")
         module = where.module_of(e) if where is not None else None
         at = f" in {module}" if module else ""
         what = f"{op} failed" if op else f"{type(e).__name__}"
         raise CaptureError(
             f"cannot capture a training step of {label} on the meta device: {what}{at} during {phase}: {e}\n"
-            f"What to do: {_advice(op, e)}",
+            f"What to do: {_advice(op, e, call)}",
             op, module, phase,
         ) from e  # fmt: skip

@@ -7,8 +7,8 @@ for it. A GPU does neither: SDPA runs flash attention (fp16/bf16, no mask) or me
 which save only a log-sum-exp per row, and optimizers default to ``foreach`` kernels with whole-model
 temporaries. ``target="cuda"`` therefore routes SDPA to the CUDA kernels' own meta implementations and lets
 optimizers see meta tensors as foreach-capable; ``target="cpu"`` mirrors the CPU dispatcher (flash
-attention for CPU when there is no dropout, else the math path; for-loop optimizers), which is what the
-plan-vs-reality check on CPU compares with.
+attention for CPU where PyTorch's own choice picks it, else the math path: with dropout, or a mask that
+requires grad; for-loop optimizers), which is what the plan-vs-reality check on CPU compares with.
 
 Note [Value checks of libraries]
 Some libraries read tensor values in a training step only to pick a fast path, where the value a real batch
@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from typing import Optional
 
 import torch
+from torch.nn.attention import SDPBackend
 
 
 def _float_mask(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -70,12 +71,12 @@ def target_kernels(target: str) -> Iterator[None]:
 def _target_sdpa(target: str, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):  # noqa: ANN001, ANN202
     if q.device.type != "meta" or q.dim() != 4 or k.dim() != 4 or q.shape[-1] != v.shape[-1]:
         return None
+    if target == "cpu" and not _cpu_picks_flash(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        return None
     if enable_gqa and k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     if target == "cpu":
-        if dropout_p > 0.0:
-            return None  # the CPU dispatcher takes the math path with dropout
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, dropout_p, is_causal, attn_mask=_float_mask(attn_mask, q.dtype), scale=scale
         )[0]
@@ -88,6 +89,26 @@ def _target_sdpa(target: str, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=
     return torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, bias, grad, dropout_p, is_causal, scale=scale
     )[0]
+
+
+def _cpu_picks_flash(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> bool:  # noqa: ANN001
+    """Whether the CPU dispatcher runs these meta inputs on its flash kernel (else the math path): PyTorch's own
+    choice (``_fused_sdp_choice``, what SDPA asks on a CPU) asked about CPU stand-ins of one row each, with the
+    same shapes, dtypes, last-dimension strides and ``requires_grad``. It takes the math path with dropout, and
+    when the mask requires grad (a learned bias, as Swin's relative positions are), which flash cannot
+    differentiate."""
+
+    def stand_in(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if t is None or t.dim() == 0:
+            return None if t is None else torch.zeros((), dtype=t.dtype)
+        step = 1 if t.stride(-1) == 1 else 2
+        row = torch.zeros(t.shape[-1] * step, dtype=t.dtype)[::step]
+        return row.requires_grad_(t.requires_grad and t.is_floating_point()).expand(t.shape)
+
+    with torch._C._DisableTorchDispatch():  # the capture must not record its question
+        choice = torch.ops.aten._fused_sdp_choice(stand_in(q), stand_in(k), stand_in(v), stand_in(attn_mask),
+                                                  dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+    return choice == int(SDPBackend.FLASH_ATTENTION)
 
 
 @contextlib.contextmanager

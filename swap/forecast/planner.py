@@ -27,6 +27,7 @@ from ..devices import (
     read_measured,
     refuse_budget_above,
     with_measured,
+    with_tf32,
 )
 from ..devices import profile as device_profile
 from ..schedule.budget import min_budget
@@ -41,7 +42,7 @@ from . import distributed
 from .arguments import check_functions, check_model_fn, check_names, with_parameters
 from .from_trace import sequence_from_trace
 from .offload import forecast_model
-from .pricing import iteration_seconds
+from .pricing import iteration_seconds, tf32_note
 from .replay import ALLOCATORS, CHUNK_SIZE, fitting_budget, measure
 from .result import Plan, PolicyResult
 from .strategies import STRATEGIES, StrategyBook, compare
@@ -253,6 +254,7 @@ def plan(
     interconnect: Optional[Union[str, InterconnectProfile]] = None,
     model_state: Optional[str] = None,
     host: Union[str, HostProfile, None] = None,
+    tf32: Union[str, bool, None] = "auto",
 ) -> Plan:
     """The largest batch of your model that fits ``budget`` on ``device``, per swap policy, and its speed.
 
@@ -291,6 +293,10 @@ def plan(
             (``swap.forecast.offload``); the result's ``model_state``. None: model state stays on the device.
         host: the host profile for ``model_state`` (``swap.devices.HOST_PROFILES``: "desktop-ddr5-2ch",
             "server-ddr5-8ch", or a file bench/host_profile.py wrote); giving one implies model_state="auto".
+        tf32: which fp32 operators run on TF32 tensor cores (Note [Peaks by precision and kind] in
+            swap/devices.py): "auto" (PyTorch's flags as they are now: convolutions by default, matmuls after
+            ``torch.backends.cuda.matmul.allow_tf32 = True`` or ``set_float32_matmul_precision("high")``), "on"
+            (True) both, "off" (False) neither.
     Returns:
         ``swap.Plan``: ``max_batch``, ``throughput``, ``window``, ``strategies``, ``table()``, ``plot(path)``,
         ``plot_strategies(path)``; where no batch fits (``fits_nothing``), ``min_budget``: the smallest budget in
@@ -304,7 +310,7 @@ def plan(
     t0 = time.perf_counter()
     say = _Progress(progress)
     budget = parse_size(budget, "budget", minimum=1)
-    dev = device if isinstance(device, DeviceProfile) else device_profile(device)
+    dev = with_tf32(device if isinstance(device, DeviceProfile) else device_profile(device), tf32)
     refuse_budget_above(budget, dev, device if isinstance(device, str) else "")
     if allocator in ("ideal", "none"):
         allocator = None
@@ -330,7 +336,7 @@ def plan(
         return distributed.rank_trace(trace, ranks) if ranks is not None else trace
 
     traces = _Traces(capture_at, say)
-    notes: list[str] = []
+    notes = [tf32_note(dev, tf32)] if dev.tf32_flops and dtype in (None, torch.float32) else []
     say(f"planning {label} for a budget of {fmt_bytes(budget)} on {dev.name}")
     why = traces.fit_linear()
     if why is None:

@@ -3,8 +3,9 @@
 Note [Per-operator roofline]
 Each operator takes max(its FLOPs / peak, its bytes / memory bandwidth) at the device's efficiency, plus
 the profile's per-operator overhead (``DeviceProfile.step_seconds``), with the peak of its own precision
-(a bf16 model's fp32 loss runs on the fp32 peak). The step time is the sum over operators, in the forward,
-the backward and any recompute alike.
+(a bf16 model's fp32 loss runs on the fp32 peak) and kind (an fp32 convolution on TF32 tensor cores, as cuDNN
+runs it by default: Note [Peaks by precision and kind] in swap/devices.py). The step time is the sum over
+operators, in the forward, the backward and any recompute alike.
 
 Pricing sums instead (one roofline over all the operators between two saved-tensor events, which older
 traces record) lets a compute-bound operator hide a memory-bound one and the other way round: the sum of
@@ -53,7 +54,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..capture.trace import ALLOC, OP, Trace
-from ..devices import DeviceProfile
+from ..devices import OTHER, DeviceProfile, operator_kind
 
 
 def low_precision_model(trace: Trace) -> bool:
@@ -135,10 +136,27 @@ def event_seconds(trace: Trace, dev: DeviceProfile, low_precision: Optional[bool
     low = low_precision_model(trace) if low_precision is None else low_precision
     precision = np.where(trace.precision >= 0, trace.precision == 1, low)
     costly = (trace.op == OP) | (trace.flops > 0) | (trace.bytes > 0)
-    seconds = dev.step_seconds(trace.flops, trace.bytes, precision)
+    seconds = dev.step_seconds(trace.flops, trace.bytes, precision, operator_kinds(trace))
     if (dev.class_rates or dev.attention_flops or dev.fresh_page_bandwidth) and trace.has_ops():
         seconds = _at_class_rates(trace, dev, seconds)
     return np.where(costly, seconds, 0.0)
+
+
+def tf32_note(dev: DeviceProfile, setting: Any) -> str:
+    """What ``dev`` assumes of fp32 convolutions and matmuls, in words, for a plan's notes."""
+    mode = {True: "TF32", False: "fp32"}
+    why = "PyTorch's flags now" if setting in (None, "auto") else f"tf32={setting!r}"
+    return (f"fp32 convolutions priced in {mode[dev.tf32_conv]}, fp32 matmuls in {mode[dev.tf32_matmul]} ({why}; "
+            "tf32='on' / 'off' or --tf32 to choose)")  # fmt: skip
+
+
+def operator_kinds(trace: Trace) -> np.ndarray:
+    """Each event's operator kind (``swap.devices.operator_kind``; OTHER for events that are not operators)."""
+    names = trace.meta.get("ops", [])
+    if not names:
+        return np.full(len(trace), OTHER)
+    by_id = np.array([operator_kind(n) for n in names])
+    return np.where(trace.op == OP, by_id[np.clip(trace.id, 0, len(names) - 1)], OTHER)
 
 
 def class_seconds(flops: Any, nbytes: Any, rates: tuple[float, float]) -> Any:

@@ -51,13 +51,13 @@ class CleanMover(Protocol):
 class CleanVariable:
     """A bucket of weights as one variable of an iteration (Note [Clean variables at run time])."""
 
-    __slots__ = ("id", "key", "nbytes", "mover", "iteration", "last_access", "module", "alive", "h2d", "d2h",
+    __slots__ = ("id", "key", "nbytes", "size", "mover", "iteration", "last_access", "module", "alive", "h2d", "d2h",
                  "versions", "owner")  # fmt: skip
 
     def __init__(self, vid: int, key: int, nbytes: int, mover: CleanMover, iteration: int, owner: Any = None) -> None:
         self.id = vid
         self.key = key
-        self.nbytes = nbytes
+        self.nbytes = self.size = nbytes
         self.mover = mover
         self.iteration = iteration
         self.last_access = -1
@@ -91,4 +91,4 @@ class CleanVariable:
 
 def on_device_bytes(variables: Iterable[CleanVariable], iteration: int) -> int:
     """Bytes of ``iteration``'s clean variables on the device (the mover says where they are)."""
-    return sum(v.nbytes for v in variables if v.iteration == iteration and v.dev is not None)
+    return sum(v.size for v in variables if v.iteration == iteration and v.dev is not None)

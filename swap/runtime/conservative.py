@@ -109,17 +109,17 @@ class ConservativePlan:
                 and (v.host is None or prev is not None and self._until.get(v.id, -1) > i)]  # fmt: skip
         for v in keep:
             moves.swap_out(v, None)
-        ours = sum(v.nbytes for v in keep) + (self.prefetched.nbytes if self.prefetched is not None else 0)
+        ours = sum(v.size for v in keep) + (self.prefetched.size if self.prefetched is not None else 0)
         for v in self.held:
             if v is var or v is self.prefetched or v in keep:
                 continue
             nxt = None
             if prev is not None and v.alive and v.dev is not None and v.dev_is_copy and v.original() is None:
-                nxt = self._near_use(prev, v, i, ours + v.nbytes + grown)
+                nxt = self._near_use(prev, v, i, ours + v.size + grown)
             if nxt is not None:
                 keep.append(v)  # Note [Kept for a near use]
                 self._until[v.id] = nxt
-                ours += v.nbytes
+                ours += v.size
             else:
                 moves.release(v)
         self.held = keep
@@ -147,7 +147,7 @@ class ConservativePlan:
         u = variables[prev.var[nxt]]
         if u is var or u.dev is not None or u.host is None or not u.alive:
             return
-        if self.memory.current() + u.nbytes + prev.transient[i] > self.budget:
+        if self.memory.current() + u.size + prev.transient[i] > self.budget:
             return
         self.transfers.swap_in(u, i)
         self.prefetched = u

@@ -156,14 +156,15 @@ class Executor:
                     self._backward_done, self._iteration_counted = False, False
                 return passthrough(t)
             if self._backward_done and not self._in_backward:
-                self._begin_iteration(t.untyped_storage().nbytes())
+                self._begin_iteration(self.memory.allocation_bytes(t.untyped_storage().nbytes()))
                 if self.lifecycle.mode == DECLINED:
                     return passthrough(t)
             storage = t.untyped_storage()
             key = storage.data_ptr()
             var = self.by_storage.get(key)
             if var is None or not var.alive or var.storage_ref() is not storage:
-                var = Variable(len(self.vars), storage, self.device, self.iteration, self.residency)
+                var = Variable(len(self.vars), storage, self.device, self.iteration, self.residency,
+                               size=self.memory.allocation_bytes(storage.nbytes()))
                 self.vars.append(var)
                 self.by_storage[key] = var
                 self.residency.saved(var)
@@ -187,7 +188,7 @@ class Executor:
         if self._backward_done and not self._in_backward and self.lifecycle.mode != DECLINED:
             with self.lock:
                 if self._backward_done and not self._in_backward and not self.closed:
-                    self._begin_iteration(t.untyped_storage().nbytes())
+                    self._begin_iteration(self.memory.allocation_bytes(t.untyped_storage().nbytes()))
 
     def use_clean(self, key: int, nbytes: int, mover: CleanMover, module: str) -> bool:
         """A use of bucket ``key`` of weights, a step like any access (Note [Clean variables at run time]); False
@@ -303,7 +304,7 @@ class Executor:
 
     def _matches(self, var: Variable, kind: str, i: int) -> bool:
         seq = self.lifecycle.sequence
-        return i < len(seq) and seq.var[i] == var.id and seq.kind[i] == kind and seq.sizes[var.id] == var.nbytes
+        return i < len(seq) and seq.var[i] == var.id and seq.kind[i] == kind and seq.sizes[var.id] == var.size
 
     def _diverged(self, var: Variable, kind: str, i: int) -> None:
         seq = self.lifecycle.sequence
@@ -352,7 +353,7 @@ class Executor:
         first_live = self.memory.current()
         self._reset_iteration()
         if ended == PROFILE and rec is not None:
-            seq = rec.finish([v.nbytes for v in old_vars], [v.module for v in old_vars], self.timer.resolve,
+            seq = rec.finish([v.size for v in old_vars], [v.module for v in old_vars], self.timer.resolve,
                              [isinstance(v, CleanVariable) for v in old_vars])  # fmt: skip
             life.profiled(seq, rec.first_live, first_live, shadow, max([peak] + rec.peak), rec.overruns)
         elif ended == PLANNED:

@@ -28,6 +28,11 @@ class DeviceMemory:
     def current(self) -> int:
         raise NotImplementedError
 
+    def allocation_bytes(self, nbytes: int) -> int:
+        """What one allocation of ``nbytes`` counts in this memory once made (Note [Sizes as the allocator
+        counts them]): the size a saved variable is planned with."""
+        return nbytes
+
     def add_shadow(self, nbytes: int) -> None:
         """Bytes moved off the device that a run without swapping would hold (see ``shadow_window_peak``)."""
 
@@ -58,9 +63,9 @@ class MeterMemory(DeviceMemory):
     name = "live tensor bytes between operators (LiveBytesMeter)"
     sees_inside_ops = False
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, meter: Optional[LiveBytesMeter] = None) -> None:
         super().__init__()
-        self.meter = LiveBytesMeter(device).track_existing()
+        self.meter = (meter or LiveBytesMeter(device)).track_existing()
         self.meter.__enter__()
         self.meter.reset_window()
         self.meter.reset_shadow_window()
@@ -70,6 +75,9 @@ class MeterMemory(DeviceMemory):
 
     def current(self) -> int:
         return self.meter.live
+
+    def allocation_bytes(self, nbytes: int) -> int:
+        return self.meter.storage_bytes(nbytes)
 
     def add_shadow(self, nbytes: int) -> None:
         self.meter.add_shadow(nbytes)
@@ -119,6 +127,9 @@ class TorchCudaMemory(DeviceMemory):
     def current(self) -> int:
         return torch.cuda.memory_allocated(self.device)
 
+    def allocation_bytes(self, nbytes: int) -> int:
+        return torch_block_bytes(nbytes)
+
 
 # Note [Window peaks without resetting torch's peak]
 # torch's allocator keeps one peak per statistic, and ``reset_peak_memory_stats`` is the only way to start a
@@ -133,6 +144,35 @@ class TorchCudaMemory(DeviceMemory):
 #   the one before allocated), never above torch's peak. An upper bound makes a plan hold more room than it
 #   needs, never less.
 # vmalloc's arena has its own counters (ArenaMemory), exact in every window.
+
+# torch's caching allocator (CUDACachingAllocator.cpp): every request is rounded up to 512 B; a request above
+# 1 MiB comes from the large pool, whose free block is split only when more than 1 MiB would be left over, so
+# the block handed out (and counted in allocated_bytes) may be up to 1 MiB larger than the rounded request.
+TORCH_BLOCK_ROUND = 512
+TORCH_SMALL_REQUEST = 1 << 20
+TORCH_UNSPLIT_REMAINDER = (1 << 20) - TORCH_BLOCK_ROUND
+
+
+def torch_block_bytes(nbytes: int) -> int:
+    """The largest block torch's caching allocator may hand out (and count) for a request of ``nbytes``."""
+    if nbytes <= 0:
+        return 0
+    size = -(-nbytes // TORCH_BLOCK_ROUND) * TORCH_BLOCK_ROUND
+    return size + TORCH_UNSPLIT_REMAINDER if size > TORCH_SMALL_REQUEST else size
+
+# Note [Sizes as the allocator counts them]
+# The budget is measured in the allocator's own bytes (vmalloc's allocated_bytes, torch's), and an allocator
+# hands out more than a tensor asks for: vmalloc rounds a large request up to whole chunks (a 2.25 MiB
+# activation holds 4 MiB: two 2 MiB chunks), torch rounds to 512 B and may hand out a large-pool block up to
+# 1 MiB bigger than that when the left-over is too small to split. Planned with their own sizes, the saved
+# variables a plan keeps resident beyond the profiled ones were each undercounted by their rounding. On an
+# H200 the plan for a small ResNet (2.25 MiB activations) then ran over: by 0.7-1.6 % of the budget with
+# torch's allocator, and into vmalloc's capacity (the budget) in global mode, where the OOM handler found no
+# victim and training failed. So each variable is planned, counted on the device and evicted at
+# ``allocation_bytes(nbytes)``: exact for vmalloc (``Arena.allocation_size``, the rule malloc itself uses)
+# and the live-bytes meter, the largest block torch may hand out for torch's allocator (a plan then holds
+# whatever block torch picks; it costs at most 1 MiB per resident variable above 1 MiB). Copies still move
+# the tensor's own bytes.
 
 
 class ArenaMemory(DeviceMemory):
@@ -152,6 +192,9 @@ class ArenaMemory(DeviceMemory):
 
     def current(self) -> int:
         return self.arena.allocated_bytes
+
+    def allocation_bytes(self, nbytes: int) -> int:
+        return self.arena.allocation_size(nbytes)  # whole chunks for a large tensor
 
 
 def vmalloc_arena(device: torch.device) -> Optional[Any]:

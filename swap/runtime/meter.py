@@ -106,6 +106,10 @@ class LiveBytesMeter(TorchDispatchMode):
         self._type = self.device.type
         self._index = self.device.index
 
+    def storage_bytes(self, nbytes: int) -> int:
+        """What a storage of ``nbytes`` counts: its bytes (a subclass models an allocator's rounding)."""
+        return nbytes
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True  # Note [Meter and torch.compile]
@@ -130,7 +134,7 @@ class LiveBytesMeter(TorchDispatchMode):
         ref = self._seen.get(key)
         if ref is not None and ref() is st:  # already counted (a view, an in-place result): no lock needed
             return
-        nbytes = st.nbytes()
+        nbytes = self.storage_bytes(st.nbytes())
         with self._lock:
             ref = weakref.ref(st, self._died)
             self._seen[key] = ref
@@ -169,7 +173,7 @@ Note [Storages that resize])."""
                 ref = weakref.ref(st, self._died)
                 self._seen[key] = ref
                 self._sizes[ref] = (key, 0)
-            nbytes = st.nbytes()
+            nbytes = self.storage_bytes(st.nbytes())
             self._grew(nbytes - self._sizes[ref][1])
             self._sizes[ref] = (key, nbytes)
 

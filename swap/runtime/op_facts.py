@@ -45,6 +45,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..capture.flops import operator_flops
+
 # Schemas that write arguments without saying so: (operator, argument indices written when training).
 LEGACY_WRITES: dict[str, tuple[int, ...]] = {
     "aten.native_batch_norm.default": (3, 4),
@@ -194,13 +196,10 @@ def _map(value: Any, fn: Any) -> Any:
 
 
 def element_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> Optional[float]:
-    """FLOPs from torch.utils.flop_counter's registry (matmuls, convolutions, attention), else None."""
-    from torch.utils.flop_counter import flop_registry
-
-    formula = flop_registry.get(func._overloadpacket)
-    if formula is None:
-        return None
+    """FLOPs as a capture counts them (torch.utils.flop_counter's registry: matmuls, convolutions, attention; and
+    the kernels it does not know, such as the grouped matmul of mixture-of-experts layers: swap.capture.flops),
+    else None."""
     try:
-        return float(formula(*args, **kwargs, out_val=out))
+        return operator_flops(func, args, kwargs, out) or None
     except Exception:  # noqa: BLE001 - a formula that does not fit these arguments: no FLOPs known
         return None

@@ -11,9 +11,11 @@ call's span and the tensors a checkpoint of it would save.
 
 - Seconds: on CPU, the operator's own host time, measured. On CUDA a host clock measures the launch, not
   the kernel, and CUDA events per operator would serialise the launch queue they measure; so each operator
-  is priced on a roofline (FLOPs and bytes against one compute-to-bandwidth ratio) and the forward's total
-  is scaled to the forward time the step timers measured with CUDA events (``calibrate``): relative costs
-  from the roofline, the absolute scale from the device.
+  is priced on the roofline of the device's datasheet profile (``swap.devices.cuda_profile``), on the peak of
+  its precision and kind (bf16 on tensor cores; fp32 convolutions and matmuls on TF32 tensor cores where
+  PyTorch's flags let them, read when profiling starts: Note [Peaks by precision and kind] in
+  swap/devices.py), and the forward's total is scaled to the forward time the step timers measured with
+  CUDA events (``calibrate``): relative costs from the roofline, the absolute scale from the device.
 - The mode is entered with the manager and left when profiling ends (never pushed in the middle of an
   iteration, where a user's own mode could be popped in its place); inactive, it passes operators through.
 - Iterations: an iteration's first saved tensor comes after its first operators (the op that makes it
@@ -33,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
+from ..devices import DeviceProfile, cuda_profile, operator_kind, with_tf32
 from ..joint.ops import Op, OpTable, RegionCall, is_index
 from .executor import Executor
 from .hooks import SavedTensorHooks
@@ -48,9 +51,6 @@ from .op_facts import (
 )
 from .regions import innermost_hooks_are
 from .tracer import ModulePaths
-
-# Roofline shape for pricing operators on CUDA (Note [Operator profiler]): only the ratio matters.
-CUDA_FLOPS, CUDA_BANDWIDTH = 100e12, 2e12
 
 
 @dataclass
@@ -90,9 +90,11 @@ class OpProfiler(TorchDispatchMode):
     """Records operator tables while ``active`` (Note [Operator profiler]). ``executor`` says the step and
     whether a backward pass runs; ``hooks``, the manager's saved-tensor hooks, say which tensors the executor
     takes, tell a user's own checkpoint apart, and whether the manager is inside them (what runs there is
-    not the model's)."""
+    not the model's). ``roofline``: the profile that prices operators instead of timing them (default on
+    CUDA: the device's, with PyTorch's TF32 flags as they are now; None on CPU: timed)."""
 
-    def __init__(self, executor: Executor, hooks: SavedTensorHooks, device: torch.device) -> None:
+    def __init__(self, executor: Executor, hooks: SavedTensorHooks, device: torch.device,
+                 roofline: Optional[DeviceProfile] = None) -> None:  # fmt: skip
         super().__init__()
         self.ex = executor
         self.hooks = hooks
@@ -110,7 +112,9 @@ class OpProfiler(TorchDispatchMode):
         self._calls: list[_RawCall] = []
         self._open: list[_RawCall] = []
         self._handles: list[Any] = []
-        self._cuda = device.type == "cuda"
+        if roofline is None and device.type == "cuda":
+            roofline = with_tf32(cuda_profile(torch.cuda.get_device_name(device)), "auto")
+        self.roofline = roofline
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -158,9 +162,13 @@ class OpProfiler(TorchDispatchMode):
         ins, _ = self._managed((args, list(kwargs.values())))
         writes = tuple(self._sid(t) for t in written_args(func, args, kwargs))
         flops = element_flops(func, args, kwargs, out) or 0.0
-        nbytes = float(sum(t.numel() * t.element_size() for t in tensors_of((args, list(kwargs.values()), out))))
-        if self._cuda:
-            seconds = max(flops / CUDA_FLOPS, nbytes / CUDA_BANDWIDTH)
+        touched = tensors_of((args, list(kwargs.values()), out))
+        nbytes = float(sum(t.numel() * t.element_size() for t in touched))
+        if self.roofline is not None:
+            # the operator's precision: its first float tensor's
+            first_float = next((t.dtype for t in touched if t.is_floating_point()), None)
+            low = first_float in (torch.bfloat16, torch.float16)
+            seconds = self.roofline.step_seconds(flops, nbytes, low, operator_kind(str(func)))
         why = blocker(func, args, kwargs, self.device)
         rng = draws_default_rng(func, args, kwargs)
         aliasing = aliases_output(func)

@@ -67,13 +67,13 @@ class Residency:
         clock = self.clock
         rec = clock.recorder
         if rec is not None and var.iteration == clock.iteration and not clock.in_hook:
-            rec.held_freed(var.nbytes)
-            self.memory.add_held(var.nbytes)
+            rec.held_freed(var.size)
+            self.memory.add_held(var.size)
 
     def saved(self, var: Variable) -> None:
         """``var`` was made from a saved tensor's storage, which is on the device."""
         with self.lock:
-            self.on_device_bytes += var.nbytes
+            self.on_device_bytes += var.size
 
     def _set_on_device(self, var: Variable, flag: bool) -> None:
         """``var``'s bytes are on the device again, or its last device storage died (``flag`` False)."""
@@ -88,7 +88,7 @@ class Residency:
         with self.lock:
             if not var.alive:
                 return
-            delta = var.nbytes if flag else -var.nbytes
+            delta = var.size if flag else -var.size
             if var.iteration == self.clock.iteration:
                 self.on_device_bytes += delta
         self.memory.add_shadow(-delta)
@@ -96,11 +96,11 @@ class Residency:
     def copy_coming(self, var: Variable) -> None:
         """A copy of ``var`` is about to come back to the device (a run without swapping would hold it)."""
         if not var.on_device:
-            self.memory.add_shadow(-var.nbytes)
+            self.memory.add_shadow(-var.size)
             with self.lock:
                 var.on_device = True
                 if var.alive and var.iteration == self.clock.iteration:
-                    self.on_device_bytes += var.nbytes
+                    self.on_device_bytes += var.size
 
     # -- callbacks from variables (swap.runtime.tracer) -------------------------------------------------
     def original_died(self, var: Variable) -> None:
@@ -132,8 +132,8 @@ class Residency:
         clock = self.clock
         rec = clock.recorder
         if rec is not None and var.iteration == clock.iteration and not clock.in_hook:
-            rec.held_freed(var.nbytes)
-            self.memory.add_held(var.nbytes)
+            rec.held_freed(var.size)
+            self.memory.add_held(var.size)
 
     def var_dead(self, var: Variable) -> None:
         """Autograd released every handle of ``var``: its memory goes (now, or once its copies are done)."""
@@ -144,9 +144,9 @@ class Residency:
             clock.recorder.freed[var.id] = clock.now()
         with self.lock:
             if var.on_device and var.iteration == clock.iteration:
-                self.on_device_bytes -= var.nbytes
+                self.on_device_bytes -= var.size
                 self._died_counted[var.id] = clock.now()  # Note [A held tensor freed mid-step]
             var.alive = False
         if not var.on_device:
-            self.memory.add_shadow(-var.nbytes)  # a run without swapping frees it now
+            self.memory.add_shadow(-var.size)  # a run without swapping frees it now
         self.retire(var)

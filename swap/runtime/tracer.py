@@ -167,16 +167,20 @@ class Variable:
     """
 
     __slots__ = (
-        "id", "nbytes", "device", "storage_ref", "dev", "host", "d2h", "h2d", "versions", "last_access",
+        "id", "nbytes", "size", "device", "storage_ref", "dev", "host", "d2h", "h2d", "versions", "last_access",
         "iteration", "handles", "alive", "on_device", "copy_ref", "dev_is_copy", "module", "owner", "_finalizer",
         "__weakref__",
     )  # fmt: skip
 
     def __init__(
-        self, vid: int, storage: torch.UntypedStorage, device: torch.device, iteration: int, owner: Any = None
+        self, vid: int, storage: torch.UntypedStorage, device: torch.device, iteration: int, owner: Any = None,
+        size: Optional[int] = None,
     ) -> None:
         self.id = vid
-        self.nbytes = storage.nbytes()
+        self.nbytes = storage.nbytes()  # what a copy moves
+        # What the device's allocator counts for it (default: its bytes): what it is planned and counted with
+        # (Note [Sizes as the allocator counts them] in swap/runtime/memory.py).
+        self.size = self.nbytes if size is None else size
         self.device = device
         self.owner = owner
         me = weakref.ref(self)

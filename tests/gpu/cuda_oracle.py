@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -38,6 +38,13 @@ def used_bytes() -> int:
     return int(total) - int(free)
 
 
+def stack_size() -> int:
+    """The per-thread stack size of the current context (cuCtxGetLimit(CU_LIMIT_STACK_SIZE)): the driver raises
+    it when a kernel needs more local memory, and holds that much for every thread the device can run."""
+    d = driver()
+    return int(check(d.cuCtxGetLimit(d.CUlimit.CU_LIMIT_STACK_SIZE), "cuCtxGetLimit"))
+
+
 def address_range(ptr: int) -> tuple[int, int]:
     """(base, size) of the allocation or mapping containing ptr (cuMemGetAddressRange)."""
     base, size = check(driver().cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
@@ -62,18 +69,32 @@ def pinned_host(ptr: int) -> bool:
     return int(err) == 0 and int(value) == int(d.CUmemorytype.CU_MEMORYTYPE_HOST)
 
 
+# Note [What the oracle counts]
+# cuMemGetInfo counts every byte the driver holds on the device for anyone: the allocator's chunks, and also
+# what no allocator sees (the context, loaded kernel modules, local memory for every thread the device can run,
+# which the driver grows when a kernel needs a larger stack, library handles). So the poller also reads the
+# allocator's reserved bytes at each sample (``held``): ``outside_peak`` is the most the driver held beyond
+# them. An oracle above the budget with the allocator's own peak within it is memory outside the allocator,
+# and its growth over the run says how much.
 class UsedMemoryPoller:
-    """Polls cuMemGetInfo on a thread while active; ``peak`` is the most device memory seen in use."""
+    """Polls cuMemGetInfo on a thread while active; ``peak`` is the most device memory seen in use, and, given
+    ``held`` (the allocator's reserved bytes, read at each sample), ``outside_peak`` the most beyond it."""
 
-    def __init__(self, device: int = 0, interval_s: float = 0.0002) -> None:
+    def __init__(self, device: int = 0, interval_s: float = 0.0002, held: Optional[Callable[[], int]] = None) -> None:
         self.device, self.interval = device, interval_s
+        self.held = held
         self.peak = 0
+        self.outside_peak = 0
         self.samples = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     def sample(self) -> None:
-        self.peak = max(self.peak, used_bytes())
+        before = self.held() if self.held is not None else 0
+        used = used_bytes()
+        held = max(before, self.held()) if self.held is not None else 0  # it may grow between the reads
+        self.peak = max(self.peak, used)
+        self.outside_peak = max(self.outside_peak, used - held)
         self.samples += 1
 
     def _run(self) -> None:

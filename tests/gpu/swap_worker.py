@@ -48,7 +48,9 @@ def train(
     torch.manual_seed(0)
     model = build(models).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses, digests, held = [], [], []
+    from cuda_oracle import used_bytes
+
+    losses, digests, held, outside = [], [], [], []
     with contextlib.ExitStack() as stack:
         if manager is not None:
             stack.enter_context(manager)
@@ -69,11 +71,13 @@ def train(
             if reserved is not None:
                 torch.cuda.synchronize()
                 held.append(reserved())
+                outside.append(used_bytes() - held[-1])  # the driver's memory that is not the allocator's
     from cuda_oracle import vmm_backed
 
     # Whether the parameters live in driver VMM mappings (vmalloc's chunks), checked while they are alive.
     vmm = all(vmm_backed(p.data_ptr()) for p in model.parameters())
-    return {"losses": losses, "grad_sha256": digests, "params_vmm_backed": vmm, "reserved_per_iteration": held}
+    return {"losses": losses, "grad_sha256": digests, "params_vmm_backed": vmm, "reserved_per_iteration": held,
+            "outside_per_iteration": outside}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -92,7 +96,16 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from cuda_oracle import make_context_current
 
-    torch.use_deterministic_algorithms(True, warn_only=True)  # see torch_worker.deterministic
+    # Note [Deterministic kernels, strictly]
+    # Bitwise equal gradients need every kernel deterministic, and warn_only=True is not enough: it only warns
+    # where torch has no deterministic kernel, and some kernels choose their deterministic path only in the
+    # strict mode. The GPT's attention is one (fp32 scaled_dot_product_attention on an H100/H200 runs the
+    # memory-efficient kernel, whose backward splits the 256 keys over several blocks that add into the query
+    # gradient with atomics unless the mode is strict): on an H200 one GPT run's gradients differed from the
+    # unswapped run's at one iteration while the losses agreed. Strict mode makes it split nothing, and
+    # raises, naming the operator, where a model here has no deterministic kernel (none does: cross-entropy
+    # over (rows, classes) reduces in one block, adaptive_avg_pool2d to 1x1 is a mean).
+    torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     out: dict[str, Any] = {"allocator": args.allocator, "model": args.model, "policy": args.policy}
@@ -115,12 +128,12 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
     import swap
     import vmalloc
 
-    from cuda_oracle import UsedMemoryPoller
+    from cuda_oracle import UsedMemoryPoller, stack_size
 
     global_mode = args.allocator == "vmalloc"
 
     def reserved() -> int:
-        return vmalloc.stats(0)["reserved_bytes.all.current"] if global_mode else torch.cuda.memory_reserved(0)
+        return vmalloc.global_arena(0).reserved_bytes if global_mode else torch.cuda.memory_reserved(0)
 
     base = train(args.model, args.iterations)
     peak = vmalloc.stats(0)["allocated_bytes.all.peak"] if global_mode else torch.cuda.max_memory_allocated(0)
@@ -137,10 +150,11 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
             vmalloc.global_arena(0).reset_peak_stats()
         else:
             torch.cuda.reset_peak_memory_stats(0)
-        baseline_used = UsedMemoryPoller(0)
+        baseline_used = UsedMemoryPoller(0, held=reserved)
         baseline_used.sample()
         held_before = reserved()
-        poller = UsedMemoryPoller(0)
+        stack_before = stack_size()
+        poller = UsedMemoryPoller(0, held=reserved)
         sm = swap.SwapManager(budget=budget, policy=args.policy, min_bytes="256KiB")
         try:
             swapped = train(args.model, args.iterations, manager=sm, poller=poller, reserved=reserved)
@@ -156,8 +170,9 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
     out["budget"] = budget
     report = sm.report()
     out["swapped"] = swapped
-    out["report"] = {k: report[k] for k in ("peak_device_bytes", "budget_bytes", "swapped_out_bytes",
-                                            "demand_fetches", "declined", "memory_source")}  # fmt: skip
+    out["report"] = {k: report.get(k) for k in ("peak_device_bytes", "budget_bytes", "swapped_out_bytes",
+                                                "demand_fetches", "declined", "memory_source", "overruns",
+                                                "replans", "evictions")}  # fmt: skip
     if global_mode:
         s = vmalloc.stats(0)
         out["allocator_peak_allocated"] = s["allocated_bytes.all.peak"]
@@ -171,6 +186,11 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
     # allocator's physical peak from above.
     out["oracle_peak_bytes"] = poller.peak - baseline_used.peak + held_before
     out["oracle_samples"] = poller.samples
+    # Where the oracle's excess lies (Note [What the oracle counts] in tests/gpu/cuda_oracle.py): device memory
+    # the driver reports in use beyond the allocator's reserved bytes, at its highest in the last iteration
+    # less before the swapped run; and the per-thread stack (local memory) limit before and after.
+    out["oracle_outside_growth"] = poller.outside_peak - baseline_used.outside_peak
+    out["stack_size_before_after"] = [stack_before, stack_size()]
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ import pytest
 WORKER = Path(__file__).with_name("swap_worker.py")
 MiB = 1 << 20
 # Device memory the driver may count beyond the allocator's chunks during the run (events, lazily loaded
-# kernels): the oracle must stay within the budget plus this.
+# kernels, local memory: Note [What the oracle counts] in cuda_oracle.py): the oracle must stay within the
+# budget plus this.
 ORACLE_SLACK = 64 * MiB
 
 
@@ -40,7 +41,12 @@ def test_swapped_gradients_are_bitwise_equal_and_within_budget(allocator, model)
         assert r["base"]["params_vmm_backed"], "tensors should live in vmalloc's VMM mappings"
         assert r["allocator_peak_reserved"] <= r["budget"], "vmalloc's capacity was the budget"
         assert r["oracle_samples"] > 10
-        assert r["oracle_peak_bytes"] <= r["budget"] + ORACLE_SLACK, r
+        # On an H200 the oracle read 70 MiB above the budget while vmalloc's own peak held it: the keys below
+        # say whether that memory was the driver's, outside vmalloc (its growth, the stack limit), or ours.
+        why = {k: r.get(k) for k in ("oracle_peak_bytes", "budget", "allocator_peak_reserved", "oracle_outside_growth",
+                                     "stack_size_before_after")}  # fmt: skip
+        why["outside_per_iteration"] = r["swapped"].get("outside_per_iteration")
+        assert r["oracle_peak_bytes"] <= r["budget"] + ORACLE_SLACK, why
     elif allocator == "vmalloc_pool":
         assert rep["memory_source"] == "torch.cuda.max_memory_allocated"  # torch's allocator counts the pool
         assert r["base"]["params_vmm_backed"], "inside vmalloc.use_mem_pool tensors live in vmalloc's mappings"
@@ -67,9 +73,12 @@ def test_reserved_memory_stays_flat_over_planned_iterations(allocator):
     assert r["report"]["swapped_out_bytes"] > 0
 
 
-def test_vmalloc_and_native_runs_agree():
-    a, b = run("vmalloc", "resnet"), run("native", "resnet")
-    assert a["base"]["grad_sha256"] == b["base"]["grad_sha256"]
+@pytest.mark.parametrize("model", ["resnet", "gpt"])
+def test_vmalloc_and_native_runs_agree(model):
+    # The unswapped runs of two processes agree first: a model whose kernels are not deterministic fails here,
+    # apart from anything swapping does (Note [Deterministic kernels, strictly] in swap_worker.py).
+    a, b = run("vmalloc", model), run("native", model)
+    assert a["base"]["grad_sha256"] == b["base"]["grad_sha256"], "the model's own kernels are not deterministic"
     assert a["swapped"]["grad_sha256"] == b["swapped"]["grad_sha256"]
 
 

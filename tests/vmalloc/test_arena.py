@@ -24,6 +24,23 @@ def test_sizes_parse_and_round(make_arena):
     a.free(q)
 
 
+@pytest.mark.parametrize("mid_chunks", [0, 4])
+def test_allocation_size_is_what_allocated_bytes_counts(make_arena, mid_chunks):
+    # A planner that budgets in allocated bytes sizes each tensor with it (a 2.25 MiB activation holds two
+    # 2 MiB chunks): every request class, checked against the counter itself.
+    a = make_arena(capacity="64MiB", chunk_size="1MiB", small_max="64KiB", mid_chunks=mid_chunks)
+    mid = (lambda n: -(-n // (256 * KiB)) * 256 * KiB) if mid_chunks else (lambda n: -(-n // MiB) * MiB)
+    expected = {0: 0, 1: 512, 513: 1024, 64 * KiB: 64 * KiB, 64 * KiB + 1: mid(64 * KiB + 1),
+                MiB + 1: mid(MiB + 1), 4 * MiB: 4 * MiB, 4 * MiB + 1: 5 * MiB}  # fmt: skip
+    for n, size in expected.items():
+        before = a.allocated_bytes
+        p = a.malloc(n)
+        assert a.allocation_size(n) == size == a.allocated_bytes - before, n
+        a.free(p)
+    with pytest.raises((TypeError, ValueError)):
+        a.allocation_size(-1)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -221,6 +238,30 @@ def test_single_counters_match_stats(make_arena):
     a.empty_cache()
     check()
     assert a.allocated_bytes == 0 and a.reserved_bytes == 0
+
+
+def test_after_empty_cache_every_stream_keeps_a_slab_for_its_small_blocks(make_arena):
+    # What torch.cuda.memory_reserved() reads through the adapter after empty_cache (tests/gpu/torch_worker.py
+    # parity): each chunk still held lies in a large allocation, in a slab holding a block in use, or in the
+    # pool (a block with a chunk in use is not released). Slabs are per stream, so two streams each holding a
+    # few bytes keep two chunks: a bound of one slab (allocated + one chunk + the pool) failed on an H200,
+    # where torch's generator left two 8-byte tensors on a side stream.
+    a = make_arena(capacity=16 * MiB, chunk_size=64 * KiB, small_max=16 * KiB)
+    keep = [a.malloc(8, stream=0), a.malloc(8, stream=1), a.malloc(100 * KiB, stream=0)]
+    spare = [a.malloc(200 * KiB)] + [a.malloc(4 * KiB, stream=s) for s in (0, 1) for _ in range(20)]
+    for p in spare:
+        a.free(p)
+    a.empty_cache()
+    s = a.stats()
+    chunk = s["chunk_size"]
+    assert s["num_cached_chunks"] == 0 and s["num_releasable_chunks"] == 0, s
+    assert s["slab_bytes.all.current"] == 2 * chunk, s
+    large = a.allocation_size(100 * KiB)
+    assert s["allocated_bytes.all.current"] == 2 * 512 + large
+    assert s["reserved_bytes.all.current"] == large + s["slab_bytes.all.current"] + s["num_pool_chunks"] * chunk, s
+    assert s["reserved_bytes.all.current"] > s["allocated_bytes.all.current"] + chunk + s["num_pool_chunks"] * chunk
+    for p in keep:
+        a.free(p)
 
 
 def test_set_capacity_releases_cached_memory(make_arena):

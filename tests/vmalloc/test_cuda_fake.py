@@ -275,3 +275,22 @@ def test_fault_sweep_over_every_driver_call(mem, entry):
         live = fc.live()
         assert live["allocations"] == live["mappings"] == live["reservations"] == 0, live
     assert survived >= (len(positions) + 1) // 2, f"only {survived} of {len(positions)} faults were reached"
+
+
+def test_a_budget_in_allocation_sizes_is_what_fits_under_the_capacity(mem):
+    # The H200 run's ResNet: 2.25 MiB activations under a capacity of whole 2 MiB chunks. Counted at their own
+    # size, seven fit 16 MiB; each holds two chunks, so four do, and allocation_size says so (Note [Sizes as the
+    # allocator counts them] in swap/runtime/memory.py).
+    a = mem.own[0]
+    ar = arena(capacity=8 * CHUNK)
+    n = 9 * MiB // 4
+    assert ar.allocation_size(n) == 2 * CHUNK
+    fits = ar.capacity // ar.allocation_size(n)
+    live = [ar.malloc(n, a) for _ in range(fits)]
+    assert ar.stats()["allocated_bytes.all.current"] == fits * ar.allocation_size(n) == ar.capacity
+    with pytest.raises(vmalloc.OutOfMemoryError, match="4194304 after rounding"):
+        ar.malloc(n, a)
+    for p in live:
+        ar.free(p)
+    ar.empty_cache()
+    del ar
