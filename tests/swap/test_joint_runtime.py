@@ -327,3 +327,36 @@ def test_a_region_ending_in_batch_norm_and_relu_trains_with_rebuilds_on():
     sm = got["manager"]
     assert sm.report()["recompute_plan"] == "1 region(s), 0 kept operator(s), rebuilds"
     assert sm._joint.regions._stats["0"].reruns > 0 and sm._recompute.rebuilt > 0
+
+
+def test_the_profilers_own_time_does_not_inflate_the_calibrated_prices(monkeypatch):
+    # Note [Our own time is not the model's]: the step timers measured the operator profiler's bookkeeping with
+    # the model's compute, and the operator table (scaled to the measured forward on a GPU) priced every
+    # operator by it. A profiler made 3 ms slower per operator must price the forward as before.
+    import time
+
+    from swap.joint.ops import calibrated
+    from swap.runtime import op_profiler
+
+    ref = run("gpt", 3, meter=swap.LiveBytesMeter("cpu"))
+    budget = int(unswapped_peak(ref) * 0.7)
+
+    def forward_price(delay: float) -> tuple[float, int]:
+        seen = {}
+
+        def choose(ev):
+            seen["ev"] = ev
+            return search(ev)
+
+        real = op_profiler.element_flops
+        monkeypatch.setattr(op_profiler, "element_flops", lambda *a: time.sleep(delay) or real(*a))
+        run("gpt", 3, manager=lambda: manager(budget, choose))
+        monkeypatch.setattr(op_profiler, "element_flops", real)
+        seq, table = seen["ev"].seq, seen["ev"].table
+        first_use = seq.kind.index("use")
+        return sum(op.seconds for op in calibrated(table, sum(seq.compute[:first_use])).ops), len(table.ops)
+
+    plain, n = forward_price(0.0)
+    slowed, _ = forward_price(0.003)
+    assert n * 0.003 > 2 * plain  # the delay would dominate the forward if it were counted
+    assert slowed < plain + n * 0.003 / 4, (plain, slowed, n)
