@@ -69,6 +69,7 @@ class Executor:
             warn or (lambda cause, message: log.warning("swap: %s", message)),
             unmanaged or (lambda peak: None),
             profile_iterations,
+            lambda: device.type == "cuda" and torch.backends.cudnn.benchmark,  # Note [Benchmark trials are not ...]
         )  # fmt: skip
         # The variables' owner: their callbacks land there.
         self.residency = Residency(self, memory, self._acct, lambda var: self.transfers.retire(var))
