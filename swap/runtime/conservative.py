@@ -101,7 +101,7 @@ class ConservativePlan:
              variables: list[Variable], prev: Optional[Sequence], grown: int = 0) -> None:  # fmt: skip
         """Step ``i`` accesses ``var`` (``storage``: a save's); ``prev`` is the previous profile while this
         iteration repeats it (None otherwise: nothing ahead is known), ``grown`` the memory live at this
-        iteration's start above its (the optimizer's state made since)."""
+        iteration's start above the profiled one's (the optimizer's state made since)."""
         moves = self.transfers
         # Kept until the next step: those with no copy yet (left by a plan), and, while the profile holds, those
         # kept for a near use, until it (Note [Kept for a near use]).
