@@ -3,23 +3,13 @@
 Each pack and unpack is one step. In a *planned* iteration, step i issues ``release[i]`` (wait for the D2H
 copy, drop the device copy), ``swap_in[i]`` (start H2D), the access (a use waits for its H2D copy, or
 fetches on demand if the plan missed: slower, never wrong), then ``swap_out[i]`` (start D2H). A *profiling*
-iteration runs the conservative plan instead and records the sequence the scheduler plans with
-(swap.runtime.recorder).
+iteration runs the conservative plan instead (swap.runtime.conservative) and records the sequence the
+scheduler plans with (swap.runtime.recorder).
 
 The executor finds where iterations begin and end and takes each step; it holds the parts with one job each:
 its ``lifecycle`` (swap.runtime.lifecycle: the plan and its mode, learning from what was measured), its
 ``transfers`` (swap.runtime.transfers: the copies and releases) and its ``residency`` (swap.runtime.residency:
 the variables' owner, counting which bytes are on the device from callbacks on any thread).
-
-Note [Budget-aware profiling]
-The conservative plan holds as little as any plan can: a variable's copy to host starts when it is saved,
-and its device copy is dropped at the next step; a use fetches its variable, or re-attaches the forward's
-storage when someone still holds it (a second copy would only add memory). So a profiling step needs no
-more than its floor (swap.schedule.budget.step_floors). The one optional extra is a prefetch: the second
-profiling iteration fetches the next use of the first one ahead of time, and only when what is live, the
-variable, and what the step allocated last time fit the budget. The first iteration fetches on demand. Whatever
-our own copies, everything is released when a backward pass ends, so nothing of ours is held across the
-optimizer step.
 
 Note [Step windows]
 A step's measured peak is the highest memory from its access to the next one. The window is restarted after
@@ -38,6 +28,7 @@ import torch
 from ..schedule.scheduler import Schedule
 from ..schedule.sequence import SAVE, USE, Sequence
 from .clean import CleanMover, CleanVariable, on_device_bytes
+from .conservative import ConservativePlan
 from .eviction import evict_lru
 from .host_pool import HostPool
 from .kept import KeptTensors
@@ -51,6 +42,7 @@ from .tracer import ModulePaths, Packed, Variable, backward_running, current_aut
 from .transfers import Transfers
 
 log = logging.getLogger("swap")
+
 
 class Executor:
     """Follows a schedule from inside the saved-tensor hooks (the module docstring says how). ``planner``,
@@ -77,6 +69,7 @@ class Executor:
             warn or (lambda cause, message: log.warning("swap: %s", message)),
             unmanaged or (lambda peak: None),
             profile_iterations,
+            lambda: device.type == "cuda" and torch.backends.cudnn.benchmark,  # Note [Benchmark trials are not ...]
         )  # fmt: skip
         # The variables' owner: their callbacks land there.
         self.residency = Residency(self, memory, self._acct, lambda var: self.transfers.retire(var))
@@ -98,14 +91,14 @@ class Executor:
         self.actions: list[tuple[int, str, int]] = []  # what this iteration issued, in order
         self.last_actions: list[tuple[int, str, int]] = []  # ... and the last completed iteration's
         self.recorder: Optional[Recorder] = None
+        self.conservative = ConservativePlan(self.transfers, memory, budget, self._log)  # profiling's own plan
         self._reset_iteration()
 
     def _reset_iteration(self) -> None:
         self.step = 0
         self.vars: list[Variable] = []
         self.by_storage: dict[int, Variable] = {}
-        self.held_vars: list[Variable] = []  # conservative plan: ours until the next step
-        self.prefetched: Optional[Variable] = None
+        self.conservative.forget()
         self.residency.reset()
         self.actions = []
         self._matching = True  # profiling: so far this iteration repeats the previous profile
@@ -281,7 +274,9 @@ class Executor:
             if life.mode == PLANNED:
                 self._planned_step(var, kind, storage, i)
             else:
-                self._conservative_step(var, kind, storage, i)
+                prev = life.previous if self._matching and life.mode == PROFILE else None
+                grown = max(0, self.recorder.base - prev.base) if prev is not None and self.recorder else 0
+                self.conservative.step(var, kind, storage, i, self.vars, prev, grown)
             rec = self.recorder
             if rec is not None:
                 prev = life.previous
@@ -317,54 +312,10 @@ class Executor:
         expected = f"{seq.kind[i]} of {seq.sizes[seq.var[i]]} bytes" if i < len(seq) else "the end of the iteration"
         log.info("swap: step %d is a %s of %d bytes, the plan expected %s: re-profiling", i, kind, var.nbytes, expected)
         self.lifecycle.diverged()
-        self.held_vars = [v for v in self.vars if v is not var and v.dev is not None and v.alive]
-
-    def _conservative_step(self, var: Variable, kind: str, storage: Optional[torch.UntypedStorage], i: int) -> None:
-        moves = self.transfers
-        keep = []
-        for v in self.held_vars:
-            if v is var or v is self.prefetched:
-                continue
-            if v.host is None and v.alive and v.dev is not None:
-                moves.swap_out(v, None)  # no copy yet (left by a plan): it leaves at the next step
-                keep.append(v)
-            else:
-                moves.release(v)
-        self.held_vars = keep
-        self._restart_window()
-        if kind == SAVE:
-            if var.dev is None:
-                var.attach(storage)
-            self._log(i, "access", var)
-            moves.swap_out(var, i)
-        else:
-            moves.ensure_resident(var, i)
-            if self.prefetched is var:
-                self.prefetched = None
-            self._log(i, "access", var)
-            self._prefetch_next(var, i)
-        self.held_vars.append(var)
-
-    def _prefetch_next(self, var: Variable, i: int) -> None:
-        """Profiling: fetch the variable the previous profile used next, if it fits (Note [Budget-aware profiling])."""
-        prev = self.lifecycle.previous
-        if prev is None or not self._matching or self.prefetched is not None or self.lifecycle.mode != PROFILE:
-            return
-        nxt = next((j for j in range(i + 1, len(prev)) if prev.kind[j] == USE), None)
-        if nxt is None or prev.var[nxt] >= len(self.vars):
-            return
-        u = self.vars[prev.var[nxt]]
-        if u is var or u.dev is not None or u.host is None or not u.alive:
-            return
-        if self.memory.current() + u.size + prev.transient[i] > self.budget:
-            return
-        self.transfers.swap_in(u, i)
-        self.prefetched = u
+        self.conservative.held = [v for v in self.vars if v is not var and v.dev is not None and v.alive]
 
     def _restart_window(self) -> None:
-        """After a step's releases: the step's window starts from what is left (Note [Step windows])."""
-        self.memory.window_peak()
-        self.memory.held_window_peak()
+        self.conservative.restart_window()
 
     def _planned_step(self, var: Variable, kind: str, storage: Optional[torch.UntypedStorage], i: int) -> None:
         s, moves = self.lifecycle.schedule, self.transfers
@@ -433,9 +384,7 @@ class Executor:
             self.transfers.process_dying()
             mode = self.lifecycle.mode
             if mode in (PROFILE, FALLBACK):
-                for v in self.held_vars:  # nothing of ours is held across the optimizer step
-                    self.transfers.release(v)
-                self.held_vars, self.prefetched = [], None
+                self.conservative.release_all()  # nothing of ours is held across the optimizer step
             elif mode == DECLINED:
                 self.lifecycle.declined_backward(self.memory.window_peak())
             self.engine.measure()
@@ -446,7 +395,7 @@ class Executor:
         for v in self.vars:
             if v.dev is not None:
                 self.transfers.release(v)
-        self.held_vars, self.prefetched = [], None
+        self.conservative.forget()
 
     def _close_step(self, peak: int, tail: bool = False) -> None:
         """The interval after the previous access ended with ``peak`` the highest memory in it (``tail``: the
@@ -482,14 +431,15 @@ class Executor:
     def close(self) -> None:
         with self.lock:
             try:
-                for v in self.held_vars:
+                for v in self.conservative.held:
                     try:
                         self.transfers.release(v)
                     except RuntimeError:
                         pass
                 self.transfers.process_dying()
             finally:
-                self.held_vars, self.prefetched, self._last_node = [], None, None
+                self.conservative.forget()
+                self._last_node = None
                 self.closed = True
                 self.transfers.close()
                 # Our references go; autograd's handles keep what a late unpack may still need.

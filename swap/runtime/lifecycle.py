@@ -10,6 +10,15 @@ of the two. If the first alone cannot fit the budget, no later one can: ``Infeas
 once (at the second iteration's first saved tensor), with ``min_budget`` raised by what the optimizer step
 added. After the sequence changes, one profiling iteration suffices.
 
+Note [Benchmark trials are not the floor]
+With ``torch.backends.cudnn.benchmark`` on, the first iteration that meets a convolution's shapes times every
+engine, each with its own workspace: gigabytes held for a moment, once, never again for those shapes. Merged
+into the plan's memory, that transient became every later step's floor (a budget judged infeasible, or swaps
+no run needs). So while trials run (``trials()``), a profile's memory is not carried into the next one: the
+later profile, which ran with the engines chosen, stands alone, and the first one is not judged infeasible on
+its own (its trials may exceed what any planned step needs). A step that overruns later is learned as any
+other (Note [Learning from an overrun]).
+
 Note [Iteration boundaries]
 An iteration starts at the first saved tensor after a backward pass has ended (autograd's engine callback,
 queued at the first unpack of each backward). So a second backward over a retained graph, several
@@ -75,6 +84,7 @@ class Profiled:
     peak: int  # the highest memory the iteration measured
     overruns: list[tuple[int, int]] = field(default_factory=list)  # (step, measured) above the budget
     may_decline: bool = True  # False once a declined run went over the budget: swap from now on
+    trials: bool = False  # its memory may hold benchmark trials (Note [Benchmark trials are not the floor])
 
 
 Planner = Callable[[Profiled], Union[Schedule, Reprofile, None]]
@@ -90,13 +100,15 @@ class Lifecycle:
     is managed (Note [Nothing to move, over the budget] in swap.runtime.notices)."""
 
     def __init__(self, budget: int, counters: Counters, planner: Planner, replanner: Callable[[Sequence], Schedule],
-                 warn: Warn, unmanaged: Callable[[int], None], profile_iterations: int = 2) -> None:  # fmt: skip
+                 warn: Warn, unmanaged: Callable[[int], None], profile_iterations: int = 2,
+                 trials: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
         self.budget = budget
         self.counters = counters
         self.planner = planner
         self.replanner = replanner
         self.warn = warn
         self.unmanaged = unmanaged
+        self.trials = trials  # Note [Benchmark trials are not the floor]
         self.mode = PROFILE
         self.profiles_left = profile_iterations
         self.schedule: Optional[Schedule] = None
@@ -127,17 +139,20 @@ class Lifecycle:
                  peak: int, overruns: list[tuple[int, int]]) -> None:  # fmt: skip
         """A profiling iteration ended with ``seq`` recorded (Note [Two profiling iterations]):
         ``profiled_first_live``, the memory live at its first access; ``first_live``, at the next one's."""
+        trials = self.trials()
         if seq is not None and self.previous is not None and self.previous.signature() == seq.signature():
-            seq = _merge(self.previous, seq)
+            seq = _merge(self.previous, seq, memory=not trials)
+        if shadow is not None:  # after a profile with trials, this one's alone
+            self.unswapped_peak = shadow if trials and self.previous is not None else max(self.unswapped_peak or 0,
+                                                                                           shadow)  # fmt: skip
         self.previous = seq
-        if shadow is not None:
-            self.unswapped_peak = max(self.unswapped_peak or 0, shadow)
         self.profiles_left -= 1
         final = self.profiles_left <= 0
         growth = max(0, first_live - profiled_first_live)
         try:
             schedule = self.planner(
-                Profiled(seq, final, growth, self.unswapped_peak, peak, overruns, may_decline=self.allow_decline)
+                Profiled(seq, final, growth, self.unswapped_peak, peak, overruns, may_decline=self.allow_decline,
+                         trials=trials)
             )
         except InfeasibleBudget:
             self.reprofile()
@@ -235,8 +250,11 @@ class Lifecycle:
         )  # fmt: skip
 
 
-def _merge(a: Sequence, b: Sequence) -> Sequence:
-    """Two profiles of one sequence: the element-wise larger memory, swappable only where both say so."""
+def _merge(a: Sequence, b: Sequence, memory: bool = True) -> Sequence:
+    """Two profiles of one sequence: the element-wise larger memory (``memory``; else ``b``'s: Note [Benchmark
+    trials are not the floor]), swappable only where both say so."""
+    if not memory:
+        a = replace(a, nonswap=b.nonswap, transient=b.transient, base=b.base)
     return replace(
         b,
         nonswap=[max(x, y) for x, y in zip(a.nonswap, b.nonswap)],

@@ -40,7 +40,7 @@ from .joint import JointRuntime
 from .memory import DeviceMemory, vmalloc_arena
 from .model_state.runtime import ModelStateRuntime, check_model_state
 from .model_state.streaming import ParamPacked
-from .notices import Notices
+from .notices import NOT_STARTED, Notices, never_started
 from .ranks import Ranks
 from .recompute import RecomputeHooks
 from .report import SwapReport
@@ -261,6 +261,9 @@ class SwapManager:
                 self._joint.close()
         finally:
             self._stop(exc_type, exc, tb)
+            if exc_type is None and self._final is not None and self._final["status"] == "not started":
+                self._final["status"] = NOT_STARTED  # Note [A manager that saw no training step]
+                self._notices.warn("not started", never_started(torch.is_grad_enabled()))
 
     def _stop(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:

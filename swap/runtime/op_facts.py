@@ -11,6 +11,16 @@ changes nothing but its outputs:
 - a side effect: a host sync that reads a value (``.item()``), or a collective (another rank would wait);
 - a kernel that is not deterministic on CUDA (atomic adds: ``index_add``, ``scatter_add``, ...) while
   ``torch.use_deterministic_algorithms`` is off: the rerun may round differently.
+Which scatter has duplicate indices would take a device sync to know, so every scatter counts.
+
+A convolution rerun picks its cuDNN engine again. It finds the one its forward used (the benchmark's cache, or
+the same heuristic for the same shapes) unless the engine's workspace cannot be allocated then: cuDNN falls
+back to an engine that needs less, which may round differently. The allocator's workspace limit
+(vmalloc's ``Arena.set_workspace_limit``, what the torch adapter offers cuDNN) is the same at the forward and
+at the rerun, so with it set the choice repeats; without it, under a capacity as tight as the forward's
+workspace, a rerun is bitwise only with ``torch.backends.cudnn.deterministic`` and a fixed engine. This is
+left to that limit rather than blocking every convolution, which would take checkpointing from every CNN.
+
 Such operators are *kept*: their outputs are saved (and swappable) and handed back at the rerun. Keeping
 one must not change what the others compute, so a module is not checkpointed at all when a non-rerunnable
 operator writes in place (its output is its input: handing it back would skip the write) or draws from the
@@ -52,6 +62,13 @@ NONDETERMINISTIC_ON_CUDA = {
     "aten.scatter_reduce.two", "aten.scatter_reduce_.two", "aten.index_put.default", "aten.index_put_.default",
     "aten._index_put_impl_.default", "aten.put.default", "aten.put_.default", "aten.bincount.default",
     "aten.histc.default", "aten.embedding_bag.default", "aten._embedding_bag.default",
+    # Atomic writes too: the 2-d NLL loss sums its weights with atomics, and index_copy and scatter write
+    # duplicate indices in whatever order the threads land (the last write wins).
+    "aten.nll_loss2d_forward.default", "aten.nll_loss2d_forward.output",
+    "aten.index_copy.default", "aten.index_copy.out", "aten.index_copy_.default",
+    *(f"aten.scatter.{o}" for o in ("src", "value", "reduce", "value_reduce", "src_out", "value_out", "reduce_out",
+                                    "value_reduce_out")),
+    *(f"aten.scatter_.{o}" for o in ("src", "value", "reduce", "value_reduce")),
 }  # fmt: skip
 
 

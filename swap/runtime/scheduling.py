@@ -79,7 +79,8 @@ class Scheduling:
             return None
         undecided = joint is not None and not joint.decided  # recompute may still fit what swapping cannot
         if not p.final:
-            if diagnose(seq, self.budget) is not None:  # Note [Two profiling iterations]: certain already
+            # Note [Two profiling iterations]: certain already, unless the memory held benchmark trials
+            if not p.trials and diagnose(seq, self.budget) is not None:
                 grown, note = seq, "Measured in the first iteration"
                 if p.growth:
                     grown = replace(seq, nonswap=[b + p.growth for b in seq.nonswap[:-1]] + seq.nonswap[-1:],

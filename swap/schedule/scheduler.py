@@ -20,6 +20,14 @@ do not fit wait. A plan therefore never exceeds the budget; when the step's own 
 that is not ours plus the variable it touches) exceeds it, no plan can, and ``InfeasibleBudget`` says which
 step and by how much (``swap.schedule.budget``: the largest failing step, its module, and what would help).
 
+Note [Copies nothing needs]
+A reserved swap-out starts its copy to host when the variable is reserved, so that dropping it later, when
+room is needed, waits for nothing. With room to spare most reservations are never completed: the variable
+stays until its use, and its copy was traffic on the link, host memory and, on a CPU, the step's own time,
+for nothing. A plan is made offline and knows which drops happen, so it keeps only the copies of variables
+it drops; more budget then moves fewer bytes. A drop the plan did not make (the allocator's OOM handler, a
+step that diverges from the plan) copies first, as it always did for a variable with no host copy.
+
 Clean variables (Note [Clean variables] in swap/schedule/sequence.py) start on the host: every policy fetches
 them ahead of their uses like any swapped-out variable, and they leave the device with no copy out.
 """
@@ -312,11 +320,12 @@ class _Planner:
                 if self.policy != "window":
                     self.eager[i + 1].append(v)
         peak = max((a + b for a, b in zip(seq.nonswap, self.resident_trace)), default=0)
+        dropped = {v for step in self.release for v in step}  # Note [Copies nothing needs]
         return Schedule(
             self.policy,
             self.budget,
             self.window,
-            self.swap_out,
+            [[v for v in step if v in dropped] for step in self.swap_out],
             self.release,
             self.swap_in,
             self.resident_trace,

@@ -21,8 +21,9 @@ def test_window_on_a_chain_matches_the_hand_worked_plan():
     seq = chain()
     s = make_schedule(seq, budget=300, window=200, policy="window")
     # v3 is used again inside the window: never swapped. v0..v2 reserved at their save; completed oldest
-    # first when room is needed; v2 comes back for free (never completed); v1, v0 one step ahead.
-    assert s.swap_out == [[0], [1], [2], [], [], [], [], []]
+    # first when room is needed; v2 comes back for free (never completed, so its copy is never made: Note
+    # [Copies nothing needs]); v1, v0 one step ahead.
+    assert s.swap_out == [[0], [1], [], [], [], [], [], []]
     assert s.release == [[], [], [0], [1], [], [], [], []]
     assert s.swap_in == [[], [], [], [], [], [1], [0], []]
     assert s.peak == 250
@@ -33,6 +34,17 @@ def test_window_that_covers_everything_swaps_in_nothing_it_kept():
     seq = chain()
     s = make_schedule(seq, budget=10_000, window=10_000, policy="window")
     assert s.release == [[]] * 8 and s.swap_in == [[]] * 8  # everything stays: nothing to bring back
+
+
+def test_a_roomier_budget_copies_out_only_what_it_drops():
+    """Note [Copies nothing needs]: every reserved swap-out used to copy, dropped or not, so a plan with room to
+    spare moved as many bytes to the host as a tight one."""
+    seq = chain(6)
+    tight, roomy = (make_schedule(seq, budget=b, window=200, policy="window") for b in (400, 550))
+    for s in (tight, roomy):
+        assert {v for step in s.swap_out for v in step} == {v for step in s.release for v in step}
+        check_schedule(seq, s)
+    assert 0 < roomy.bytes_out(seq) < tight.bytes_out(seq)
 
 
 def test_no_swap_out_for_a_variable_never_used_again():
