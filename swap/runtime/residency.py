@@ -14,7 +14,10 @@ low by them; a planned iteration, where the same variable can live a little long
 held for a later use), then ran over its plan from its first iteration (Mamba, by 60 to 140 KiB). So the
 bytes of such a storage are counted as held from the moment it dies (``DeviceMemory.add_held``), and the step's
 peak is read with them (``held_window_peak``): exact where the memory measures it (CPU), and the freed bytes
-added to the peak where it cannot (a GPU's allocator counters): an upper bound, never low.
+added to the peak where it cannot (a GPU's allocator counters): an upper bound, never low. A copy that came
+back inside the same step and died there was never counted at the step's open (a saved tensor read outside
+backward, as a graph viewer does, and let go at once): no plan holds it longer, and counting each such read
+as held would add up every saved tensor of the graph as if all were live at once.
 """
 
 from __future__ import annotations
@@ -55,11 +58,13 @@ class Residency:
         self.retire = retire
         self.on_device_bytes = 0
         self._died_counted: dict[int, int] = {}  # variable -> the step it died in, counted (its bytes may go later)
+        self._fetched_in: dict[int, int] = {}  # variable -> the step whose interval a copy of it came back in
 
     def reset(self) -> None:
         """A new iteration: none of its variables exists yet."""
         self.on_device_bytes = 0
         self._died_counted = {}
+        self._fetched_in = {}
 
     def _freed_mid_step(self, var: Variable) -> None:
         """Profiling: a device storage of ``var``, counted when the step opened, died inside the step (Note [A
@@ -81,8 +86,10 @@ class Residency:
             if var.on_device == flag:
                 return
             var.on_device = flag
-            # counted at this step's open: alive, or died in this step
-            counted = self._died_counted.pop(var.id, None) == self.clock.now() or var.alive
+            # counted at this step's open: alive, or died in this step; and not a copy that came back inside
+            # this very step (a saved tensor read outside backward and let go at once: no plan holds it longer)
+            now = self.clock.now()
+            counted = (self._died_counted.pop(var.id, None) == now or var.alive) and self._fetched_in.get(var.id) != now
         if not flag and counted:
             self._freed_mid_step(var)
         with self.lock:
@@ -99,6 +106,7 @@ class Residency:
             self.memory.add_shadow(-var.size)
             with self.lock:
                 var.on_device = True
+                self._fetched_in[var.id] = self.clock.now()
                 if var.alive and var.iteration == self.clock.iteration:
                     self.on_device_bytes += var.size
 
