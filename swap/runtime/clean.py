@@ -53,6 +53,9 @@ class CleanVariable:
 
     __slots__ = ("id", "key", "nbytes", "size", "mover", "iteration", "last_access", "module", "alive", "h2d", "d2h",
                  "versions", "owner")  # fmt: skip
+    # Never a fetched copy of a forward's storage: the conservative plan keeps only those for a near use (Note
+    # [Kept for a near use]); a bucket's next use is the streamer's to plan.
+    dev_is_copy = False
 
     def __init__(self, vid: int, key: int, nbytes: int, mover: CleanMover, iteration: int, owner: Any = None) -> None:
         self.id = vid
