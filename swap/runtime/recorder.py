@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..schedule.sequence import Sequence
+from ..schedule.sequence import SAVE, Sequence
 
 
 class Recorder:
@@ -116,3 +116,19 @@ class Recorder:
             freed=freed, modules=list(modules), transient=transient, kept=list(self.kept), base=self.base,
             node_last=node_last, clean=list(clean) if clean else [],
         )  # fmt: skip
+
+
+def describe_step(i: int, tail: bool, var_ids: list[int], kinds: list[str], modules: list[str],
+                  seq: Optional[Sequence]) -> str:  # fmt: skip
+    """Where step ``i`` is, for a warning: the phase and the module of its variable (``modules``: this
+    iteration's, by variable; else ``seq``'s); ``tail``: the iteration's last interval."""
+    if i >= len(var_ids):
+        return "after the last saved tensor"
+    v = var_ids[i]
+    module = modules[v] if v < len(modules) else ""
+    if not module and seq is not None and seq.modules and v < len(seq.modules):
+        module = seq.modules[v]
+    phase = "forward" if kinds[i] == SAVE else "backward"
+    if tail:
+        return f"after the backward of {module or 'the model'} (the rest of backward, the optimizer step)"
+    return f"in the {phase} of {module or 'the model'}"
