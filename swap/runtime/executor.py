@@ -412,7 +412,7 @@ class Executor:
                              [isinstance(v, CleanVariable) for v in old_vars])  # fmt: skip
             life.profiled(seq, rec.first_live, first_live, shadow, max([peak] + rec.peak), rec.overruns)
         elif ended == PLANNED:
-            life.planned(first_live, steps)
+            life.planned(first_live, steps, [v.nbytes for v in old_vars])
         elif ended == FALLBACK:
             life.reprofile()
         life.enter(key, first_live)

@@ -194,8 +194,9 @@ class Lifecycle:
             if self.mode == PLANNED:
                 self.grown(first_live)
 
-    def planned(self, first_live: int, steps: int) -> None:
-        """A planned iteration of ``steps`` steps ended (Note [Learning from an overrun])."""
+    def planned(self, first_live: int, steps: int, sizes: list[int]) -> None:
+        """A planned iteration of ``steps`` steps ended, its variables ``sizes`` bytes (Note [Learning from an
+        overrun]; a derived plan is re-planned on the sizes: Note [Plans by input shape])."""
         seq = self.sequence
         if steps != len(seq):  # ended early: the sequence changed
             log.info("swap: the iteration ended after %d steps, the plan has %d: re-profiling", steps, len(seq))
@@ -205,12 +206,16 @@ class Lifecycle:
             return
         new = {i: b for i, b in self.to_learn.items() if i not in self.learned}
         self.to_learn = {}
-        if new:
+        refine = self.bounds and len(sizes) == len(seq.sizes)
+        if new or refine:
             nonswap = list(seq.nonswap)
             for i, b in new.items():
                 nonswap[i] = max(nonswap[i], b)
             self.learned |= set(new)
-            self.replan(replace(seq, nonswap=nonswap), f"{len(new)} step(s) measured above the plan")
+            if refine:
+                seq, self.bounds = replace(seq, sizes=list(sizes)), False
+                self.book.refined += 1
+            self.replan(replace(seq, nonswap=nonswap), f"{len(new)} step(s) measured above the plan" if new else "")
         self.grown(first_live)
 
     def grown(self, first_live: int) -> None:
@@ -223,8 +228,9 @@ class Lifecycle:
             self.replan(replace(seq, nonswap=[b + growth for b in seq.nonswap]), why)
 
     def replan(self, seq: Sequence, why: str) -> None:
-        self.counters.replans += 1
-        log.info("swap: re-planning: %s", why)
+        """Plans ``seq`` again because of ``why`` (a re-plan); ``why`` empty: a derived plan's own sizes."""
+        self.counters.replans += bool(why)
+        log.info("swap: re-planning: %s", why or "a larger shape's plan, on this shape's sizes")
         try:
             self.schedule = self.replanner(seq)
         except InfeasibleBudget:

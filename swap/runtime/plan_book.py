@@ -17,7 +17,10 @@ an iteration's start the lifecycle looks its key up:
    each step. Variables map by save order, so the step structure must be the same: where it is not (a saved
    tensor falls below ``min_bytes`` at the smaller shape, control flow on the shape), the derived plan
    diverges at the first step that differs, the iteration finishes under the conservative plan, and that key
-   is profiled on its own the next time it comes (never derived again);
+   is profiled on its own the next time it comes (never derived again). After its first iteration the derived
+   plan is planned again (no profiling: the scheduler only) on the sizes that iteration's variables had, with
+   the larger shape's unswappable bytes still as bounds: it then swaps no more than this shape needs, for the
+   memory the larger shape measured;
 3. else the iteration is profiled (one profiling iteration: the optimizer's state already exists) and its
    plan kept under its key.
 
@@ -87,6 +90,7 @@ class PlanBook:
         self.seen: set[ShapeKey] = set()
         self.reused = 0  # iterations that began on a kept plan of another shape than the iteration before
         self.derived = 0  # ... of which the plan was a larger shape's
+        self.refined = 0  # derived plans re-planned on their own shape's sizes
 
     def find(self, key: ShapeKey) -> tuple[Optional[Entry], bool]:
         """The plan for ``key``: (its own, False); (a larger key's, True); or (None, False)."""
@@ -125,4 +129,4 @@ class PlanBook:
 
     def counts(self) -> dict[str, Any]:
         return {"shapes_seen": len(self.seen), "plans_kept": len(self.entries), "plans_reused": self.reused,
-                "plans_derived": self.derived}  # fmt: skip
+                "plans_derived": self.derived, "plans_refined": self.refined}  # fmt: skip

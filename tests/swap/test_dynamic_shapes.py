@@ -60,6 +60,7 @@ def test_cycling_shapes_profiles_only_in_the_first_round():
     assert r["profiling_iterations"] == 2, r
     assert r["replans"] == 0 and r["overruns"] == 0 and r["status"] == "planned", r
     assert r["shapes_seen"] == 4 and r["plans_derived"] == 3
+    assert r["plans_refined"] == 3  # each derived plan planned again on its own shape's sizes, no profiling
     assert r["plans_reused"] == len(lengths) - 2
 
 
