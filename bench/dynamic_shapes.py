@@ -118,7 +118,7 @@ def markdown(r: dict[str, Any], command: str, meta: dict[str, Any]) -> str:
         f"AdamW, batch {BATCH}; lengths drawn from {min(LENGTHS)}..{max(LENGTHS)} in steps of 8 "
         f"({len(LENGTHS)} lengths), or {max(LENGTHS)} throughout (fixed). Budget {r['budget_bytes'] / mib:.1f} MiB "
         f"({int(FRACTION * 100)} % of the plain peak, {r['plain_peak_bytes'] / mib:.1f} MiB), the default strategy, "
-        f"min_bytes {MIN_BYTES}.",
+        f"min_bytes {MIN_BYTES}." + (f" Runtime: {meta['label']}." if meta.get("label") else ""),
         "", "| | dynamic | fixed 128 |", "|---|---|---|",
     ]  # fmt: skip
     c = r["checks"]
@@ -151,15 +151,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the draw of lengths")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--stem", default="dynamic_shapes")
+    ap.add_argument("--label", default="", help="what runtime was measured, for the results (e.g. an older commit "
+                    "on PYTHONPATH: its bench/ needs this file copied in)")  # fmt: skip
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     torch.set_num_threads(1)
     iterations, rounds = (TAIL, 1) if args.quick else (args.iterations, args.rounds)
     results = measure(iterations, rounds, args.seed)
     meta = {"machine": platform.machine() + ", " + platform.processor(), "torch": torch.__version__,
-            "iterations": iterations, "rounds": rounds}  # fmt: skip
+            "iterations": iterations, "rounds": rounds, "label": args.label}  # fmt: skip
     results["meta"] = meta
-    command = "python -m bench.dynamic_shapes" + (" --quick" if args.quick else "")
+    command = "python -m bench.dynamic_shapes" + (" --quick" if args.quick else "") + "".join(
+        f" --{k} {getattr(args, k)}" for k in ("stem", "label") if getattr(args, k) != ap.get_default(k))
     write_results(args.out, args.stem, results, markdown(results, command, meta))
     return 0
 
