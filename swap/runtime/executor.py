@@ -101,7 +101,7 @@ class Executor:
         self._reset_iteration()
 
     def _reset_iteration(self) -> None:
-        self.step = 0
+        self.step = self.saves = 0  # saves: tensors saved this iteration, ours or not
         self.vars: list[Variable] = []
         self.by_storage: dict[int, Variable] = {}
         self.held_vars: list[Variable] = []  # conservative plan: ours until the next step
@@ -166,7 +166,7 @@ class Executor:
                 self._begin_iteration(t.untyped_storage().nbytes(), shape_key(t))
                 if self.lifecycle.mode == DECLINED:
                     return passthrough(t)
-            storage = t.untyped_storage()
+            storage, self.saves = t.untyped_storage(), self.saves + 1
             key = storage.data_ptr()
             var = self.by_storage.get(key)
             if var is None or not var.alive or var.storage_ref() is not storage:
@@ -195,6 +195,7 @@ class Executor:
             with self.lock:
                 if self._backward_done and not self._in_backward and not self.closed and not self._stays_declined(t):
                     self._begin_iteration(t.untyped_storage().nbytes(), shape_key(t))
+        self.saves += 1
 
     def _stays_declined(self, t: torch.Tensor) -> bool:
         """A declined run's iteration begins at ``t``: with the shape key of the last one, it only marks the
@@ -295,7 +296,7 @@ class Executor:
                     self._matching = i < len(prev) and prev.var[i] == var.id and prev.kind[i] == kind
                 counted = self.residency.on_device_bytes + on_device_bytes(self.clean.values(), self.iteration)
                 rec.open_step(var.id, kind, counted, self.memory.current(), self.kept.bytes,
-                              self._node_group(kind))  # fmt: skip
+                              self._node_group(kind), self.saves)  # fmt: skip
                 self.timer.start()
         finally:
             self._in_hook = False
@@ -317,7 +318,8 @@ class Executor:
     def _matches(self, var: Variable, kind: str, i: int) -> bool:
         seq, n, life = self.lifecycle.sequence, var.nbytes, self.lifecycle  # Note [Plans by input shape]: bounds
         return (i < len(seq) and seq.var[i] == var.id and seq.kind[i] == kind
-                and (seq.sizes[var.id] == n or life.bounds and seq.sizes[var.id] > n))  # fmt: skip
+                and (seq.sizes[var.id] == n or life.bounds and seq.sizes[var.id] > n)
+                and (not seq.saved_before or seq.saved_before[i] == self.saves))  # fmt: skip
 
     def _diverged(self, var: Variable, kind: str, i: int) -> None:
         seq = self.lifecycle.sequence

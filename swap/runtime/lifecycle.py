@@ -211,10 +211,11 @@ class Lifecycle:
             nonswap = list(seq.nonswap)
             for i, b in new.items():
                 nonswap[i] = max(nonswap[i], b)
-            self.learned |= set(new)
-            if refine:
+            if refine:  # a step over the budget is learned again on the shape's own sizes (resident was bounds)
                 seq, self.bounds = replace(seq, sizes=list(sizes)), False
                 self.book.refined += 1
+            else:
+                self.learned |= set(new)
             self.replan(replace(seq, nonswap=nonswap), f"{len(new)} step(s) measured above the plan" if new else "")
         self.grown(first_live)
 

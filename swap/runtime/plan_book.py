@@ -11,7 +11,9 @@ an iteration's start the lifecycle looks its key up:
 1. a plan made for this key is reused as it is;
 2. else the plan of the nearest *larger* key (same rank and dtype, no dimension smaller; the fewest elements
    of those) is used as a derived plan: the sizes it was planned with are upper bounds, and a step matches it
-   when its kind and variable are those of the plan and its bytes are no more than the plan's. A plan that
+   when its kind and variable are those of the plan, its bytes are no more than the plan's, and the iteration
+   has saved as many tensors by then, ours or not (``Sequence.saved_before``: sizes alone would let a tensor
+   that fell under ``min_bytes`` shift the next one onto its variable). A plan that
    keeps the budget for a larger input keeps it for a smaller one whose steps map onto it in order: every
    variable and every step's unswappable bytes are no larger, and the same variables are on the device at
    each step. Variables map by save order, so the step structure must be the same: where it is not (a saved

@@ -38,6 +38,7 @@ class Recorder:
         self.live: list[int] = []  # per step: memory live right after the access
         self.kept: list[int] = []
         self.node: list[int] = []  # per step: which backward node made the use (-1 for a save)
+        self.saved_before: list[int] = []  # per step: tensors the iteration saved by then, ours or not
         self.marks: list[Any] = []  # timer marks, resolved at finish
         self.freed: dict[int, int] = {}
         self.held_until: dict[int, int] = {}
@@ -70,8 +71,10 @@ class Recorder:
         if len(self.peak) < len(self.var):
             self._dying += nbytes
 
-    def open_step(self, var: int, kind: str, counted: int, live: int, kept: int, node: int = -1) -> None:
+    def open_step(self, var: int, kind: str, counted: int, live: int, kept: int, node: int = -1,
+                  saved_before: int = 0) -> None:  # fmt: skip
         self.node.append(node)
+        self.saved_before.append(saved_before)
         self.var.append(var)
         self.kind.append(kind)
         self.counted.append(counted)
@@ -114,7 +117,7 @@ class Recorder:
         return Sequence(
             list(self.var), list(self.kind), list(sizes), nonswap, compute, swappable, held_until,
             freed=freed, modules=list(modules), transient=transient, kept=list(self.kept), base=self.base,
-            node_last=node_last, clean=list(clean) if clean else [],
+            node_last=node_last, clean=list(clean) if clean else [], saved_before=list(self.saved_before),
         )  # fmt: skip
 
 
