@@ -114,6 +114,7 @@ class Lifecycle:
         self.book = PlanBook()
         self.key: Optional[ShapeKey] = None  # this iteration's shape key
         self.bounds = False  # the plan is a larger shape's: its sizes bound a step's bytes
+        self.source: Optional[ShapeKey] = None  # the key a derived plan was profiled at (None: its own)
 
     @property
     def latest(self) -> Optional[Sequence]:
@@ -141,22 +142,25 @@ class Lifecycle:
         book.seen.add(key)
         self.key = key
         if self.mode in (PLANNED, DECLINED) and old is not None:
-            book.keep(old, Entry(self.sequence, self.schedule, self.plan_first_live, self.bounds, self.learned))
+            book.keep(old, Entry(self.sequence, self.schedule, self.plan_first_live, self.bounds, self.learned,
+                                 self.source))  # fmt: skip
             if key == old:
                 return
         elif self.mode != PROFILE or not book.entries:
             return  # the first plan is being profiled, or a fallback iteration ran (it re-profiles)
-        entry, derived = book.find(key)
+        entry, source = book.find(key)
         if entry is None:  # this shape's own profile
             if self.mode != PROFILE:
                 self.reprofile()
             self.unswapped_peak = None
             return
+        derived = key not in book.entries
         book.reused += 1
         book.derived += derived
         self.sequence, self.schedule, self.plan_first_live = entry.sequence, entry.schedule, entry.first_live
         self.mode = PLANNED if entry.schedule is not None else DECLINED
         self.bounds, self.learned, self.to_learn = entry.bounds or derived, set(entry.learned), {}
+        self.source = source
         if self.mode == PLANNED:
             self.grown(first_live)
 
@@ -189,7 +193,7 @@ class Lifecycle:
         if final:
             self.sequence, self.schedule = seq, schedule
             self.mode = PLANNED if schedule is not None else DECLINED
-            self.plan_first_live, self.bounds = profiled_first_live, False
+            self.plan_first_live, self.bounds, self.source = profiled_first_live, False, None
             self.learned, self.to_learn = set(), {}
             if self.mode == PLANNED:
                 self.grown(first_live)

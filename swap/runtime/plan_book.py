@@ -10,7 +10,8 @@ an iteration's start the lifecycle looks its key up:
 
 1. a plan made for this key is reused as it is;
 2. else the plan of the nearest *larger* key (same rank and dtype, no dimension smaller; the fewest elements
-   of those) is used as a derived plan: the sizes it was planned with are upper bounds, and a step matches it
+   of those), if the shape it was profiled at has at most ``DERIVE_RATIO`` times this key's elements, is
+   used as a derived plan: the sizes it was planned with are upper bounds, and a step matches it
    when its kind and variable are those of the plan, its bytes are no more than the plan's, and the iteration
    has saved as many tensors by then, ours or not (``Sequence.saved_before``: sizes alone would let a tensor
    that fell under ``min_bytes`` shift the next one onto its variable). A plan that
@@ -22,7 +23,10 @@ an iteration's start the lifecycle looks its key up:
    is profiled on its own the next time it comes (never derived again). After its first iteration the derived
    plan is planned again (no profiling: the scheduler only) on the sizes that iteration's variables had, with
    the larger shape's unswappable bytes still as bounds: it then swaps no more than this shape needs, for the
-   memory the larger shape measured;
+   memory the larger shape measured. Those bounds are why derivation stops at ``DERIVE_RATIO``: a plan from a
+   much larger shape counts that shape's working memory at every step, so an input a quarter the size swaps
+   as if it were large, though it may fit unswapped; such a shape is profiled on its own once, and then
+   serves the shapes below it;
 3. else the iteration is profiled (one profiling iteration: the optimizer's state already exists) and its
    plan kept under its key.
 
@@ -51,6 +55,7 @@ from ..schedule.sequence import Sequence
 
 ShapeKey = tuple[str, tuple[int, ...]]  # (dtype, shape) of the iteration's first saved tensor
 MAX_PLANS = 64
+DERIVE_RATIO = 2  # a plan serves shapes down to 1/DERIVE_RATIO of the elements it was profiled at
 
 
 def shape_key(t: torch.Tensor) -> ShapeKey:
@@ -68,6 +73,7 @@ class Entry:
     first_live: int  # memory live at the start of the iteration it was profiled on
     bounds: bool = False
     learned: set[int] = field(default_factory=set)
+    source: Optional[ShapeKey] = None  # the key whose profile a derived plan's bounds come from (None: its own)
 
 
 def _covers(big: ShapeKey, small: ShapeKey) -> bool:
@@ -94,20 +100,22 @@ class PlanBook:
         self.derived = 0  # ... of which the plan was a larger shape's
         self.refined = 0  # derived plans re-planned on their own shape's sizes
 
-    def find(self, key: ShapeKey) -> tuple[Optional[Entry], bool]:
-        """The plan for ``key``: (its own, False); (a larger key's, True); or (None, False)."""
+    def find(self, key: ShapeKey) -> tuple[Optional[Entry], Optional[ShapeKey]]:
+        """The plan for ``key`` and the key its bounds were profiled at: (its own, its ``source``); (a larger
+        key's, the key that one was profiled at); or (None, None)."""
         own = self.entries.get(key)
         if own is not None:
             self.entries.move_to_end(key)
-            return own, False
+            return own, own.source
         if key in self.own_profile:
-            return None, False
-        larger = [k for k in self.entries if _covers(k, key)]
+            return None, None
+        near = _elements(key) * DERIVE_RATIO
+        larger = [k for k, e in self.entries.items() if _covers(k, key) and _elements(e.source or k) <= near]
         if not larger:
-            return None, False
+            return None, None
         best = min(larger, key=_elements)
         self.entries.move_to_end(best)
-        return self.entries[best], True
+        return self.entries[best], self.entries[best].source or best
 
     def keep(self, key: ShapeKey, entry: Entry) -> None:
         self.entries[key] = entry

@@ -100,12 +100,13 @@ def test_the_plan_book_finds_its_own_then_the_nearest_larger_shape():
     book, entry = PlanBook(limit=3), Entry(None, None, 0)
     book.keep(("torch.int64", (8, 64)), entry)
     book.keep(("torch.int64", (8, 128)), Entry(None, None, 1))
-    assert book.find(("torch.int64", (8, 64))) == (entry, False)
-    assert book.find(("torch.int64", (8, 48))) == (entry, True)  # the nearest larger, not the largest
-    assert book.find(("torch.int64", (16, 48))) == (None, False)  # no kept shape covers a larger batch
-    assert book.find(("torch.float32", (8, 48))) == (None, False)  # nor another dtype
+    assert book.find(("torch.int64", (8, 64))) == (entry, None)  # its own
+    assert book.find(("torch.int64", (8, 48))) == (entry, ("torch.int64", (8, 64)))  # the nearest larger
+    assert book.find(("torch.int64", (8, 16))) == (None, None)  # a quarter of 64: profiled on its own
+    assert book.find(("torch.int64", (16, 48))) == (None, None)  # no kept shape covers a larger batch
+    assert book.find(("torch.float32", (8, 48))) == (None, None)  # nor another dtype
     book.reject(("torch.int64", (8, 48)), derived=True)  # its derived plan did not match its steps
-    assert book.find(("torch.int64", (8, 48))) == (None, False)
+    assert book.find(("torch.int64", (8, 48))) == (None, None)
     for n in (1, 2, 3):
         book.keep(("torch.int64", (n,)), entry)
     assert len(book.entries) == 3 and ("torch.int64", (8, 64)) not in book.entries  # least recently used
