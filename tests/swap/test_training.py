@@ -87,8 +87,9 @@ def test_replans_when_the_shapes_change():
     batches = [8, 8, 8, 6, 6, 6, 8, 6]
     ref = run("resnet", len(batches), batches=batches)
     budget, _ = budget_for("resnet")
+    # The window policy: the joint search's regions depend on measured times, and applying them profiles again.
     got = run("resnet", len(batches), batches=batches, meter=swap.LiveBytesMeter("cpu"),
-              manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB))  # fmt: skip
+              manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB, policy="window"))
     assert_bitwise_equal(ref, got)
     assert_within(got["peaks"], budget)
     r = got["manager"].report()
