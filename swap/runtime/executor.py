@@ -34,7 +34,8 @@ from .host_pool import HostPool
 from .kept import KeptTensors
 from .lifecycle import DECLINED, FALLBACK, PLANNED, PROFILE, Counters, Lifecycle, Planner, Profiled, Warn
 from .memory import DeviceMemory
-from .recorder import Recorder
+from .plan_book import ShapeKey, shape_key
+from .recorder import Recorder, describe_step
 from .residency import Residency
 from .signals import WholeModelCompiled
 from .timers import CudaStepTimer, HostStepTimer
@@ -75,8 +76,7 @@ class Executor:
         self.residency = Residency(self, memory, self._acct, lambda var: self.transfers.retire(var))
         self.transfers = Transfers(device, engine, pool, self.counters, self._acct, self.residency.copy_coming,
                                    self._log)  # fmt: skip
-        self.closed = False
-        self.iteration = 0
+        self.closed, self.iteration = False, 0
         self.modules = ModulePaths()
         self.kept = KeptTensors(self._acct)  # profiling: saved tensors kept on the device (min_bytes, exclude)
         self.clean: dict[int, CleanVariable] = {}  # bucket -> its variable (Note [Clean variables at run time])
@@ -95,7 +95,7 @@ class Executor:
         self._reset_iteration()
 
     def _reset_iteration(self) -> None:
-        self.step = 0
+        self.step = self.saves = 0  # saves: tensors saved this iteration, ours or not
         self.vars: list[Variable] = []
         self.by_storage: dict[int, Variable] = {}
         self.conservative.forget()
@@ -152,15 +152,14 @@ class Executor:
                 return passthrough(t)
             if self._in_backward and not backward_running():
                 self._backward_end()  # Note [A backward that raised]
-            if self.lifecycle.mode == DECLINED:
-                if self._backward_done and not self._in_backward:
-                    self._backward_done, self._iteration_counted = False, False
+            between = self._backward_done and not self._in_backward
+            if self.lifecycle.mode == DECLINED and (not between or self._stays_declined(t)):
                 return passthrough(t)
-            if self._backward_done and not self._in_backward:
-                self._begin_iteration(self.memory.allocation_bytes(t.untyped_storage().nbytes()))
+            if between:
+                self._begin_iteration(self.memory.allocation_bytes(t.untyped_storage().nbytes()), shape_key(t))
                 if self.lifecycle.mode == DECLINED:
                     return passthrough(t)
-            storage = t.untyped_storage()
+            storage, self.saves = t.untyped_storage(), self.saves + 1
             key = storage.data_ptr()
             var = self.by_storage.get(key)
             if var is None or not var.alive or var.storage_ref() is not storage:
@@ -186,10 +185,19 @@ class Executor:
         """A saved tensor the manager leaves alone: it still marks where iterations begin."""
         if self._in_backward and not backward_running():
             self._backward_end()  # Note [A backward that raised]
-        if self._backward_done and not self._in_backward and self.lifecycle.mode != DECLINED:
+        if self._backward_done and not self._in_backward:
             with self.lock:
-                if self._backward_done and not self._in_backward and not self.closed:
-                    self._begin_iteration(self.memory.allocation_bytes(t.untyped_storage().nbytes()))
+                if self._backward_done and not self._in_backward and not self.closed and not self._stays_declined(t):
+                    self._begin_iteration(self.memory.allocation_bytes(t.untyped_storage().nbytes()), shape_key(t))
+        self.saves += 1
+
+    def _stays_declined(self, t: torch.Tensor) -> bool:
+        """A declined run's iteration begins at ``t``: with the shape key of the last one, it only marks the
+        boundary and stays declined; else its plan is chosen (Note [Plans by input shape])."""
+        if not self.lifecycle.stays(shape_key(t)):
+            return False
+        self._backward_done, self._iteration_counted = False, False
+        return True
 
     def use_clean(self, key: int, nbytes: int, mover: CleanMover, module: str) -> bool:
         """A use of bucket ``key`` of weights, a step like any access (Note [Clean variables at run time]); False
@@ -203,7 +211,7 @@ class Executor:
             if running:
                 self._queue_end_of_backward()
             elif self.between_iterations:
-                self._begin_iteration(nbytes)
+                self._begin_iteration(nbytes, ("clean", (nbytes,)))
             if self.lifecycle.mode == DECLINED:
                 return False
             var = self.clean.get(key)
@@ -284,7 +292,7 @@ class Executor:
                     self._matching = i < len(prev) and prev.var[i] == var.id and prev.kind[i] == kind
                 counted = self.residency.on_device_bytes + on_device_bytes(self.clean.values(), self.iteration)
                 rec.open_step(var.id, kind, counted, self.memory.current(), self.kept.bytes,
-                              self._node_group(kind))  # fmt: skip
+                              self._node_group(kind), self.saves)  # fmt: skip
                 self.timer.start()
         finally:
             self._in_hook = False
@@ -304,8 +312,10 @@ class Executor:
         return self._node_groups
 
     def _matches(self, var: Variable, kind: str, i: int) -> bool:
-        seq = self.lifecycle.sequence
-        return i < len(seq) and seq.var[i] == var.id and seq.kind[i] == kind and seq.sizes[var.id] == var.size
+        seq, n, life = self.lifecycle.sequence, var.size, self.lifecycle  # Note [Plans by input shape]: bounds
+        return (i < len(seq) and seq.var[i] == var.id and seq.kind[i] == kind
+                and (seq.sizes[var.id] == n or life.bounds and seq.sizes[var.id] > n)
+                and (not seq.saved_before or seq.saved_before[i] == self.saves))  # fmt: skip
 
     def _diverged(self, var: Variable, kind: str, i: int) -> None:
         seq = self.lifecycle.sequence
@@ -335,18 +345,16 @@ class Executor:
             moves.swap_out(self.vars[u], i)
 
     # -- iteration boundaries (Note [Iteration boundaries] in swap.runtime.lifecycle) ---------------------
-    def _begin_iteration(self, first_size: int) -> None:
-        """The first access after a backward (of ``first_size`` bytes): judge the iteration that ended, start the
-        next."""
-        peak = self.memory.window_peak()
-        shadow = self.memory.shadow_window_peak()
+    def _begin_iteration(self, first_size: int, key: ShapeKey) -> None:
+        """The first access after a backward (of ``first_size`` bytes, shape key ``key``): judge the iteration
+        that ended, choose the next one's plan and start it."""
+        peak, shadow = self.memory.window_peak(), self.memory.shadow_window_peak()
         if self.iteration > 0 and self.step > 0:
             self._close_step(peak, tail=True)
         self._release_leftovers()
         self.transfers.new_iteration()
         life = self.lifecycle
-        old_vars, rec, ended = self.vars, self.recorder, life.mode
-        steps = self.step
+        old_vars, rec, ended, steps = self.vars, self.recorder, life.mode, self.step
         self.last_actions = self.actions
         self._backward_done, self._iteration_counted = False, False
         self.iteration += 1
@@ -358,9 +366,10 @@ class Executor:
                              [isinstance(v, CleanVariable) for v in old_vars])  # fmt: skip
             life.profiled(seq, rec.first_live, first_live, shadow, max([peak] + rec.peak), rec.overruns)
         elif ended == PLANNED:
-            life.planned(first_live, steps)
+            life.planned(first_live, steps, [v.size for v in old_vars])
         elif ended == FALLBACK:
             life.reprofile()
+        life.enter(key, first_live)
         if life.mode == PROFILE:
             self.recorder = Recorder(first_live, first_size)
         if self.clean_mover is not None and life.mode != DECLINED:  # Note [Clean variables at run time]
@@ -417,16 +426,7 @@ class Executor:
     def _where(self, i: int, tail: bool, rec: Optional[Recorder] = None) -> str:
         seq = self.lifecycle.sequence
         var_ids, kinds = (rec.var, rec.kind) if rec is not None else (seq.var, seq.kind)
-        if i >= len(var_ids):
-            return "after the last saved tensor"
-        v = var_ids[i]
-        module = self.vars[v].module if v < len(self.vars) else ""
-        if not module and seq is not None and seq.modules and v < len(seq.modules):
-            module = seq.modules[v]
-        phase = "forward" if kinds[i] == SAVE else "backward"
-        if tail:
-            return f"after the backward of {module or 'the model'} (the rest of backward, the optimizer step)"
-        return f"in the {phase} of {module or 'the model'}"
+        return describe_step(i, tail, var_ids, kinds, [v.module for v in self.vars], seq)
 
     def close(self) -> None:
         with self.lock:

@@ -189,8 +189,8 @@ class SavedTensorHooks:
             ex.observe(t)  # it still marks where iterations begin
             return packed
         recompute = self.recompute
-        if ex.mode == DECLINED and recompute is None:
-            return ex.pack(t)
+        if ex.mode == DECLINED and recompute is None and not ex.between_iterations:
+            return ex.pack(t)  # at a boundary, the next iteration may have a plan (Note [Plans by input shape])
         reason = self.skip_reason(t)
         if reason is None:
             if rebuild and recompute is not None and (rebuilt := recompute.pack(t)) is not None:

@@ -8,7 +8,9 @@ during it, so the memory that is not ours to move is larger in every later itera
 therefore profiles two iterations, both with the conservative plan, and plans from the element-wise larger
 of the two. If the first alone cannot fit the budget, no later one can: ``InfeasibleBudget`` is raised at
 once (at the second iteration's first saved tensor), with ``min_budget`` raised by what the optimizer step
-added. After the sequence changes, one profiling iteration suffices.
+added. After the sequence changes, one profiling iteration suffices. Plans are kept by the input's shape,
+and an iteration of a shape seen before (or smaller than one seen) reuses a kept plan without profiling
+(Note [Plans by input shape] in swap.runtime.plan_book).
 
 Note [Benchmark trials are not the floor]
 With ``torch.backends.cudnn.benchmark`` on, the first iteration that meets a convolution's shapes times every
@@ -45,6 +47,7 @@ from typing import Any, Callable, Optional, Union
 from ..schedule.scheduler import InfeasibleBudget, Schedule
 from ..schedule.sequence import Sequence
 from ..units import fmt_bytes
+from .plan_book import Entry, PlanBook, ShapeKey
 
 log = logging.getLogger("swap")
 
@@ -61,6 +64,7 @@ class Counters:
         self.demand_fetches = 0
         self.stall_seconds = 0.0
         self.replans = 0
+        self.profiling_iterations = 0  # iterations profiled (apart from re-plans, which profile nothing)
         self.evictions = 0
         self.overruns = 0  # steps measured above the budget
 
@@ -119,6 +123,10 @@ class Lifecycle:
         self.plan_first_live = 0  # memory live at the start of the iteration the plan was profiled on
         self.learned: set[int] = set()
         self.to_learn: dict[int, int] = {}  # step -> measured nonswap, in this planned iteration
+        self.book = PlanBook()
+        self.key: Optional[ShapeKey] = None  # this iteration's shape key
+        self.bounds = False  # the plan is a larger shape's: its sizes bound a step's bytes
+        self.source: Optional[ShapeKey] = None  # the key a derived plan was profiled at (None: its own)
 
     @property
     def latest(self) -> Optional[Sequence]:
@@ -132,7 +140,41 @@ class Lifecycle:
     def diverged(self) -> None:
         """A planned step differs from the plan: the conservative plan until the iteration ends."""
         self.counters.replans += 1
+        self.book.reject(self.key, self.bounds)
         self.mode = FALLBACK
+
+    def stays(self, key: ShapeKey) -> bool:
+        """A declined run whose next iteration has the same shape key: it stays declined, untouched."""
+        return self.mode == DECLINED and key == self.key
+
+    def enter(self, key: ShapeKey, first_live: int) -> None:
+        """An iteration of shape ``key`` begins with ``first_live`` bytes live (Note [Plans by input shape]): the
+        plan of the one that ended is kept under its key, and this one's is chosen."""
+        book, old = self.book, self.key
+        book.seen.add(key)
+        self.key = key
+        if self.mode in (PLANNED, DECLINED) and old is not None:
+            book.keep(old, Entry(self.sequence, self.schedule, self.plan_first_live, self.bounds, self.learned,
+                                 self.source))  # fmt: skip
+            if key == old:
+                return
+        elif self.mode != PROFILE or not book.entries:
+            return  # the first plan is being profiled, or a fallback iteration ran (it re-profiles)
+        entry, source = book.find(key)
+        if entry is None:  # this shape's own profile
+            if self.mode != PROFILE:
+                self.reprofile()
+            self.unswapped_peak = None
+            return
+        derived = key not in book.entries
+        book.reused += 1
+        book.derived += derived
+        self.sequence, self.schedule, self.plan_first_live = entry.sequence, entry.schedule, entry.first_live
+        self.mode = PLANNED if entry.schedule is not None else DECLINED
+        self.bounds, self.learned, self.to_learn = entry.bounds or derived, set(entry.learned), {}
+        self.source = source
+        if self.mode == PLANNED:
+            self.grown(first_live)
 
     # -- iteration ends ---------------------------------------------------------------------------------
     def profiled(self, seq: Optional[Sequence], profiled_first_live: int, first_live: int, shadow: Optional[int],
@@ -147,6 +189,7 @@ class Lifecycle:
                                                                                            shadow)  # fmt: skip
         self.previous = seq
         self.profiles_left -= 1
+        self.counters.profiling_iterations += 1
         final = self.profiles_left <= 0
         growth = max(0, first_live - profiled_first_live)
         try:
@@ -159,34 +202,40 @@ class Lifecycle:
             raise
         if isinstance(schedule, Reprofile):
             self.reprofile(schedule.iterations)
+            self.book.clear()  # what the model saves changed
             self.unswapped_peak = None  # measured without the change: a run with it has its own
             return
         if final:
             self.sequence, self.schedule = seq, schedule
             self.mode = PLANNED if schedule is not None else DECLINED
-            if seq is None:
-                self.allow_decline = False  # nothing to manage (the manager warned): nothing to re-profile for
-            self.plan_first_live = profiled_first_live
+            self.plan_first_live, self.bounds, self.source = profiled_first_live, False, None
             self.learned, self.to_learn = set(), {}
             if self.mode == PLANNED:
                 self.grown(first_live)
 
-    def planned(self, first_live: int, steps: int) -> None:
-        """A planned iteration of ``steps`` steps ended (Note [Learning from an overrun])."""
+    def planned(self, first_live: int, steps: int, sizes: list[int]) -> None:
+        """A planned iteration of ``steps`` steps ended, its variables ``sizes`` bytes (Note [Learning from an
+        overrun]; a derived plan is re-planned on the sizes: Note [Plans by input shape])."""
         seq = self.sequence
         if steps != len(seq):  # ended early: the sequence changed
             log.info("swap: the iteration ended after %d steps, the plan has %d: re-profiling", steps, len(seq))
             self.counters.replans += 1
+            self.book.reject(self.key, self.bounds)
             self.reprofile()
             return
         new = {i: b for i, b in self.to_learn.items() if i not in self.learned}
         self.to_learn = {}
-        if new:
+        refine = self.bounds and len(sizes) == len(seq.sizes)
+        if new or refine:
             nonswap = list(seq.nonswap)
             for i, b in new.items():
                 nonswap[i] = max(nonswap[i], b)
-            self.learned |= set(new)
-            self.replan(replace(seq, nonswap=nonswap), f"{len(new)} step(s) measured above the plan")
+            if refine:  # a step over the budget is learned again on the shape's own sizes (resident was bounds)
+                seq, self.bounds = replace(seq, sizes=list(sizes)), False
+                self.book.refined += 1
+            else:
+                self.learned |= set(new)
+            self.replan(replace(seq, nonswap=nonswap), f"{len(new)} step(s) measured above the plan" if new else "")
         self.grown(first_live)
 
     def grown(self, first_live: int) -> None:
@@ -199,8 +248,9 @@ class Lifecycle:
             self.replan(replace(seq, nonswap=[b + growth for b in seq.nonswap]), why)
 
     def replan(self, seq: Sequence, why: str) -> None:
-        self.counters.replans += 1
-        log.info("swap: re-planning: %s", why)
+        """Plans ``seq`` again because of ``why`` (a re-plan); ``why`` empty: a derived plan's own sizes."""
+        self.counters.replans += bool(why)
+        log.info("swap: re-planning: %s", why or "a larger shape's plan, on this shape's sizes")
         try:
             self.schedule = self.replanner(seq)
         except InfeasibleBudget:
@@ -221,6 +271,7 @@ class Lifecycle:
             )
             self.counters.overruns += 1
             self.allow_decline = False
+            self.book.reject(self.key, self.bounds)
             self.reprofile()
 
     # -- steps over the budget --------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..schedule.sequence import Sequence
+from ..schedule.sequence import SAVE, Sequence
 
 
 class Recorder:
@@ -38,6 +38,7 @@ class Recorder:
         self.live: list[int] = []  # per step: memory live right after the access
         self.kept: list[int] = []
         self.node: list[int] = []  # per step: which backward node made the use (-1 for a save)
+        self.saved_before: list[int] = []  # per step: tensors the iteration saved by then, ours or not
         self.marks: list[Any] = []  # timer marks, resolved at finish
         self.freed: dict[int, int] = {}
         self.held_until: dict[int, int] = {}
@@ -70,8 +71,10 @@ class Recorder:
         if len(self.peak) < len(self.var):
             self._dying += nbytes
 
-    def open_step(self, var: int, kind: str, counted: int, live: int, kept: int, node: int = -1) -> None:
+    def open_step(self, var: int, kind: str, counted: int, live: int, kept: int, node: int = -1,
+                  saved_before: int = 0) -> None:  # fmt: skip
         self.node.append(node)
+        self.saved_before.append(saved_before)
         self.var.append(var)
         self.kind.append(kind)
         self.counted.append(counted)
@@ -114,5 +117,21 @@ class Recorder:
         return Sequence(
             list(self.var), list(self.kind), list(sizes), nonswap, compute, swappable, held_until,
             freed=freed, modules=list(modules), transient=transient, kept=list(self.kept), base=self.base,
-            node_last=node_last, clean=list(clean) if clean else [],
+            node_last=node_last, clean=list(clean) if clean else [], saved_before=list(self.saved_before),
         )  # fmt: skip
+
+
+def describe_step(i: int, tail: bool, var_ids: list[int], kinds: list[str], modules: list[str],
+                  seq: Optional[Sequence]) -> str:  # fmt: skip
+    """Where step ``i`` is, for a warning: the phase and the module of its variable (``modules``: this
+    iteration's, by variable; else ``seq``'s); ``tail``: the iteration's last interval."""
+    if i >= len(var_ids):
+        return "after the last saved tensor"
+    v = var_ids[i]
+    module = modules[v] if v < len(modules) else ""
+    if not module and seq is not None and seq.modules and v < len(seq.modules):
+        module = seq.modules[v]
+    phase = "forward" if kinds[i] == SAVE else "backward"
+    if tail:
+        return f"after the backward of {module or 'the model'} (the rest of backward, the optimizer step)"
+    return f"in the {phase} of {module or 'the model'}"

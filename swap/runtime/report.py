@@ -8,7 +8,9 @@ from ..units import fmt_size as _bytes
 class SwapReport(dict):
     """``sm.report()``: keys include status ("not started", "profiling", "planned", "declined", ...),
     iterations, swapped_out_bytes, swapped_in_bytes, demand_fetches, stall_seconds, peak_device_bytes,
-    budget_bytes, window_bytes, replans, overruns (steps measured above the budget), min_budget_bytes,
+    budget_bytes, window_bytes, profiling_iterations, replans (plans remade or fallen back from; profiling
+    iterations apart), shapes_seen, plans_kept, plans_reused, plans_derived and plans_refined (Note [Plans by
+    input shape] in swap.runtime.plan_book), overruns (steps measured above the budget), min_budget_bytes,
     policy, memory_source and peak_measured_inside_ops (False on CPU: the peak is of live tensor bytes
     between operators, see swap.runtime.meter), and notes. With ``strategy="auto"`` also recompute_plan,
     recompute_seconds, simulated_step_seconds, ``modules``: per module, bytes kept on the device, swapped
@@ -35,7 +37,10 @@ class SwapReport(dict):
         ("swapped_in_bytes", "swapped in", _bytes),
         ("demand_fetches", "demand fetches", str),
         ("stall_seconds", "stall", lambda s: f"{s:.3f} s"),
+        ("profiling_iterations", "profiling iterations", str),
         ("replans", "re-plans", str),
+        ("shapes_seen", "input shapes seen", str),
+        ("plans_reused", "kept plans reused", str),
         ("overruns", "steps over budget", str),
         ("evictions", "OOM evictions", str),
         ("host_pool_bytes", "host pool", _bytes),

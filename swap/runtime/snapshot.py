@@ -9,6 +9,7 @@ import torch
 from ..schedule.budget import min_budget
 from .executor import DECLINED, PLANNED, PROFILE, Counters, Executor
 from .joint import JointRuntime
+from .plan_book import PlanBook
 from .recompute import RecomputeHooks
 from .report import SwapReport
 
@@ -32,8 +33,8 @@ def snapshot(policy: str, device: torch.device, budget: int, window: Optional[in
         "budget_bytes": budget, "window_bytes": window,
     }  # fmt: skip
     if ex is None:
-        return {**base, **vars(Counters()), "peak_device_bytes": None, "declined": policy == "none",
-                "memory_source": None, "peak_measured_inside_ops": None}  # fmt: skip
+        return {**base, **vars(Counters()), **PlanBook().counts(), "peak_device_bytes": None,
+                "declined": policy == "none", "memory_source": None, "peak_measured_inside_ops": None}  # fmt: skip
     c, life, memory = ex.counters, ex.lifecycle, ex.memory
     seq = life.sequence or life.previous
     return {
@@ -45,6 +46,8 @@ def snapshot(policy: str, device: torch.device, budget: int, window: Optional[in
         "stall_seconds": c.stall_seconds,
         "peak_device_bytes": memory.peak if c.iterations or ex.iteration else None,
         "replans": c.replans,
+        "profiling_iterations": c.profiling_iterations,
+        **life.book.counts(),  # Note [Plans by input shape]
         "overruns": c.overruns,
         "evictions": c.evictions,
         "declined": ex.mode == DECLINED,

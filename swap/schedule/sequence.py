@@ -53,6 +53,10 @@ class Sequence:
             Default: the step itself.
         clean: per variable, True when its host copy is always valid (Note [Clean variables]). Default all
             False (every variable is an activation the forward makes).
+        saved_before: per step, how many tensors the iteration had saved by then, ours or not (a recorded
+            run's; empty when unknown). A later iteration repeats the step only at the same count: a tensor that
+            stopped being ours (under ``min_bytes`` at a smaller input) shifts it (Note [Plans by input shape]
+            in swap.runtime.plan_book).
 
     Note [Clean variables]
     A clean variable is one whose host copy is its home and stays valid: a bucket of weights streamed from
@@ -76,6 +80,7 @@ class Sequence:
     base: int = 0
     node_last: list[int] = field(default_factory=list)
     clean: list[bool] = field(default_factory=list)
+    saved_before: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.var)
@@ -98,8 +103,9 @@ class Sequence:
             self.kept = [0] * n
         if not self.node_last:
             self.node_last = list(range(n))
-        if len(self.transient) != n or len(self.kept) != n or len(self.node_last) != n:
-            raise ValueError("transient, kept and node_last must have one entry per step")
+        if (len(self.transient) != n or len(self.kept) != n or len(self.node_last) != n
+                or len(self.saved_before) not in (0, n)):  # fmt: skip
+            raise ValueError("transient, kept, node_last and saved_before must have one entry per step")
         if any(last < i for i, last in enumerate(self.node_last)):
             raise ValueError("node_last[i] must not be before step i")
         if any(v < 0 or v >= len(self.sizes) for v in self.var):

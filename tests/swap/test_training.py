@@ -81,12 +81,23 @@ def test_host_pool_stops_growing_after_the_second_iteration():
 
 
 def test_replans_when_the_shapes_change():
-    ref = run("resnet", 6, batches=[8, 8, 8, 6, 6, 6])
+    """Batch 6 first runs on batch 8's plan (Note [Plans by input shape]), whose steps it does not repeat (a
+    16 KiB tensor at batch 8 is under min_bytes at 6): it falls back once, is profiled on its own, and from then
+    on each batch runs on its own plan."""
+    batches = [8, 8, 8, 6, 6, 6, 8, 6]
+    ref = run("resnet", len(batches), batches=batches)
     budget, _ = budget_for("resnet")
-    got = run("resnet", 6, batches=[8, 8, 8, 6, 6, 6],
-              manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB))  # fmt: skip
+    # The window policy: the joint search's regions depend on measured times, and applying them profiles again.
+    got = run("resnet", len(batches), batches=batches, meter=swap.LiveBytesMeter("cpu"),
+              manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB, policy="window"))
     assert_bitwise_equal(ref, got)
-    assert got["manager"].report()["replans"] == 1
+    assert_within(got["peaks"], budget)
+    r = got["manager"].report()
+    assert r["profiling_iterations"] == 3 and r["plans_derived"] == 1, r
+    # The fall back, and at most one re-plan for more memory live at an iteration's start than profiled (Note
+    # [Learning from an overrun]): never a cycle.
+    assert 1 <= r["replans"] <= 2, r
+    assert r["status"] == "planned" and r["shapes_seen"] == 2
 
 
 def test_declines_when_the_run_fits():
