@@ -16,8 +16,9 @@ manager can do nothing for the budget (nothing it may move, a device it never se
 The manager wires the runtime's parts together, each in its own module: the arguments (swap.runtime.arguments),
 the budget's default and the device's resources (swap.runtime.resources), the saved-tensor hooks
 (swap.runtime.hooks), the executor (swap.runtime.executor), what is done with a profile (swap.runtime.scheduling),
-the joint runtime of ``strategy="auto"`` (swap.runtime.joint), notes and warnings (swap.runtime.notices) and the
-report's data (swap.runtime.snapshot).
+the joint runtime of ``strategy="auto"`` (swap.runtime.joint), model state (swap.runtime.model_state, joined
+to the executor by its ``wiring``), notes and warnings (swap.runtime.notices) and the report's data
+(swap.runtime.snapshot).
 """
 
 from __future__ import annotations
@@ -28,18 +29,17 @@ from typing import Any, Optional, Union
 import torch
 
 from ..schedule.budget import InfeasibleBudget
-from ..schedule.model_state import Bucket, ModelStateDoesNotFit, ModelStatePlan, Placement, plan_model_state
 from ..schedule.scheduler import Schedule, validate
 from ..schedule.sequence import Sequence
 from ..units import Size, parse_size
 from . import snapshot
 from .arguments import check_arena, check_device, check_flag, check_steps, check_strategy, parse_window
-from .executor import DECLINED, PLANNED, Executor
+from .executor import Executor
 from .hooks import SavedTensorHooks
 from .joint import JointRuntime
 from .memory import DeviceMemory, vmalloc_arena
+from .model_state import wiring
 from .model_state.runtime import ModelStateRuntime, check_model_state
-from .model_state.streaming import ParamPacked
 from .notices import NOT_STARTED, Notices, never_started
 from .ranks import Ranks
 from .recompute import RecomputeHooks
@@ -157,8 +157,6 @@ class SwapManager:
                 parse_size(host_memory, "host_memory", minimum=1, none="what the kernel reports available"),
                 model_state,
             )  # fmt: skip
-            if model_state == "auto":
-                self.model_state.decide = self._place_model_state
 
     @property
     def _recompute(self) -> Optional[RecomputeHooks]:
@@ -203,49 +201,12 @@ class SwapManager:
             self.arena.set_oom_handler(self.executor.evict)
         ms = self.model_state
         if ms is not None:  # before the operator profiler: its dispatch mode must sit above the guard's
-            counters = self.executor.counters
-            ms.start(engine, self.hooks.own_work, self._fits,
-                     lambda: (counters.swapped_in_bytes, counters.swapped_out_bytes))  # fmt: skip
-            self.hooks.manage_params(ms.streamer, ParamPacked)
-            streamer, ex = ms.streamer, self.executor  # Note [Clean variables at run time]: weights in the plan
-            streamer.step_hook = lambda bucket, nbytes, module: ex.use_clean(bucket, nbytes, streamer, module)
-            ex.clean_mover = streamer
+            wiring.attach(ms, self.executor, engine, self.hooks, self.memory, self.budget)
+            if ms.mode == "auto":
+                ms.decide = wiring.placer(self.executor, self.memory, self.budget, self._notices.note)
         self.hooks.install(self.executor, self._joint)
         if self._joint is not None:
             self._joint.start(self.executor, self.hooks)
-
-    def _fits(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more on the device now keeps the budget, with room for the most a step of the last
-        profile allocated on top of what was live (weights are prefetched only then)."""
-        seq = self.executor.lifecycle.latest
-        if seq is None:
-            return False
-        return self.memory.current() + nbytes + max(seq.transient, default=0) <= self.budget
-
-    # Note [Placing model state under the budget]
-    # With model_state="auto" every bucket starts streamed, the placement that needs least of the device, so
-    # the profiling iterations keep the budget whatever the model. Once the activations are planned (or the
-    # manager declined to swap them), what the plan leaves of the budget at its tightest step is the room
-    # (``schedule.peak`` was measured with the streamed weights in flight, so those bytes are counted twice:
-    # the room errs small); ``plan_model_state`` fills it with resident buckets first (forward order: the last
-    # of the backward pass, whose host step nothing could hide), then host masters. Applied at that optimizer
-    # step (Note [Changing placements]); the activation plan then grows by what became resident
-    # (Note [Learning from an overrun] in swap.runtime.lifecycle).
-    def _place_model_state(self, buckets: list[Bucket]) -> Optional[ModelStatePlan]:
-        ex = self.executor
-        if ex.mode == PLANNED and ex.schedule is not None:
-            peak = ex.schedule.peak
-        elif ex.mode == DECLINED and ex.counters.iterations >= 2:
-            peak = self.memory.peak
-        else:
-            return None  # still profiling: asked again at the next step
-        try:
-            plan = plan_model_state(buckets, max(0, self.budget - peak), mode="auto")
-        except ModelStateDoesNotFit as e:
-            plan = ModelStatePlan.uniform(len(buckets), Placement.STREAMED)
-            plan.notes.append(f"every bucket stays streamed: {e}")
-        self._notices.note("model state: " + "; ".join(plan.notes))
-        return plan
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         """Removes the hooks, drains the copy lanes and frees the host pool, also after an exception."""
