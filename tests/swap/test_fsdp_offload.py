@@ -171,3 +171,36 @@ def test_model_state_per_unit_counts_shards_gradients_and_state():
     block = sum(p.numel() * 4 for p in model.blocks[0].parameters())
     assert sizes["blocks.0"] == block // 2 * 4  # shard + gradient + two moments, every dim 0 even here
     assert functools.reduce(int.__add__, sizes.values()) == sum(p.numel() for p in model.parameters()) * 4 // 2 * 4
+
+
+# -- the host step on one process (HostSteps needs no process group: the units' parameters are stepped on the host
+# wherever they live) ---------------------------------------------------------------------------------------------
+def _one_process(host: bool, steps: int = 3, zero_in_place: bool = False):
+    model = _model()
+    plan = fsdp2.ShardPlan({"": Placement.RESIDENT, "blocks.0": Placement.RESIDENT, "blocks.1": Placement.STREAMED,
+                            "blocks.2": Placement.STREAMED}, {})  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    host_steps = fsdp2.HostSteps(model, plan, opt) if host else None
+    for it in range(steps):
+        opt.zero_grad(set_to_none=not zero_in_place)
+        _step(model, opt, 0, it, torch.nn.utils.clip_grad_norm_)
+        sched.step()
+    state = opt.state_dict()  # waits for the pending host steps
+    params = [p.detach().clone() for p in model.parameters()]
+    return model, opt, host_steps, params, state
+
+
+def test_host_steps_on_one_process_are_bitwise_plain_with_plain_state_and_zero_grad_in_place():
+    _, _, _, plain, plain_state = _one_process(False)
+    for zero_in_place in (False, True):
+        model, opt, host, params, state = _one_process(True, zero_in_place=zero_in_place)
+        assert all(torch.equal(a, b) for a, b in zip(plain, params))
+        assert state["state"].keys() == plain_state["state"].keys()
+        for k, st in plain_state["state"].items():
+            assert all(torch.equal(v, state["state"][k][n]) for n, v in st.items())
+        assert all(p.grad is not None for p in model.parameters())  # the gradients stay, as in plain training
+        with pytest.raises(RuntimeError, match="call the closure yourself"):
+            opt.step(lambda: None)
+        host.close()
+        assert "zero_grad" not in vars(opt) and "zero_grad" not in vars(model)
