@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy
 
+import swap
 from bench.ranks import spawn
 from swap.forecast import zoo
 from swap.runtime import fsdp2
@@ -51,7 +52,8 @@ def _step(model, opt, rank: int, it: int, clip) -> tuple[float, float]:
     return loss.item(), norm.item()
 
 
-def _train(offload: bool, clip, rank: int, iterations: int = 3, counts=None, gate=None, host_steps: bool = False):
+def _train(offload: bool, clip, rank: int, iterations: int = 3, counts=None, gate=None, host_steps: bool = False,
+           manager=None):  # fmt: skip
     model, plan = _sharded(offload, counts)
     if gate is not None:
         fsdp2.gate_updates(model, plan, gate)
@@ -59,6 +61,8 @@ def _train(offload: bool, clip, rank: int, iterations: int = 3, counts=None, gat
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # every step runs another learning rate
     steps, queued = [], []
     host = fsdp2.HostSteps(model, plan, opt) if host_steps else None
+    if manager is not None:
+        manager.__enter__()
     for it in range(iterations):
         if counts is not None:
             counts.clear()
@@ -66,6 +70,8 @@ def _train(offload: bool, clip, rank: int, iterations: int = 3, counts=None, gat
         if host is not None:  # opt.step() returned with the offloaded units' host steps queued, not waited for
             queued.append(sorted(host.stepper.pending))
         sched.step()
+    if manager is not None:
+        manager.__exit__(None, None, None)
     return model, opt, plan, steps, host, queued
 
 
@@ -96,6 +102,14 @@ def _worker(rank: int, tmp: str) -> dict:
                                                    host_steps=True)  # fmt: skip
     policies = {i: type(b._get_fsdp_state()._fsdp_param_group.offload_policy) for i, b in enumerate(model.blocks)}
     state_same = _same_state(_plain_state(plain_opt), _plain_state(opt))  # waits for the last host steps
+    # With a SwapManager swapping every saved activation too: the same training.
+    sm = swap.SwapManager(budget="64GiB", device="cpu", min_bytes=0, policy="all")
+    swapped, swapped_opt, _, swapped_steps, swapped_host, _ = _train(True, fsdp2.clip_grad_norm_, rank,
+                                                                     host_steps=True, manager=sm)  # fmt: skip
+    swapped_host.close()
+    with_manager = swapped_steps == plain_steps and _same_state(_plain_state(plain_opt), _plain_state(swapped_opt)) \
+        and all(torch.equal(a, b) for a, b in zip(_shards(plain), _shards(swapped)))  # fmt: skip
+    swapped_out = sm.report()["swapped_out_bytes"]
     same = all(torch.equal(a, b) for a, b in zip(_shards(plain), _shards(model)))
     report = host.report()
     # A checkpoint saved with offload loads into FSDP2 without it, and training goes on alike.
@@ -117,7 +131,8 @@ def _worker(rank: int, tmp: str) -> dict:
         torch.equal(a, b) for a, b in zip(_shards(model), _shards(fresh)))  # fmt: skip
     return {"plain_steps": plain_steps, "steps": steps, "same": same, "offloaded": plan.offloaded,
             "policies": policies, "seen": seen, "loaded": loaded, "after": after, "state_same": state_same,
-            "queued": queued, "report": report, "after_same": after_same}
+            "queued": queued, "report": report, "after_same": after_same, "with_manager": with_manager,
+            "swapped_out": swapped_out}
 
 
 @pytest.mark.slow
@@ -136,6 +151,7 @@ def test_offloaded_units_step_on_the_host_bitwise_clip_with_one_group_gate_the_g
         assert r["queued"] == [[0, 1]] * 3
         assert sorted(r["report"]["host_step_seconds"]) == [1, 2, 3]
         assert r["state_same"], rank
+        assert r["with_manager"] and r["swapped_out"] > 0, rank
 
 
 def fsdp2_offload_policy(offload: bool):
