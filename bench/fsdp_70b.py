@@ -108,11 +108,7 @@ def main(argv: Any = None) -> int:
         state = r.bytes_per_parameter * params / WORLD
         row: dict[str, Any] = {"row": r.name, "model_state_per_rank": state}
         if r.offload:
-            spec = keep_resident(fs.shard_numel(), Offload(HOST, ranks_per_host=WORLD))
-            resident = sum(n for u, n in fs.shard_numel().items() if u in spec.resident) * spec.bytes_per_parameter()
-            p = forecast(args.seq, (r.strategy,), args.max_batch, budget=BUDGET - resident, shard=spec)
-            row.update(_point(p.strategies[r.strategy], args.seq), resident=sorted(spec.resident),
-                       resident_bytes=resident, offload=next((n for n in p.notes if "model-state offload" in n), ""))
+            row.update(_offload(args.seq, args.max_batch, r.strategy, fs))
         elif r.strategy is None:
             row["result"] = (f"does not fit: {state / 2**30:.1f} GiB of model state per rank > the "
                              f"{BUDGET / 2**30:.0f} GiB budget")  # fmt: skip
@@ -146,13 +142,39 @@ def main(argv: Any = None) -> int:
         if "resident" in row:
             kept = ", ".join(u or "root" for u in row["resident"]) or "none"
             lines += ["", f"Model-state offload: resident (on the device, fp32, taken off the budget: "
-                          f"{row['resident_bytes'] / 2**30:.1f} GiB a rank): {kept}; the rest on the `{HOST}` host. "
-                          f"{row['offload']}."]  # fmt: skip
+                          f"{row['resident_bytes'] / 2**30:.1f} GiB a rank): {kept}; the rest on the `{HOST}` host: "
+                          f"{row['host_state_bytes'] / 2**30:.0f} GiB of model state and "
+                          f"{row['swap_pool_bytes'] / 2**30:.0f} GiB of activation swap pools for the 8 ranks, in "
+                          f"{row['pinnable'] / 2**30:.0f} GiB pinnable. {row['offload']}."]  # fmt: skip
     lines += ["", *(f"note: {n}" for n in plan.notes)]
     write_results(Path(args.out), "fsdp_70b", {"seq": args.seq, "world_size": WORLD, "device": DEVICE,
                                                "interconnect": LINK, "budget": BUDGET, "parameters": params,
                                                "rows": rows, "notes": plan.notes}, "\n".join(lines) + "\n")  # fmt: skip
     return 0
+
+
+def _offload(seq: int, max_batch: int, strategy: str, fs: Any) -> dict[str, Any]:
+    """The model-state offload row. The host holds the offloaded units' model state of all 8 ranks and their
+    activation swap pools (each at most the bytes its rank swaps out a step): units are kept resident until
+    both fit its pinnable memory, planning again with the pools reserved (at most three plans)."""
+    numel, reserve = fs.shard_numel(), 0
+    for _ in range(3):
+        spec = keep_resident(numel, Offload(HOST, ranks_per_host=WORLD), reserve)
+        kept = sum(n for u, n in numel.items() if u in spec.resident)
+        per = spec.bytes_per_parameter()
+        resident, host_state = kept * per, (sum(numel.values()) - kept) * WORLD * per
+        p = forecast(seq, (strategy,), max_batch, budget=BUDGET - resident, shard=spec)
+        at = p.strategies[strategy].at_max
+        pool = WORLD * (at.copied_bytes // 2 if at is not None and at.fits else 0)
+        if host_state + pool <= spec.profile.pinnable:
+            break
+        reserve = pool
+    row = _point(p.strategies[strategy], seq)
+    if "peak" in row:
+        row["peak"] += resident  # the resident units' fp32 state, taken off the plan's budget
+    return {**row, "resident": sorted(spec.resident), "resident_bytes": resident, "host_state_bytes": host_state,
+            "swap_pool_bytes": pool, "pinnable": spec.profile.pinnable,
+            "offload": next((n for n in p.notes if "model-state offload" in n), "")}  # fmt: skip
 
 
 def _point(result: Any, seq: int, batch: Optional[int] = None) -> dict[str, Any]:

@@ -420,8 +420,9 @@ def offload_note(step: RankStep, fs: Fsdp2, batch: int) -> str:
     off = [u.path or "root" for u in fs.units if u.path not in spec.resident]
     terms = ", ".join(f"{k} {v:.2f} s" for k, v in step.terms.items())
     return (f"model-state offload at batch {batch}: {len(off)} of {len(fs.units)} units on the host "
-            f"{spec.profile.name!r} ({spec.ranks_per_host} ranks a host); step {step.step_time:.2f} s, of which "
-            f"{step.exposed:.2f} s exposed; per step: {terms}; bound by {step.bound}")
+            f"{spec.profile.name!r} ({spec.ranks_per_host} ranks a host); its copies and host steps add "
+            f"{step.exposed:.2f} s to the step (on the trace's forward and backward, {step.compute_time:.2f} s: "
+            f"recompute and swaps not counted); per step: {terms}; bound by {step.bound}")
 
 
 def model_state_per_rank(trace: Trace, fs: Fsdp2) -> dict[str, int]:

@@ -64,12 +64,13 @@ class Offload:
         return host_step_bytes(self.optimizer, numel, self.master_bytes, self.grad_bytes)
 
 
-def keep_resident(numel: dict[str, int], spec: Offload) -> Offload:
+def keep_resident(numel: dict[str, int], spec: Offload, reserve: int = 0) -> Offload:
     """``spec`` with the fewest units resident for the offloaded ones' model state (all ranks on one host) to
-    fit the host's pinnable memory: units are kept resident from the first in the forward order on, after the
-    root (Note [Model state under FSDP2]'s order of offloading, reversed). ``numel``: each unit's shard of one
-    rank, in forward order, the root "" among them. Raises ValueError when even the root alone does not fit."""
-    room = spec.profile.pinnable // (spec.ranks_per_host * spec.bytes_per_parameter())
+    fit the host's pinnable memory less ``reserve`` bytes (the activations' swap pool): units are kept resident
+    from the first in the forward order on, after the root (Note [Model state under FSDP2]'s order of
+    offloading, reversed). ``numel``: each unit's shard of one rank, in forward order, the root "" among them.
+    Raises ValueError when no unit fits."""
+    room = (spec.profile.pinnable - reserve) // (spec.ranks_per_host * spec.bytes_per_parameter())
     order = [u for u in reversed(list(numel)) if u] + [u for u in numel if not u]
     offloaded, total = [], 0
     for u in order:
