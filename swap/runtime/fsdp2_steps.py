@@ -106,7 +106,11 @@ class HostSteps:
             if p.grad is not None:
                 self.taken[id(p)] = p.grad
                 p.grad = None
-        self.stepper.queue(self.buckets)
+        try:
+            self.stepper.queue(self.buckets)
+        except BaseException:  # the step does not happen: the gradients stay where they were
+            self._post_step(optimizer, args, kwargs)
+            raise
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         for p in self.params:  # the gradients back where plain training leaves them; the host step reads them too
