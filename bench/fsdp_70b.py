@@ -74,7 +74,9 @@ ROWS = [
     Row("FSDP2 + our activation plan (auto), bf16 state", "auto", 8),
     Row("FSDP2 + our activation plan (auto), bf16 state, at full checkpointing's batch", "auto", 8, at="checkpoint"),
     Row("FSDP2, fp32 master and AdamW state, no offload", None, 16),
-    Row("FSDP2 + our plan, fp32 master and state, model-state offload", "auto", 16, offload=True),
+    Row("FSDP2, full activation checkpointing, fp32 master and state, model-state offload", "checkpoint", 16,
+        offload=True),
+    Row("FSDP2 + our activation plan (auto), fp32 master and state, model-state offload", "auto", 16, offload=True),
 ]
 
 
@@ -103,12 +105,13 @@ def main(argv: Any = None) -> int:
     params = sum(u.param_bytes for u in fs.units) // 2  # bf16: 2 bytes each
     bf16 = [r.strategy for r in ROWS if r.strategy and not r.offload]
     plan = forecast(args.seq, tuple(bf16), args.max_batch)
+    offload = _offload_plan(args.seq, args.max_batch, tuple(r.strategy for r in ROWS if r.offload), fs)
     rows = []
     for r in ROWS:
         state = r.bytes_per_parameter * params / WORLD
         row: dict[str, Any] = {"row": r.name, "model_state_per_rank": state}
         if r.offload:
-            row.update(_offload(args.seq, args.max_batch, r.strategy, fs))
+            row.update(_offload_row(offload, r.strategy, args.seq))
         elif r.strategy is None:
             row["result"] = (f"does not fit: {state / 2**30:.1f} GiB of model state per rank > the "
                              f"{BUDGET / 2**30:.0f} GiB budget")  # fmt: skip
@@ -141,11 +144,13 @@ def main(argv: Any = None) -> int:
     for row in rows:
         if "resident" in row:
             kept = ", ".join(u or "root" for u in row["resident"]) or "none"
-            lines += ["", f"Model-state offload: resident (on the device, fp32, taken off the budget: "
+            lines += ["", f"{row['row']}: resident (on the device, fp32, taken off the budget: "
                           f"{row['resident_bytes'] / 2**30:.1f} GiB a rank): {kept}; the rest on the `{HOST}` host: "
                           f"{row['host_state_bytes'] / 2**30:.0f} GiB of model state and "
                           f"{row['swap_pool_bytes'] / 2**30:.0f} GiB of activation swap pools for the 8 ranks, in "
-                          f"{row['pinnable'] / 2**30:.0f} GiB pinnable. {row['offload']}."]  # fmt: skip
+                          f"{row['pinnable'] / 2**30:.0f} GiB pinnable (the device alone would hold "
+                          f"{row['largest_on_the_device']} sequences a rank). "
+                          f"{row.get('offload', row.get('result', ''))}."]  # fmt: skip
     lines += ["", *(f"note: {n}" for n in plan.notes)]
     write_results(Path(args.out), "fsdp_70b", {"seq": args.seq, "world_size": WORLD, "device": DEVICE,
                                                "interconnect": LINK, "budget": BUDGET, "parameters": params,
@@ -153,28 +158,34 @@ def main(argv: Any = None) -> int:
     return 0
 
 
-def _offload(seq: int, max_batch: int, strategy: str, fs: Any) -> dict[str, Any]:
-    """The model-state offload row. The host holds the offloaded units' model state of all 8 ranks and their
-    activation swap pools (each at most the bytes its rank swaps out a step): units are kept resident until
-    both fit its pinnable memory, planning again with the pools reserved (at most three plans)."""
-    numel, reserve = fs.shard_numel(), 0
-    for _ in range(3):
-        spec = keep_resident(numel, Offload(HOST, ranks_per_host=WORLD), reserve)
-        kept = sum(n for u, n in numel.items() if u in spec.resident)
-        per = spec.bytes_per_parameter()
-        resident, host_state = kept * per, (sum(numel.values()) - kept) * WORLD * per
-        p = forecast(seq, (strategy,), max_batch, budget=BUDGET - resident, shard=spec)
-        at = p.strategies[strategy].at_max
-        pool = WORLD * (at.copied_bytes // 2 if at is not None and at.fits else 0)
-        if host_state + pool <= spec.profile.pinnable:
-            break
-        reserve = pool
-    row = _point(p.strategies[strategy], seq)
-    if "peak" in row:
-        row["peak"] += resident  # the resident units' fp32 state, taken off the plan's budget
-    return {**row, "resident": sorted(spec.resident), "resident_bytes": resident, "host_state_bytes": host_state,
-            "swap_pool_bytes": pool, "pinnable": spec.profile.pinnable,
-            "offload": next((n for n in p.notes if "model-state offload" in n), "")}  # fmt: skip
+def _offload_plan(seq: int, max_batch: int, strategies: tuple[str, ...], fs: Any) -> dict[str, Any]:
+    """Model-state offload: the fewest units resident (their fp32 state taken off the budget) for the rest of the
+    8 ranks' model state to fit the host's pinnable memory; ``strategies`` planned in what is left."""
+    numel = fs.shard_numel()
+    spec = keep_resident(numel, Offload(HOST, ranks_per_host=WORLD))
+    kept, per = sum(n for u, n in numel.items() if u in spec.resident), spec.bytes_per_parameter()
+    resident, host_state = kept * per, (sum(numel.values()) - kept) * WORLD * per
+    plan = forecast(seq, strategies, max_batch, budget=BUDGET - resident, shard=spec)
+    return {"plan": plan, "spec": spec, "resident": resident, "host_state": host_state}
+
+
+def _offload_row(o: dict[str, Any], strategy: str, seq: int) -> dict[str, Any]:
+    """``strategy``'s largest batch whose activation swap pools (8 ranks, each at most the bytes its rank swaps
+    out a step) fit the host's pinnable memory beside the offloaded model state."""
+    spec, result = o["spec"], o["plan"].strategies[strategy]
+    room = spec.profile.pinnable - o["host_state"]
+    fits = [n for n, p in sorted(result.points.items()) if p.fits and WORLD * p.copied_bytes // 2 <= room]
+    largest = result.at_max
+    row: dict[str, Any] = {"largest_on_the_device": largest.batch if largest is not None and largest.fits else 0}
+    if fits:
+        row.update(_point(result, seq, fits[-1]))
+        row["peak"] += o["resident"]  # the resident units' fp32 state, taken off the plan's budget
+        row["offload"] = next(n for n in o["plan"].notes if n.startswith(f"model-state offload at batch {fits[-1]}:"))
+    else:
+        row["result"] = "no batch's activation swap pools fit the host beside the model state"
+    pool = WORLD * result.at(fits[-1]).copied_bytes // 2 if fits else 0
+    return {**row, "resident": sorted(spec.resident), "resident_bytes": o["resident"],
+            "host_state_bytes": o["host_state"], "swap_pool_bytes": pool, "pinnable": spec.profile.pinnable}
 
 
 def _point(result: Any, seq: int, batch: Optional[int] = None) -> dict[str, Any]:

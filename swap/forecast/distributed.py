@@ -408,8 +408,8 @@ def with_collectives(plan: Any, trace_at: Callable[[int], Trace], fs: Fsdp2, dev
                          f"gradients {held['gradients'] / gib:.2f} GiB, optimizer state {held['state'] / gib:.2f} "
                          f"GiB, all-gather buffers up to {held['gather'] / gib:.2f} GiB; collectives exposed per step: "
                          + ", ".join(f"{t * 1e3:.1f} ms at batch {n}" for n, t in sorted(exposed.items())))  # fmt: skip
-    if fs.offload is not None and exposed:
-        plan.notes.insert(1, offload_note(rank_step(trace_at(max(exposed)), fs, dev), fs, max(exposed)))
+    if fs.offload is not None:  # what binds may change with the batch: one note per batch
+        plan.notes[1:1] = [offload_note(rank_step(trace_at(n), fs, dev), fs, n) for n in sorted(exposed)]
     return plan
 
 
