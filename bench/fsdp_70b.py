@@ -66,6 +66,7 @@ class Row:
     strategy: Optional[str]  # a strategy of swap.plan at bf16, or None: judged on its model state
     bytes_per_parameter: int  # parameters, gradients and AdamW state
     offload: bool = False  # model-state offload (FSDP2 CPUOffloadPolicy per unit, our host step)
+    reserve: float = 0.0  # with offload: the share of the host's pinnable memory kept for activation swap pools
     at: Optional[str] = None  # at this strategy's largest batch, not at its own
 
 
@@ -77,6 +78,8 @@ ROWS = [
     Row("FSDP2, full activation checkpointing, fp32 master and state, model-state offload", "checkpoint", 16,
         offload=True),
     Row("FSDP2 + our activation plan (auto), fp32 master and state, model-state offload", "auto", 16, offload=True),
+    Row("FSDP2 + our activation plan (auto), fp32 master and state, model-state offload, a quarter of the host "
+        "kept for activation swaps", "auto", 16, offload=True, reserve=0.25),
 ]
 
 
@@ -105,13 +108,15 @@ def main(argv: Any = None) -> int:
     params = sum(u.param_bytes for u in fs.units) // 2  # bf16: 2 bytes each
     bf16 = [r.strategy for r in ROWS if r.strategy and not r.offload]
     plan = forecast(args.seq, tuple(bf16), args.max_batch)
-    offload = _offload_plan(args.seq, args.max_batch, tuple(r.strategy for r in ROWS if r.offload), fs)
+    offload = {share: _offload_plan(args.seq, args.max_batch, tuple(r.strategy for r in ROWS if r.offload
+                                                                    and r.reserve == share), fs, share)
+               for share in sorted({r.reserve for r in ROWS if r.offload})}  # fmt: skip
     rows = []
     for r in ROWS:
         state = r.bytes_per_parameter * params / WORLD
         row: dict[str, Any] = {"row": r.name, "model_state_per_rank": state}
         if r.offload:
-            row.update(_offload_row(offload, r.strategy, args.seq))
+            row.update(_offload_row(offload[r.reserve], r.strategy, args.seq))
         elif r.strategy is None:
             row["result"] = (f"does not fit: {state / 2**30:.1f} GiB of model state per rank > the "
                              f"{BUDGET / 2**30:.0f} GiB budget")  # fmt: skip
@@ -158,11 +163,12 @@ def main(argv: Any = None) -> int:
     return 0
 
 
-def _offload_plan(seq: int, max_batch: int, strategies: tuple[str, ...], fs: Any) -> dict[str, Any]:
+def _offload_plan(seq: int, max_batch: int, strategies: tuple[str, ...], fs: Any, reserve: float) -> dict[str, Any]:
     """Model-state offload: the fewest units resident (their fp32 state taken off the budget) for the rest of the
-    8 ranks' model state to fit the host's pinnable memory; ``strategies`` planned in what is left."""
-    numel = fs.shard_numel()
-    spec = keep_resident(numel, Offload(HOST, ranks_per_host=WORLD))
+    8 ranks' model state to fit the host's pinnable memory less the ``reserve`` share of it; ``strategies``
+    planned in what is left."""
+    numel, host = fs.shard_numel(), Offload(HOST, ranks_per_host=WORLD)
+    spec = keep_resident(numel, host, int(host.profile.pinnable * reserve))
     kept, per = sum(n for u, n in numel.items() if u in spec.resident), spec.bytes_per_parameter()
     resident, host_state = kept * per, (sum(numel.values()) - kept) * WORLD * per
     plan = forecast(seq, strategies, max_batch, budget=BUDGET - resident, shard=spec)
