@@ -1,7 +1,7 @@
 """Simulated: a Llama-3-70B-shaped model, full AdamW fine-tune, on 8 x H100-80GB with FSDP2 (``fully_shard`` on
 each decoder layer and the root, NVLink 4): the largest tokens per step and tokens/s per configuration.
 
-    python -m bench.fsdp_70b              # sequence 4096 (about ten minutes on 2 shared cores)
+    python -m bench.fsdp_70b              # sequence 4096 (about fifteen minutes on 2 shared cores)
     python -m bench.fsdp_70b --seq 2048
 
 One rank is forecast (``swap.plan(..., world_size=8, shard="fsdp2", interconnect="nvlink4")``: Note [One rank
@@ -18,7 +18,10 @@ budget the card's 80 GiB, the ideal allocator (no fragmentation). The rows (``RO
   the root and the first layers on, that the host's pinnable memory cannot hold
   (``swap.forecast.fsdp2_lanes.keep_resident``); the resident units' fp32 state is taken off the budget, and
   ``swap.plan(..., shard=Offload(...))`` plans the activations in the rest and prices the shard copies and host
-  steps (Note [Model-state offload on one rank]).
+  steps (Note [Model-state offload on one rank]). The host also holds the ranks' activation swap pools (each at
+  most the bytes its rank swaps out a step): a row's batch is the largest whose pools fit beside the model state.
+  Full checkpointing swaps nothing; our plan is shown with the host filled by model state, and with a quarter of
+  its pinnable memory kept for the swap pools (more units resident: less device room for activations).
 Tokens per step count all 8 ranks (8 x per-rank batch x sequence).
 
 Writes <out>/fsdp_70b.json and fsdp_70b.md.
@@ -172,7 +175,7 @@ def _offload_plan(seq: int, max_batch: int, strategies: tuple[str, ...], fs: Any
     kept, per = sum(n for u, n in numel.items() if u in spec.resident), spec.bytes_per_parameter()
     resident, host_state = kept * per, (sum(numel.values()) - kept) * WORLD * per
     plan = forecast(seq, strategies, max_batch, budget=BUDGET - resident, shard=spec)
-    return {"plan": plan, "spec": spec, "resident": resident, "host_state": host_state}
+    return {"plan": plan, "spec": spec, "resident": resident, "host_state": host_state, "order": list(numel)}
 
 
 def _offload_row(o: dict[str, Any], strategy: str, seq: int) -> dict[str, Any]:
@@ -188,9 +191,13 @@ def _offload_row(o: dict[str, Any], strategy: str, seq: int) -> dict[str, Any]:
         row["peak"] += o["resident"]  # the resident units' fp32 state, taken off the plan's budget
         row["offload"] = next(n for n in o["plan"].notes if n.startswith(f"model-state offload at batch {fits[-1]}:"))
     else:
-        row["result"] = "no batch's activation swap pools fit the host beside the model state"
+        swaps = {n: p.copied_bytes // 2 for n, p in result.points.items() if p.fits}
+        least = min(swaps, key=swaps.__getitem__, default=None)
+        row["result"] = "no batch's activation swap pools fit the host beside the model state" + (
+            f" (the least a plan swaps: {swaps[least] / 2**30:.0f} GiB a rank, at batch {least}; the host has "
+            f"{room / WORLD / 2**30:.0f} GiB a rank)" if least is not None else "")  # fmt: skip
     pool = WORLD * result.at(fits[-1]).copied_bytes // 2 if fits else 0
-    return {**row, "resident": sorted(spec.resident), "resident_bytes": o["resident"],
+    return {**row, "resident": [u for u in o["order"] if u in spec.resident], "resident_bytes": o["resident"],
             "host_state_bytes": o["host_state"], "swap_pool_bytes": pool, "pinnable": spec.profile.pinnable}
 
 
