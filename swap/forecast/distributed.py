@@ -25,8 +25,14 @@ rewritten accordingly (``rank_trace``), so the schedule, the simulator and the r
   gradients: ``zero_grad``). One reduce-scatter input is kept in flight: the previous unit's is freed before
   the next is made, the last at the end of the backward. The root's post-backward runs at the end of the
   backward.
+With model-state offload (``Fsdp2.offload``, Note [Model-state offload on one rank]) the rank holds no model
+state on the device: parameter shards, sharded gradients (each one a transient until its copy to the host),
+optimizer state and the optimizer step's temporaries go, and so does the optimizer step's compute; each
+offloaded unit's all-gather gets a copy-in buffer of its master shard, freed once the all-gather's input is
+made. The resident units' model state, held all step, is the caller's to take off the budget
+(``Offload.resident``).
 What the rewrite does not model: mixed precision (``MixedPrecisionPolicy``: the capture's dtype is the
-parameters', the gradients' and the collectives'), CPU offload, HSDP and explicit prefetch settings.
+parameters', the gradients' and the collectives'), HSDP and explicit prefetch settings.
 
 Note [Collectives on the step]
 Each unit is all-gathered twice (forward, backward) and reduce-scattered once per step, each priced on the
@@ -48,77 +54,14 @@ import numpy as np
 import torch
 
 from ..capture.trace import ALLOC, FREE, OP, PHASE, TAG, Trace
-from ..devices import DeviceProfile, InterconnectProfile, interconnect
+from ..devices import DeviceProfile, InterconnectProfile
 from ..joint.ops import nested
-from ..schedule.unit_offload import blocks_of, shard_of
+from ..schedule.unit_offload import shard_of
+from .fsdp2_lanes import Offload, RankStep, UnitSeconds, simulate_rank
+from .fsdp2_units import Fsdp2, Unit, default_units, fsdp2
 from .pricing import event_seconds
 
-SHARDINGS = ("fsdp2",)
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One ``fully_shard`` unit: its module path ("" for the root), unsharded and shard bytes of its parameters."""
-
-    path: str
-    param_bytes: int
-    shard_bytes: int
-
-
-@dataclass(frozen=True)
-class Fsdp2:
-    """A model as FSDP2 shards it over ``world_size`` ranks: its units (forward order unknown until a trace is
-    read), each parameter's (bytes, shard bytes, unit path) in ``model.parameters()`` order, and the interconnect."""
-
-    world_size: int
-    units: tuple[Unit, ...]
-    params: tuple[tuple[int, int, str], ...]
-    link: InterconnectProfile
-
-    @property
-    def shard_bytes(self) -> int:
-        return sum(u.shard_bytes for u in self.units)
-
-    def describe(self) -> str:
-        blocks = [u for u in self.units if u.path]
-        largest = max((u.param_bytes for u in self.units), default=0)
-        return (f"FSDP2 over {self.world_size} ranks on {self.link.name}: {len(blocks)} blocks and the root, "
-                f"{self.shard_bytes / 2**30:.2f} GiB of parameters per rank, largest unit {largest / 2**30:.2f} GiB "
-                "unsharded")  # fmt: skip
-
-
-def default_units(model: torch.nn.Module) -> list[str]:
-    """The blocks to shard by default (swap.schedule.unit_offload.blocks_of)."""
-    return blocks_of([n for n, m in model.named_modules() if any(True for _ in m.parameters())])
-
-
-def fsdp2(model_fn: Callable[[], torch.nn.Module], world_size: int, link: Union[str, InterconnectProfile] = "nvlink4",
-          dtype: Optional[torch.dtype] = None, units: Optional[list[str]] = None) -> Fsdp2:  # fmt: skip
-    """``model_fn``'s model (built on the meta device, cast to ``dtype``) sharded by FSDP2 over ``world_size``
-    ranks, each of ``units`` (default ``default_units``) and the root a ``fully_shard`` unit."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, not {world_size!r}")
-    with torch.device("meta"):
-        model = model_fn()
-    if dtype is not None:
-        model = model.to(dtype)
-    paths = default_units(model) if units is None else list(units)
-    named = dict(model.named_modules())
-    missing = [p for p in paths if p not in named]
-    if missing:
-        raise ValueError(f"no module at {', '.join(missing)}: units are module paths such as "
-                         f"{', '.join(default_units(model)[:2]) or 'layers.0'}")  # fmt: skip
-    by_length = sorted(paths, key=len, reverse=True)
-    params = []
-    for name, p in model.named_parameters():
-        unit = next((u for u in by_length if nested(name, u)), "")
-        params.append((p.numel() * p.element_size(), shard_of(tuple(p.shape), p.element_size(), world_size), unit))
-    totals: dict[str, list[int]] = {u: [0, 0] for u in ["", *paths]}
-    for nbytes, shard, unit in params:
-        totals[unit][0] += nbytes
-        totals[unit][1] += shard
-    net = link if isinstance(link, InterconnectProfile) else interconnect(link)
-    return Fsdp2(world_size, tuple(Unit(u, *totals[u]) for u in ["", *paths]), tuple(params), net)
+SHARDINGS = ("fsdp2", "fsdp2-offload")
 
 
 # -- one rank's trace ---------------------------------------------------------------------------------------
@@ -203,8 +146,11 @@ def rank_trace(trace: Trace, fs: Fsdp2) -> Trace:
     unit_of = _unit_of(fs)
     units = {u.path: u for u in fs.units}
     ins = _Inserted(int(trace.id.max()) + 1 if len(trace) else 0)
+    off = fs.offload
+    copy_in = {} if off is None else {u.path: u.shard_bytes * off.master_bytes // fs.itemsize for u in fs.units
+                                      if u.path not in off.resident}  # fmt: skip
     for b, e in trace.iterations():
-        _schedule(ins, _layout(trace, b, e, unit_of), units)
+        _schedule(ins, _layout(trace, b, e, unit_of), units, copy_in)
     tmp, grad, opt = TAG["temporary"], TAG["grad"], PHASE["optimizer"]
     grad_unit: dict[int, str] = {}  # an unsharded gradient's allocation -> its unit
     live_grads: dict[str, list[tuple[int, int]]] = {}  # unit -> its unsharded gradients not freed yet
@@ -220,7 +166,9 @@ def rank_trace(trace: Trace, fs: Fsdp2) -> Trace:
                     freed_early.add(gid)
                     rows.append((FREE, gid, gbytes, grad, -1))
                 shard = units[row[1]].shard_bytes
-                if row[1] in sharded_grad:  # accumulated into the live shard: the new one is added and dropped
+                if off is not None:  # copied to the host at once: a transient on the device
+                    rows.extend([(ALLOC, row[2], shard, grad, -1), (FREE, row[2], shard, grad, -1)])
+                elif row[1] in sharded_grad:  # accumulated into the live shard: the new one is added and dropped
                     rows.extend([(ALLOC, row[2], shard, grad, -1), (FREE, row[2], shard, grad, -1)])
                 else:
                     sharded_grad[row[1]] = (row[2], shard)
@@ -234,6 +182,9 @@ def rank_trace(trace: Trace, fs: Fsdp2) -> Trace:
         if o == OP:
             phase = int(trace.phase[k])
         elif o in (ALLOC, FREE):
+            if off is not None and ((tag == TAG["weight"] and i in shard_of_id) or tag == TAG["optimizer_state"]
+                                    or (phase == opt and tag == tmp)):  # fmt: skip
+                continue  # model state on the host
             if tag == TAG["weight"] and i in shard_of_id:
                 size = shard_of_id[i]
             elif tag == grad and o == ALLOC:
@@ -249,7 +200,7 @@ def rank_trace(trace: Trace, fs: Fsdp2) -> Trace:
                 size = by_size.get(size, -(-size // w))
         rows.append((o, i, size, tag, k))
         emit(k, ins.after)
-    return _build(trace, rows, w, opt)
+    return _build(trace, rows, w, opt, 0 if off is not None else w)
 
 
 def _module_before(trace: Trace, k: int) -> Optional[str]:
@@ -260,8 +211,9 @@ def _module_before(trace: Trace, k: int) -> Optional[str]:
     return trace.module_name(j) if j >= 0 else None
 
 
-def _schedule(ins: _Inserted, it: _Iteration, units: dict[str, Unit]) -> None:
-    """One iteration's all-gather and reduce-scatter buffers (Note [One rank of FSDP2])."""
+def _schedule(ins: _Inserted, it: _Iteration, units: dict[str, Unit], copy_in: dict[str, int]) -> None:
+    """One iteration's all-gather and reduce-scatter buffers (Note [One rank of FSDP2]); ``copy_in``: the master
+    shard's bytes copied to the device before each all-gather of an offloaded unit."""
     if not it.first_fwd:
         return
     before, after = ins.before, ins.after
@@ -270,11 +222,11 @@ def _schedule(ins: _Inserted, it: _Iteration, units: dict[str, Unit]) -> None:
     start = min(it.first_fwd.values())
     pending: Optional[tuple[int, int]] = None  # the flat all-gather buffer kept until the next copy-out
     if root.param_bytes:
-        pending = (ins.alloc(before, start, root.param_bytes), root.param_bytes)
+        pending = (_flat(ins, start, "", root.param_bytes, copy_in), root.param_bytes)
         params[""] = ins.alloc(before, start, root.param_bytes)
     for _, u in sorted((k, u) for u, k in it.first_fwd.items() if u):
         k, s = it.first_fwd[u], units[u].param_bytes
-        flat = ins.alloc(before, k, s)
+        flat = _flat(ins, k, u, s, copy_in)
         if pending is not None:
             ins.free(before, k, *pending)
         params[u] = ins.alloc(before, k, s)
@@ -288,7 +240,7 @@ def _schedule(ins: _Inserted, it: _Iteration, units: dict[str, Unit]) -> None:
     flats: dict[str, int] = {}  # unit -> its flat buffer (all-gathered, not copied out yet)
 
     def gather(k: int, u: str) -> None:
-        flats[u] = ins.alloc(before, k, units[u].param_bytes)
+        flats[u] = _flat(ins, k, u, units[u].param_bytes, copy_in)
 
     if backward:  # the root's pre-backward prefetches the first unit
         gather(min(it.first_bwd.values()), backward[0])
@@ -307,6 +259,17 @@ def _schedule(ins: _Inserted, it: _Iteration, units: dict[str, Unit]) -> None:
         ins.free(after, it.bwd_end, *rs)
 
 
+def _flat(ins: _Inserted, k: int, u: str, size: int, copy_in: dict[str, int]) -> int:
+    """Unit ``u``'s flat all-gather buffer of ``size`` bytes, before event ``k``; an offloaded unit's master shard
+    is copied to the device first and freed once the all-gather's input is made from it."""
+    copy = copy_in.get(u, 0)
+    i = ins.alloc(ins.before, k, copy) if copy else -1
+    flat = ins.alloc(ins.before, k, size)
+    if copy:
+        ins.free(ins.before, k, i, copy)
+    return flat
+
+
 def _post_backward(ins: _Inserted, k: int, unit: Unit, params: dict[str, int],
                    rs: Optional[tuple[int, int]]) -> Optional[tuple[int, int]]:  # fmt: skip
     """Unit ``unit``'s post-backward after event ``k``; returns its reduce-scatter input, now in flight."""
@@ -322,7 +285,8 @@ def _post_backward(ins: _Inserted, k: int, unit: Unit, params: dict[str, int],
     return new_rs, unit.param_bytes
 
 
-def _build(trace: Trace, rows: list, w: int, phase_opt: int) -> Trace:
+def _build(trace: Trace, rows: list, w: int, phase_opt: int, opt_share: int) -> Trace:
+    """The trace of ``rows``; the optimizer's operators cost 1/``opt_share`` (0: none, it steps on the host)."""
     src = np.array([r[4] for r in rows], dtype=np.int64)
     has = src >= 0
     n = len(rows)
@@ -335,8 +299,8 @@ def _build(trace: Trace, rows: list, w: int, phase_opt: int) -> Trace:
     flops, nbytes = take(trace.flops, 0.0), take(trace.bytes, 0.0)
     phase = take(trace.phase, -1)
     opt = (phase == phase_opt) & (take(trace.op, 0) == OP)
-    flops[opt] /= w
-    nbytes[opt] /= w
+    flops[opt] = flops[opt] / opt_share if opt_share else 0.0
+    nbytes[opt] = nbytes[opt] / opt_share if opt_share else 0.0
     meta = dict(trace.meta, ranks=w, sharding="fsdp2")
     return Trace(np.array([r[0] for r in rows], dtype=np.uint8), np.array([r[1] for r in rows], dtype=np.int64),
                  np.array([r[2] for r in rows], dtype=np.int64), np.array([r[3] for r in rows], dtype=np.uint8),
@@ -346,10 +310,20 @@ def _build(trace: Trace, rows: list, w: int, phase_opt: int) -> Trace:
 
 # -- the collectives on the step ----------------------------------------------------------------------------
 def exposed_collectives(trace: Trace, fs: Fsdp2, dev: DeviceProfile) -> float:
-    """Seconds per step the collectives add to the compute of ``trace``'s last iteration (Note [Collectives on
-    the step]); ``trace`` is a single-device or a rank's trace of the same model."""
-    if fs.world_size == 1:
-        return 0.0
+    """Seconds per step the collectives (and, with ``fs.offload``, the model state's copies and host steps) add to
+    the compute of ``trace``'s last iteration (Note [Collectives on the step]); ``trace`` is a single-device or a
+    rank's trace of the same model."""
+    return 0.0 if fs.world_size == 1 else rank_step(trace, fs, dev).exposed
+
+
+def rank_step(trace: Trace, fs: Fsdp2, dev: DeviceProfile) -> RankStep:
+    """One rank's steady-state step on its lanes (swap.forecast.fsdp2_lanes.simulate_rank)."""
+    return simulate_rank(unit_seconds(trace, fs, dev), 3 if fs.offload is not None else 1)  # offload: steady state
+
+
+def unit_seconds(trace: Trace, fs: Fsdp2, dev: DeviceProfile) -> UnitSeconds:
+    """What ``trace``'s last iteration costs per unit: compute, collectives, and with ``fs.offload`` the copies
+    and host steps of Note [Model-state offload on one rank]."""
     b, e = trace.iterations()[-1]
     secs = event_seconds(trace, dev)
     unit_of = _unit_of(fs)
@@ -365,41 +339,32 @@ def exposed_collectives(trace: Trace, fs: Fsdp2, dev: DeviceProfile) -> float:
         if not u:  # the root's own operators, before or after the blocks (embeddings, head, loss)
             u = "root:head" if k < (blocks_fwd if f == "f" else blocks_bwd) else "root:tail"
         compute[u, f] = compute.get((u, f), 0.0) + float(secs[k])
-    sizes = {u.path: u.param_bytes for u in fs.units}
-
-    def comm(u: str) -> float:
-        return fs.link.collective_seconds(sizes[u], fs.world_size)
-
-    def run(order: list[str], f: str, lane: float, clock: float) -> tuple[float, float]:
-        """The blocks in ``order`` on the compute clock and the communication lane: a block waits for its
-        all-gather; the next one's is issued when the block starts; the backward reduce-scatters each block."""
-        ready = {}
-        if order:
-            lane = ready[order[0]] = max(lane, clock) + comm(order[0])
-        clock += compute.get(("root:head", f), 0.0)
-        for n, u in enumerate(order):
-            start = max(clock, ready[u])
-            if n + 1 < len(order):
-                lane = ready[order[n + 1]] = max(lane, start) + comm(order[n + 1])
-            clock = start + compute.get((u, f), 0.0)
-            if f == "b":
-                lane = max(lane, clock) + comm(u)
-        return lane, clock + compute.get(("root:tail", f), 0.0)
-
-    lane = clock = comm("")  # the root's all-gather, before anything
-    lane, clock = run([u for _, u in sorted((k, u) for u, k in it.first_fwd.items() if u)], "f", lane, clock)
-    lane, clock = run([u for _, u in sorted((k, u) for u, k in it.first_bwd.items() if u)], "b", lane, clock)
-    end = max(clock, lane) + comm("")  # the root's reduce-scatter, after its last backward operator
-    return max(0.0, end - sum(compute.values()))
-
-
+    comm = {u.path: fs.link.collective_seconds(u.param_bytes, fs.world_size) for u in fs.units}
+    order = lambda first: tuple(u for _, u in sorted((k, u) for u, k in first.items() if u))  # noqa: E731
+    forward, backward = order(it.first_fwd), order(it.first_bwd)
+    spec = fs.offload
+    if spec is None:
+        return UnitSeconds(forward, backward, compute, comm)
+    host, numel = spec.profile, fs.shard_numel()
+    off = [u for u in numel if u not in spec.resident]
+    h2d, d2h = host.h2d_bandwidth or dev.h2d_bandwidth, host.d2h_bandwidth or dev.d2h_bandwidth
+    rate = host.optimizer_rate(spec.optimizer) / spec.ranks_per_host  # the ranks on one host step at once
+    dram = sum(spec.host_step_bytes(numel[u]) + numel[u] * ((1 if u == "" else 2) * spec.master_bytes
+                                                          + spec.grad_bytes) for u in off)  # fmt: skip
+    device = sum(spec.host_step_bytes(numel[u]) for u in numel if u in spec.resident)
+    return UnitSeconds(forward, backward, compute, comm, h2d={u: numel[u] * spec.master_bytes / h2d for u in off},
+                       d2h={u: numel[u] * spec.grad_bytes / d2h for u in off},
+                       host={u: spec.host_step_bytes(numel[u]) / rate for u in off},
+                       device_step=device / (dev.mem_bandwidth * dev.efficiency),
+                       dram_seconds=dram * spec.ranks_per_host / host.dram_bandwidth)  # fmt: skip
 
 
 # -- the forecast of one rank -------------------------------------------------------------------------------
-def sharding(model_fn: Callable[[], torch.nn.Module], world_size: int, shard: Optional[str],
+def sharding(model_fn: Callable[[], torch.nn.Module], world_size: int, shard: Union[str, Offload, None],
              link: Optional[Union[str, InterconnectProfile]],
              dtype: Optional[torch.dtype]) -> Optional[Fsdp2]:  # fmt: skip
-    """``swap.plan``'s ``world_size``, ``shard`` and ``interconnect``: None for one device, else the sharding."""
+    """``swap.plan``'s ``world_size``, ``shard`` and ``interconnect``: None for one device, else the sharding
+    ("fsdp2-offload", or an ``Offload``: with model-state offload, Note [Model-state offload on one rank])."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, not {world_size!r}")
     if shard is None and world_size == 1:
@@ -407,10 +372,13 @@ def sharding(model_fn: Callable[[], torch.nn.Module], world_size: int, shard: Op
             raise ValueError("an interconnect prices the collectives of sharded training: pass world_size > 1 and "
                              "shard='fsdp2' too, or drop interconnect")  # fmt: skip
         return None
+    if isinstance(shard, Offload):
+        return fsdp2(model_fn, world_size, link or "nvlink4", dtype, offload=shard)
     if shard not in SHARDINGS:
         raise ValueError(f"unknown shard {shard!r}: with world_size={world_size}, pass shard= one of "
                          f"{', '.join(map(repr, SHARDINGS))} (how the ranks split the model)")  # fmt: skip
-    return fsdp2(model_fn, world_size, link or "nvlink4", dtype)
+    offload = Offload() if shard == "fsdp2-offload" else None
+    return fsdp2(model_fn, world_size, link or "nvlink4", dtype, offload=offload)
 
 
 def with_collectives(plan: Any, trace_at: Callable[[int], Trace], fs: Fsdp2, dev: DeviceProfile) -> Any:
@@ -440,7 +408,21 @@ def with_collectives(plan: Any, trace_at: Callable[[int], Trace], fs: Fsdp2, dev
                          f"gradients {held['gradients'] / gib:.2f} GiB, optimizer state {held['state'] / gib:.2f} "
                          f"GiB, all-gather buffers up to {held['gather'] / gib:.2f} GiB; collectives exposed per step: "
                          + ", ".join(f"{t * 1e3:.1f} ms at batch {n}" for n, t in sorted(exposed.items())))  # fmt: skip
+    if fs.offload is not None:  # what binds may change with the batch: one note per batch
+        plan.notes[1:1] = [offload_note(rank_step(trace_at(n), fs, dev), fs, n) for n in sorted(exposed)]
     return plan
+
+
+def offload_note(step: RankStep, fs: Fsdp2, batch: int) -> str:
+    """What model-state offload costs one rank at ``batch`` (Note [Model-state offload on one rank])."""
+    spec = fs.offload
+    assert spec is not None
+    off = [u.path or "root" for u in fs.units if u.path not in spec.resident]
+    terms = ", ".join(f"{k} {v:.2f} s" for k, v in step.terms.items())
+    return (f"model-state offload at batch {batch}: {len(off)} of {len(fs.units)} units on the host "
+            f"{spec.profile.name!r} ({spec.ranks_per_host} ranks a host); its copies and host steps add "
+            f"{step.exposed:.2f} s to the step (on the trace's forward and backward, {step.compute_time:.2f} s: "
+            f"recompute and swaps not counted); per step: {terms}; bound by {step.bound}")
 
 
 def model_state_per_rank(trace: Trace, fs: Fsdp2) -> dict[str, int]:
@@ -455,5 +437,6 @@ def model_state_per_rank(trace: Trace, fs: Fsdp2) -> dict[str, int]:
     return {"parameters": fs.shard_bytes, "gradients": fs.shard_bytes, "state": state, "gather": gather}
 
 
-__all__ = ["SHARDINGS", "Fsdp2", "Unit", "default_units", "exposed_collectives", "fsdp2", "model_state_per_rank",
-           "rank_trace", "shard_of", "sharding", "with_collectives"]
+__all__ = ["SHARDINGS", "Fsdp2", "Offload", "Unit", "default_units", "exposed_collectives", "fsdp2",
+           "model_state_per_rank", "offload_note", "rank_step", "rank_trace", "shard_of", "sharding", "unit_seconds",
+           "with_collectives"]

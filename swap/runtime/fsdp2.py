@@ -1,6 +1,6 @@
 """The FSDP2 side of model state under the budget: shard a model with ``fully_shard``, offloading the units a byte
-budget cannot hold; gate each offloaded unit's all-gather on its pending host update; clip gradients across ranks
-with the user's one process group.
+budget cannot hold; step the offloaded units on the host after ``opt.step()``, each unit's all-gather gated on its
+pending host update; clip gradients across ranks with the user's one process group.
 
 Note [Model state under FSDP2]
 The rank's shard of parameters, gradients and optimizer state goes under the rank's budget by driving FSDP2's
@@ -29,10 +29,13 @@ What this module adds:
   forward to hide behind); the root (embeddings, head) goes last. The choice depends on sizes only: ranks with
   the same budget choose the same units without a collective, and ranks with different budgets may differ,
   which FSDP2 allows (an all-gather's inputs have the same shapes wherever the shard lives).
-- ``gate_updates``: a forward pre-hook on each offloaded unit, ahead of FSDP2's own (which all-gathers), that
-  waits for the unit's pending host update: the model-state runtime's update-before-use rule (its host worker
-  steps the offloaded units in forward order after ``opt.step()`` confirms, hidden behind the next forward).
-  Until that runtime is merged, the user's ``opt.step()`` steps the host shards itself, synchronously, as
+- ``HostSteps`` (swap/runtime/fsdp2_steps.py, Note [Host steps of offloaded FSDP2 units]): the offloaded
+  units' update taken out of the user's ``opt.step()`` and run on a host worker after the step confirms, by the
+  single-device model-state runtime's host step (a shadow of the user's optimizer, hyperparameters copied from
+  the user's param groups at every step, its state the user's own: ``opt.state_dict()`` and DCP stay plain),
+  in forward order; ``gate_updates`` makes each offloaded unit's forward pre-hook, ahead of FSDP2's (which
+  all-gathers), wait for the unit's pending update, so the host step hides behind the forward of the units
+  before it. Without ``HostSteps`` the user's ``opt.step()`` steps the host shards itself, synchronously, as
   FSDP2 does.
 - ``clip_grad_norm_``: clipping by the global norm across ranks when the gradient shards live on two devices
   (the host for offloaded units, the GPU for the rest) and the process group is NCCL only, where
@@ -40,44 +43,26 @@ What this module adds:
   the local shards are taken where they live, their p-th powers stacked on the group's device, summed over the
   ranks by one all-reduce (max for the infinity norm), and the total, the clamped coefficient and the scaling
   are torch's: on a gloo group, where torch's runs, the results are bitwise equal (tested on two ranks).
-What waits for the model-state runtime: the host step taken out of ``opt.step()`` (a shadow of the user's
-optimizer per offloaded unit, hyperparameters copied from the user's param groups each step, state merged into
-``opt.state_dict()``), wired to ``gate_updates``; and the forecast's price of it (the shard's copies on the link,
-the host step on the host profile).
+The forecast prices the offloaded units' shard copies and host steps (swap/forecast/distributed.py, Note
+[Model-state offload on one rank]).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
 from ..schedule.model_state import Placement
-from ..schedule.unit_offload import blocks_of, choose_offloaded, shard_of
+from ..schedule.unit_offload import ShardPlan, blocks_of, choose_offloaded, shard_of
+from .fsdp2_steps import HostSteps, gate_updates
 
 
 def default_units(model: torch.nn.Module) -> list[str]:
     """The blocks ``shard`` makes units of by default (swap.schedule.unit_offload.blocks_of)."""
     return blocks_of([n for n, m in model.named_modules() if any(True for _ in m.parameters())])
-
-
-@dataclass
-class ShardPlan:
-    """What ``shard`` did: each unit's path ("" for the root) and placement, in forward (module) order, and the
-    rank's model-state bytes per unit it was chosen on."""
-
-    placements: dict[str, Placement]
-    model_state: dict[str, int]
-
-    @property
-    def offloaded(self) -> list[str]:
-        return [u for u, p in self.placements.items() if p is Placement.STREAMED]
-
-    def resident_bytes(self) -> int:
-        return sum(b for u, b in self.model_state.items() if self.placements[u] is Placement.RESIDENT)
 
 
 def unit_bytes(model: torch.nn.Module, units: list[str], world_size: int,
@@ -125,20 +110,6 @@ def shard(model: torch.nn.Module, plan: ShardPlan, pin_memory: Optional[bool] = 
         fully_shard(modules[path], offload_policy=policy, **fully_shard_kwargs)
 
 
-def gate_updates(model: torch.nn.Module, plan: ShardPlan, wait: Callable[[str], None]) -> list[Any]:
-    """Before FSDP2 all-gathers an offloaded unit in the forward, ``wait(path)`` (the host update of that unit
-    must be done: Note [Model state under FSDP2]). Returns the hook handles (``.remove()`` them)."""
-    modules = dict(model.named_modules())
-    handles = []
-    for path in plan.offloaded:
-
-        def pre(module: torch.nn.Module, args: Any, path: str = path) -> None:
-            wait(path)
-
-        handles.append(modules[path].register_forward_pre_hook(pre, prepend=True))
-    return handles
-
-
 def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0,
                     group: Any = None) -> torch.Tensor:  # fmt: skip
     """Clips the gradients of ``parameters`` (FSDP2's DTensors, on the host or the device) by their global norm
@@ -166,3 +137,7 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, n
     for g in local:
         g.mul_(coef.to(g.device))
     return total
+
+
+__all__ = ["HostSteps", "ShardPlan", "clip_grad_norm_", "default_units", "gate_updates", "offload_by_budget", "shard",
+           "unit_bytes"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .model_state import Placement
 
@@ -39,3 +40,19 @@ def choose_offloaded(units: Sequence[tuple[str, int]], room: int) -> dict[str, P
         placements[path] = Placement.STREAMED
         resident -= nbytes
     return placements
+
+
+@dataclass
+class ShardPlan:
+    """What ``shard`` did: each unit's path ("" for the root) and placement, in forward (module) order, and the
+    rank's model-state bytes per unit it was chosen on."""
+
+    placements: dict[str, Placement]
+    model_state: dict[str, int]
+
+    @property
+    def offloaded(self) -> list[str]:
+        return [u for u, p in self.placements.items() if p is Placement.STREAMED]
+
+    def resident_bytes(self) -> int:
+        return sum(b for u, b in self.model_state.items() if self.placements[u] is Placement.RESIDENT)

@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy
 
+import swap
 from bench.ranks import spawn
 from swap.forecast import zoo
 from swap.runtime import fsdp2
@@ -51,31 +52,66 @@ def _step(model, opt, rank: int, it: int, clip) -> tuple[float, float]:
     return loss.item(), norm.item()
 
 
-def _train(offload: bool, clip, rank: int, iterations: int = 3, counts=None, gate=None):
+def _train(offload: bool, clip, rank: int, iterations: int = 3, counts=None, gate=None, host_steps: bool = False,
+           manager=None):  # fmt: skip
     model, plan = _sharded(offload, counts)
     if gate is not None:
         fsdp2.gate_updates(model, plan, gate)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    steps = []
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # every step runs another learning rate
+    steps, queued = [], []
+    host = fsdp2.HostSteps(model, plan, opt) if host_steps else None
+    if manager is not None:
+        manager.__enter__()
     for it in range(iterations):
         if counts is not None:
             counts.clear()
         steps.append(_step(model, opt, rank, it, clip))
-    return model, opt, plan, steps
+        if host is not None:  # opt.step() returned with the offloaded units' host steps queued, not waited for
+            queued.append(sorted(host.stepper.pending))
+        sched.step()
+    if manager is not None:
+        manager.__exit__(None, None, None)
+    return model, opt, plan, steps, host, queued
 
 
 def _shards(model) -> list:
     return [p.to_local().clone() for p in model.parameters()]
 
 
+def _plain_state(opt) -> list:
+    """The optimizer's state dict as plain values (DTensors as their local shards), in a comparable form."""
+    sd = opt.state_dict()
+    local = lambda v: v.to_local() if hasattr(v, "to_local") else v  # noqa: E731
+    return [sorted((k, local(v)) for k, v in st.items()) for _, st in sorted(sd["state"].items())]
+
+
+def _same_state(a, b) -> bool:
+    return len(a) == len(b) and all(
+        [k for k, _ in x] == [k for k, _ in y] and all(torch.equal(u, v) for (_, u), (_, v) in zip(x, y))
+        for x, y in zip(a, b)
+    )
+
+
 def _worker(rank: int, tmp: str) -> dict:
-    plain, plain_opt, _, plain_steps = _train(False, torch.nn.utils.clip_grad_norm_, rank)
+    plain, plain_opt, _, plain_steps, _, _ = _train(False, torch.nn.utils.clip_grad_norm_, rank)
     counts: collections.Counter = collections.Counter()
     seen = []
     gate = lambda path: seen.append((path, counts[path]))  # noqa: E731 - its all-gathers so far this iteration
-    model, opt, plan, steps = _train(True, fsdp2.clip_grad_norm_, rank, counts=counts, gate=gate)
+    model, opt, plan, steps, host, queued = _train(True, fsdp2.clip_grad_norm_, rank, counts=counts, gate=gate,
+                                                   host_steps=True)  # fmt: skip
     policies = {i: type(b._get_fsdp_state()._fsdp_param_group.offload_policy) for i, b in enumerate(model.blocks)}
+    state_same = _same_state(_plain_state(plain_opt), _plain_state(opt))  # waits for the last host steps
+    # With a SwapManager swapping every saved activation too: the same training.
+    sm = swap.SwapManager(budget="64GiB", device="cpu", min_bytes=0, policy="all")
+    swapped, swapped_opt, _, swapped_steps, swapped_host, _ = _train(True, fsdp2.clip_grad_norm_, rank,
+                                                                     host_steps=True, manager=sm)  # fmt: skip
+    swapped_host.close()
+    with_manager = swapped_steps == plain_steps and _same_state(_plain_state(plain_opt), _plain_state(swapped_opt)) \
+        and all(torch.equal(a, b) for a, b in zip(_shards(plain), _shards(swapped)))  # fmt: skip
+    swapped_out = sm.report()["swapped_out_bytes"]
     same = all(torch.equal(a, b) for a, b in zip(_shards(plain), _shards(model)))
+    report = host.report()
     # A checkpoint saved with offload loads into FSDP2 without it, and training goes on alike.
     ckpt = str(Path(tmp, "ckpt"))
     m_sd, o_sd = get_state_dict(model, opt)
@@ -90,12 +126,17 @@ def _worker(rank: int, tmp: str) -> dict:
     loaded = all(torch.equal(a, b) for a, b in zip(_shards(model), _shards(fresh)))
     after = (_step(model, opt, rank, 3, fsdp2.clip_grad_norm_), _step(fresh, fresh_opt, rank, 3,
                                                                       torch.nn.utils.clip_grad_norm_))  # fmt: skip
+    host.close()
+    after_same = _same_state(_plain_state(opt), _plain_state(fresh_opt)) and all(
+        torch.equal(a, b) for a, b in zip(_shards(model), _shards(fresh)))  # fmt: skip
     return {"plain_steps": plain_steps, "steps": steps, "same": same, "offloaded": plan.offloaded,
-            "policies": policies, "seen": seen, "loaded": loaded, "after": after}
+            "policies": policies, "seen": seen, "loaded": loaded, "after": after, "state_same": state_same,
+            "queued": queued, "report": report, "after_same": after_same, "with_manager": with_manager,
+            "swapped_out": swapped_out}
 
 
 @pytest.mark.slow
-def test_offloaded_units_train_bitwise_clip_with_one_group_gate_before_the_gather_and_checkpoint_plainly(tmp_path):
+def test_offloaded_units_step_on_the_host_bitwise_clip_with_one_group_gate_the_gather_checkpoint_plainly(tmp_path):
     for rank, r in enumerate(spawn(_worker, tmp_path)):
         assert r["offloaded"] == ["blocks.1", "blocks.2"]
         assert r["policies"] == {0: type(fsdp2_offload_policy(False)), 1: CPUOffloadPolicy, 2: CPUOffloadPolicy}
@@ -104,7 +145,13 @@ def test_offloaded_units_train_bitwise_clip_with_one_group_gate_before_the_gathe
         assert r["same"], rank  # parameters after three AdamW steps
         # Each offloaded unit's gate ran once per forward, before FSDP2 all-gathered that unit.
         assert r["seen"][:6] == [("blocks.1", 0), ("blocks.2", 0)] * 3  # (then the step after the checkpoint)
-        assert r["loaded"] and r["after"][0] == r["after"][1], rank
+        assert r["loaded"] and r["after"][0] == r["after"][1] and r["after_same"], rank
+        # The offloaded units' update ran on the host worker after opt.step() returned, each waited for by its
+        # unit's gate; the optimizer state (host steps' included) is plain FSDP2's, bitwise.
+        assert r["queued"] == [[0, 1]] * 3
+        assert sorted(r["report"]["host_step_seconds"]) == [1, 2, 3]
+        assert r["state_same"], rank
+        assert r["with_manager"] and r["swapped_out"] > 0, rank
 
 
 def fsdp2_offload_policy(offload: bool):
@@ -140,3 +187,36 @@ def test_model_state_per_unit_counts_shards_gradients_and_state():
     block = sum(p.numel() * 4 for p in model.blocks[0].parameters())
     assert sizes["blocks.0"] == block // 2 * 4  # shard + gradient + two moments, every dim 0 even here
     assert functools.reduce(int.__add__, sizes.values()) == sum(p.numel() for p in model.parameters()) * 4 // 2 * 4
+
+
+# -- the host step on one process (HostSteps needs no process group: the units' parameters are stepped on the host
+# wherever they live) ---------------------------------------------------------------------------------------------
+def _one_process(host: bool, steps: int = 3, zero_in_place: bool = False):
+    model = _model()
+    plan = fsdp2.ShardPlan({"": Placement.RESIDENT, "blocks.0": Placement.RESIDENT, "blocks.1": Placement.STREAMED,
+                            "blocks.2": Placement.STREAMED}, {})  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    host_steps = fsdp2.HostSteps(model, plan, opt) if host else None
+    for it in range(steps):
+        opt.zero_grad(set_to_none=not zero_in_place)
+        _step(model, opt, 0, it, torch.nn.utils.clip_grad_norm_)
+        sched.step()
+    state = opt.state_dict()  # waits for the pending host steps
+    params = [p.detach().clone() for p in model.parameters()]
+    return model, opt, host_steps, params, state
+
+
+def test_host_steps_on_one_process_are_bitwise_plain_with_plain_state_and_zero_grad_in_place():
+    _, _, _, plain, plain_state = _one_process(False)
+    for zero_in_place in (False, True):
+        model, opt, host, params, state = _one_process(True, zero_in_place=zero_in_place)
+        assert all(torch.equal(a, b) for a, b in zip(plain, params))
+        assert state["state"].keys() == plain_state["state"].keys()
+        for k, st in plain_state["state"].items():
+            assert all(torch.equal(v, state["state"][k][n]) for n, v in st.items())
+        assert all(p.grad is not None for p in model.parameters())  # the gradients stay, as in plain training
+        with pytest.raises(RuntimeError, match="call the closure yourself"):
+            opt.step(lambda: None)
+        host.close()
+        assert "zero_grad" not in vars(opt) and "zero_grad" not in vars(model)
