@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from .forecast import Plan, plan  # Note [swap.plan is a function]
 from .joint.search import STRATEGIES
-from .runtime import fsdp2  # swap.fsdp2: FSDP2 units offloaded by a budget, clipping across ranks
+from .runtime import fsdp2  # swap.fsdp2: FSDP2 units offloaded by a budget, their host steps, clipping across ranks
 from .runtime.executor import WholeModelCompiled
 from .runtime.host_pool import PinningUnavailable
 from .runtime.manager import SwapManager

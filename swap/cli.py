@@ -213,7 +213,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     ap.add_argument("--world-size", type=int, default=1, help="forecast one rank of this many (with --shard)")
     ap.add_argument("--shard", default=None, choices=SHARDINGS, help="how the ranks split the model: fsdp2 shards "
-                    "each block and the root (the budget and batches are per rank)")
+                    "each block and the root (the budget and batches are per rank); fsdp2-offload also keeps the "
+                    "offloaded units' model state on the host, stepped there (swap.fsdp2.HostSteps)")
     ap.add_argument("--interconnect", default=None, choices=sorted(INTERCONNECTS),
                     help="what the collectives run on (default nvlink4)")
     ap.add_argument("--largest-image", action="store_true",
