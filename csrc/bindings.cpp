@@ -294,6 +294,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("backend", [](Allocator& a) { return std::string(a.backend().name()); })
       .def_property_readonly("granularity", [](Allocator& a) { return a.backend().granularity(); })
       .def_property_readonly("chunk_size", &Allocator::chunk_size)
+      .def_property_readonly(
+          "maps_at_offsets", [](Allocator& a) { return a.backend().maps_at_offsets(); },
+          "Whether the backend maps a chunk at an offset into a larger physical allocation (the cuda backend asks "
+          "the driver once: Note [Probing map offsets]); False makes every block one chunk.")
       .def(
           "allocation_size", [](const Allocator& a, const py::object& n) { return a.allocation_size(to_size(n, "nbytes")); },
           py::arg("nbytes"),
