@@ -66,7 +66,7 @@ class Residency:
         self._died_counted = {}
         self._fetched_in = {}
 
-    def _freed_mid_step(self, var: Variable) -> None:
+    def _freed_mid_step(self, var: Any) -> None:
         """Profiling: a device storage of ``var``, counted when the step opened, died inside the step (Note [A
         held tensor freed mid-step])."""
         clock = self.clock
@@ -137,11 +137,7 @@ class Residency:
         """A bucket of weights (swap.runtime.clean) left the device between two steps, where the conservative plan
         let go of it (a module returned): a planned run holds it until its planned release, so, while profiling,
         its bytes count as held for the rest of the step (Note [A held tensor freed mid-step])."""
-        clock = self.clock
-        rec = clock.recorder
-        if rec is not None and var.iteration == clock.iteration and not clock.in_hook:
-            rec.held_freed(var.size)
-            self.memory.add_held(var.size)
+        self._freed_mid_step(var)
 
     def var_dead(self, var: Variable) -> None:
         """Autograd released every handle of ``var``: its memory goes (now, or once its copies are done)."""
