@@ -146,7 +146,7 @@ def evaluate(spec: dict[str, Any]) -> dict[str, Any]:
     log(f"{spec['name']}: predicted {free.no_swap_peak / MiB:.1f} MiB without swapping, {under.planned_peak / MiB:.1f}"
         f" MiB under a budget of {budget / MiB:.1f} MiB ({predict_seconds:.1f} s); training...")  # fmt: skip
     plain = train(spec, None)
-    sm = swap.SwapManager(budget=budget, device="cpu", min_bytes=MIN_BYTES)
+    sm = swap.SwapManager(budget=budget, device="cpu", min_bytes=MIN_BYTES, policy="window")  # what predict_peak plans
     swapped = train(spec, sm)
     report = sm.report()
     row = {

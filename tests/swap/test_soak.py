@@ -156,7 +156,10 @@ def test_soak_is_bitwise_equal_within_budget_and_flat():
     got = soak(lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes="16KiB"))
     r = got.manager.report()
     backward_passes = sum(step_at(it).micro_batches for it in range(ITERATIONS))  # the one that raised included
-    assert r["iterations"] == backward_passes and r["status"] == "planned" and r["swapped_out_bytes"] > 0, r
+    # Plans are kept per input shape (Note [Plans by input shape]): the last length (24) fits unswapped, so its
+    # shape declines while the others stay planned; the lengths' second and third cycles profile nothing new.
+    assert r["iterations"] == backward_passes and r["status"] in ("planned", "declined"), r
+    assert r["swapped_out_bytes"] > 0 and r["plans_reused"] > 0 and r["profiling_iterations"] <= 2 * len(LENGTHS), r
     # Bitwise equal to the loop without the manager: every loss, every step's gradients, the final weights.
     assert got.losses == ref.losses
     assert got.grad_digests == ref.grad_digests
