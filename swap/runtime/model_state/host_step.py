@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -171,8 +171,3 @@ class HostStepper:
     def take_state(self, p: torch.nn.Parameter) -> dict[str, Any]:
         """Removes and returns ``p``'s host state (it becomes resident: the user's optimizer steps it now)."""
         return self.shadow.state.pop(self.host_of[id(p)], {})
-
-
-def run_on(worker: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` on the host worker, in order with the host work queued before it; its result."""
-    return worker.submit(fn, *args).result()
