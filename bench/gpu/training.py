@@ -173,7 +173,8 @@ def run_config(model: str, allocator: str, batch: int, mode: str, limit: int) ->
             row["predicted_seconds"] = predictions(sm.sequence, h2d, d2h, sm.budget)
             # The measured profile (per-step times on CUDA events), for `swap.plan --profile FILE` to calibrate
             # the roofline's efficiency on this device instead of the V100 figure.
-            prof = common.results_dir(common.environment()) / "profiles" / f"{model}-b{batch}-{allocator}-{mode}.json"
+            device = {"device": torch.cuda.get_device_properties(0).name}  # what environment() names the folder by
+            prof = common.results_dir(device) / "profiles" / f"{model}-b{batch}-{allocator}-{mode}.json"
             prof.parent.mkdir(parents=True, exist_ok=True)
             sm.save_profile(prof)
             row["profile"]["path"] = str(prof.relative_to(common.ROOT))
