@@ -21,6 +21,8 @@ else
 GPU_PY := $(PY)
 endif
 ASAN_PKG := build/asan/pkg
+# Every install goes through the pins (Note [Pinned set-up] in constraints.txt).
+PIP_INSTALL = $(PY) -m pip install -q -c $(CURDIR)/constraints.txt
 
 .PHONY: setup demo demo-allocator test test-python test-sanitize lint bench-latency bench-plan bench-clock clean fakecuda \
   package-check
@@ -28,10 +30,10 @@ ASAN_PKG := build/asan/pkg
 # The build requirements too (pyproject.toml), since the editable install builds without isolation; the CUDA
 # header wheel only where no cuda.h is found (a toolkit's, or a CUDA torch's wheels).
 setup: $(VENV_PY)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q "setuptools>=64" wheel pybind11 cmake ninja numpy pytest hypothesis matplotlib ruff
-	@$(PY) vmalloc/cuda_paths.py cuda.h >/dev/null || $(PY) -m pip install -q "nvidia-cuda-runtime>=13,<14"
-	$(PY) -m pip install -q cuda-python transformers accelerate lightning diffusers
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP_INSTALL) $(TORCH)
+	$(PIP_INSTALL) "setuptools>=64" wheel pybind11 cmake ninja numpy pytest hypothesis matplotlib ruff
+	@$(PY) vmalloc/cuda_paths.py cuda.h >/dev/null || $(PIP_INSTALL) "nvidia-cuda-runtime>=13,<14"
+	$(PIP_INSTALL) cuda-python transformers accelerate lightning diffusers
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
 $(abspath $(VENV))/bin/python:
@@ -92,7 +94,7 @@ $(FAKECUDA_OUT)/obj/%.o: tests/fakecuda/src/%.cpp
 -include $(FAKECUDA_OBJ:.o=.d)
 
 lint: $(VENV_PY)
-	@$(PY) -m ruff --version >/dev/null 2>&1 || $(PY) -m pip install -q ruff
+	@$(PY) -m ruff --version >/dev/null 2>&1 || $(PIP_INSTALL) ruff
 	$(PY) -m ruff check vmalloc swap bench tests examples
 
 bench-latency: setup

@@ -38,6 +38,8 @@ export TMPDIR="$WORK/tmp"  # pip's build environments and unpacked sdists, remov
 # Nothing from the checkout or the user's site may leak in: the venvs must stand alone.
 unset PYTHONPATH
 export PYTHONNOUSERSITE=1
+# The same pins as set-up (Note [Pinned set-up] in constraints.txt), build environments included.
+export PIP_CONSTRAINT="$ROOT/constraints.txt"
 
 log() { printf '[package-check %4ds] %s\n' "$SECONDS" "$*"; }
 # pip, quiet, without the lines about package indexes this machine lists but does not hold.

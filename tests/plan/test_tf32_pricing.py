@@ -61,14 +61,14 @@ def test_fp32_operators_on_the_peak_the_setting_gives(setting, conv_peak, mm_pea
     assert mm == pytest.approx(at(mm_peak)(mm_flops))
 
 
-def test_auto_follows_pytorchs_flags(monkeypatch):
+def test_auto_follows_pytorchs_flags(torch_flags):
     # PyTorch's defaults: cuDNN convolutions in TF32, cuBLAS matmuls in fp32.
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch_flags(torch.backends.cudnn, "allow_tf32", True)
+    torch_flags(torch.backends.cuda.matmul, "allow_tf32", False)
     (conv, conv_flops), (mm, mm_flops) = forward_seconds(with_tf32(H200, "auto"))
     assert conv == pytest.approx(at(495e12)(conv_flops)) and mm == pytest.approx(at(67e12)(mm_flops))
     assert forward_seconds(H200) == forward_seconds(with_tf32(H200, "auto"))  # the profile's default is PyTorch's
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)  # set_float32_matmul_precision("high")
+    torch_flags(torch.backends.cuda.matmul, "allow_tf32", True)  # set_float32_matmul_precision("high")
     (_, _), (mm, mm_flops) = forward_seconds(with_tf32(H200, "auto"))
     assert mm == pytest.approx(at(495e12)(mm_flops))
 

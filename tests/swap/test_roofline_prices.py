@@ -15,10 +15,10 @@ from swap.runtime.op_profiler import OpProfiler
 H100 = profile("h100-sxm")
 
 
-def prices(monkeypatch, matmul_tf32=False):
+def prices(monkeypatch, torch_flags, matmul_tf32=False):
     """Seconds the profiler gives each operator of a forward, on a CUDA device that torch names an H100."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", matmul_tf32)
+    torch_flags(torch.backends.cuda.matmul, "allow_tf32", matmul_tf32)  # Note [Backend flags are not attributes]
     timer = SimpleNamespace(exclude=lambda seconds: None)  # the profiler's own time, taken off the step's
     executor = SimpleNamespace(in_backward=False, step=0, backward_done=False, timer=timer)
     hooks = SimpleNamespace(busy=False, pair=None, manages=lambda t: False)
@@ -50,8 +50,8 @@ def memory(dev, nbytes):
     return nbytes / (dev.mem_bandwidth * dev.efficiency)
 
 
-def test_prices_by_precision_and_kind_on_the_h100s_rates(monkeypatch):
-    mm32, mm16, conv, relu, grouped = prices(monkeypatch)
+def test_prices_by_precision_and_kind_on_the_h100s_rates(monkeypatch, torch_flags):
+    mm32, mm16, conv, relu, grouped = prices(monkeypatch, torch_flags)
     flops = 2 * 2048**3
     assert mm32.flops == mm16.flops == flops
     # Only relative prices count (the profiler scales them to the measured forward): bf16 runs 989 / 67 times
@@ -69,8 +69,8 @@ def test_prices_by_precision_and_kind_on_the_h100s_rates(monkeypatch):
     assert [round(p / H100.mem_bandwidth) for p in peaks] == [295, 148, 20]
 
 
-def test_fp32_matmuls_take_tf32_when_pytorch_allows_it(monkeypatch):
-    mm32, _, conv, _, _ = prices(monkeypatch, matmul_tf32=True)
+def test_fp32_matmuls_take_tf32_when_pytorch_allows_it(monkeypatch, torch_flags):
+    mm32, _, conv, _, _ = prices(monkeypatch, torch_flags, matmul_tf32=True)
     assert mm32.seconds == pytest.approx(compute(H100, mm32.flops, 495e12))
     assert conv.seconds == pytest.approx(compute(H100, conv.flops, 495e12))
 
