@@ -64,7 +64,7 @@ def log(msg: str) -> None:
 
 def small_resnet_trace(steps: int) -> Trace:
     """tests/gpu/swap_worker.py's ResNet (blocks 2-2-2-2, width 32, 10 classes) at batch 32, 96 x 96."""
-    from swap.zoo import resnet
+    from swap.forecast.zoo import resnet
 
     return capture(lambda: resnet((2, 2, 2, 2), width=32, num_classes=10),
                    lambda n: (torch.randn(n, 3, 96, 96), torch.randint(0, 10, (n,))), 32,
