@@ -364,13 +364,16 @@ def interconnect(name: str) -> InterconnectProfile:
 # is memory-bound (AdamW on fp32 masters moves about 28 bytes a parameter for about a dozen FLOPs), so its
 # seconds are the bytes it moves (``host_step_bytes``) over that rate, whatever the dtypes.
 #
-# - desktop-ddr5-2ch: two channels of DDR5-5600 (JEDEC JESD79-5: 5600 MT/s x 8 bytes a channel = 89.6 GB/s
-#   peak). Sustained: 75% of the wire rate, the share STREAM reaches in TI's measurements (74-78%, SPRAD45A
-#   table 3-2), 67.2 GB/s. AdamW at that rate: CPU AdamW stays DRAM-bound once enough cores run it (prime-rl
-#   PR #3248: "still DRAM-bandwidth-bound" after thread budgeting; DeepSpeed's CPU-Adam and PyTorch's fused
-#   CPU AdamW are single-pass SIMD kernels). 192 GB: four 48 GB DIMMs, what AM5 and LGA1700 desktop boards
-#   take (Intel ARK, Core i9-13900K: max memory 192 GB). Pinnable: all but 16 GiB (an assumption: the OS,
-#   the framework and the data loader's pages).
+# - desktop-ddr5-2ch: two channels of DDR5 holding 192 GB, which takes four 48 GB DIMMs: two (dual-rank) DIMMs a
+#   channel, where desktop memory controllers run far below their one-DIMM-a-channel rate. DDR5-4000: what
+#   desktop boards list for two dual-rank DIMMs a channel ("2DPC 2R Max speed up to 4000+", an AM5 board's
+#   specification; Intel's 13th/14th-generation Core: DDR5-4000 at 2DPC 2R), so 4000 MT/s x 8 bytes x 2 channels
+#   = 64 GB/s peak (two DIMMs at DDR5-5600, 89.6 GB/s, hold 96 GB: too little for an 8 B full fine-tune).
+#   Sustained: 75% of the wire rate, the share STREAM reaches in TI's measurements (74-78%, SPRAD45A table 3-2),
+#   48 GB/s. A single-pass AdamW kernel at that rate (``KERNEL_SLOWDOWN``: others slower): CPU AdamW stays
+#   DRAM-bound once enough cores run it (prime-rl PR #3248: "still DRAM-bandwidth-bound" after thread budgeting).
+#   192 GB is the most AM5 and LGA1700 desktop boards take (Intel ARK, Core i9-13900K: max memory 192 GB).
+#   Pinnable: all but 16 GiB (an assumption: the OS, the framework and the data loader's pages).
 # - server-ddr5-8ch: one socket of eight DDR5 channels (4th-generation Xeon), 16 x 64 GiB = 1 TiB at two
 #   DIMMs a channel, where the data rate drops from 4800 to 4400 MT/s (Dell, "Memory Bandwidth for Next-Gen
 #   PowerEdge Servers ... Sapphire Rapids", 2023): 8 x 4400 x 8 = 281.6 GB/s peak, 211.2 sustained (75%, as
@@ -378,9 +381,24 @@ def interconnect(name: str) -> InterconnectProfile:
 # - a measured profile (``read_host_profile``): what bench/host_profile.py measures on the machine it runs on
 #   (copy bandwidth, and the optimizers' rates with PyTorch's own CPU kernels and threads), written as JSON.
 #
+# The optimizer's rate depends on its kernel (``KERNELS``): the built-ins' rates are a single-pass kernel's
+# (torch's ``fused=True`` CPU kernel, DeepSpeed's CPU-Adam); torch's ``foreach`` kernel and its per-tensor loop
+# (what torch runs on CPU tensors by default) make several passes over the state with temporaries between them,
+# and are slower by ``KERNEL_SLOWDOWN``: the ratios bench/host_profile.py measured with torch's own kernels
+# (bench/results/host_profile.json: AdamW fused 4.79 GB/s, foreach 1.28, for-loop 0.94, so 3.7x and 5.1x; SGD
+# with momentum 1.8x and 1.7x), in line with DeepSpeed's "CPU-Adam is 5X-7X faster than the standard PyTorch
+# implementation" (deepspeed.ai ZeRO-Offload tutorial). Counting bytes alone (the loop's eight elementwise passes
+# move about 80 bytes an fp32 parameter, the fused kernel 28) gives 2.9x, a floor. A measured profile carries its
+# own rate per kernel where bench/host_profile.py measured one.
+#
 # Link figures are None on the built-ins: the device profile's (its PCIe generation) apply. A measured
 # profile of a machine with a GPU may carry its own.
 OPTIMIZER_PASSES = {"adamw": (3, 3), "adam": (3, 3), "sgd": (2, 2), "sgd_plain": (1, 1)}  # tensors read, written
+KERNELS = ("fused", "foreach", "for-loop")  # the host optimizer's kernel (Note [Host profiles])
+KERNEL_SLOWDOWN = {  # the fused kernel's rate over the others' (Note [Host profiles]): bench/results/host_profile.json
+    "adamw": {"fused": 1.0, "foreach": 4.79 / 1.28, "for-loop": 4.79 / 0.94},
+    "sgd": {"fused": 1.0, "foreach": 7.63 / 4.30, "for-loop": 7.63 / 4.58},
+}
 
 
 def host_step_bytes(optimizer: str, numel: int, master: int, grad: int, copy: int = 0) -> int:
@@ -419,19 +437,28 @@ class HostProfile:
     duplex_bandwidth: Optional[float] = None
     source: str = ""
 
-    def optimizer_rate(self, optimizer: str) -> float:
-        """Bytes/s of DRAM traffic of ``optimizer``'s host step (Adam's for AdamW and the other way round when
-        only one was measured; SGD's at the DRAM bandwidth when unmeasured)."""
+    def optimizer_rate(self, optimizer: str, kernel: str = "fused") -> float:
+        """Bytes/s of DRAM traffic of ``optimizer``'s host step with ``kernel`` (``KERNELS``; Note [Host
+        profiles]): the profile's own rate for that kernel (key ``"adamw:for-loop"``) where it has one, else its
+        fastest rate over ``KERNEL_SLOWDOWN``. Adam's for AdamW and the other way round when only one was
+        measured; SGD's at the DRAM bandwidth when unmeasured."""
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown host optimizer kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
         rates = self.optimizer_rates
         twin = {"adamw": "adam", "adam": "adamw"}.get(optimizer, "")
+        own = rates.get(f"{optimizer}:{kernel}") or rates.get(f"{twin}:{kernel}")
+        if own:
+            return float(own)
         rate = rates.get(optimizer) or rates.get(twin) or (self.dram_bandwidth if optimizer.startswith("sgd") else 0)
         if not rate:
             raise ValueError(f"host profile {self.name!r} has no rate for {optimizer!r}: it has {', '.join(rates)}")
-        return float(rate)
+        slowdown = KERNEL_SLOWDOWN["sgd" if optimizer.startswith("sgd") else "adamw"][kernel]
+        return float(rate) / slowdown
 
-    def step_seconds(self, optimizer: str, numel: int, master: int, grad: int, copy: int = 0) -> float:
-        """Seconds of a host step of ``numel`` parameters (``host_step_bytes`` over the optimizer's rate)."""
-        return host_step_bytes(optimizer, numel, master, grad, copy) / self.optimizer_rate(optimizer)
+    def step_seconds(self, optimizer: str, numel: int, master: int, grad: int, copy: int = 0,
+                     kernel: str = "fused") -> float:  # fmt: skip
+        """Seconds of a host step of ``numel`` parameters (``host_step_bytes`` over the kernel's rate)."""
+        return host_step_bytes(optimizer, numel, master, grad, copy) / self.optimizer_rate(optimizer, kernel)
 
 
 def _sustained(peak: float) -> float:
@@ -440,10 +467,11 @@ def _sustained(peak: float) -> float:
 
 HOST_PROFILES = {
     "desktop-ddr5-2ch": HostProfile(
-        "desktop, 2 channels DDR5-5600, 192 GB", _sustained(89.6 * GB), {"adamw": _sustained(89.6 * GB)},
-        192 * 10**9, 192 * 10**9 - (16 << 30),
-        source="JEDEC JESD79-5 (DDR5-5600: 5600 MT/s x 8 B x 2 channels = 89.6 GB/s); 75% sustained (TI SPRAD45A, "
-               "STREAM 74-78% of the wire rate); AdamW DRAM-bound (prime-rl PR #3248); Intel ARK i9-13900K (192 GB)",
+        "desktop, 2 channels DDR5-4000 (4 x 48 GB, 2 dual-rank DIMMs a channel), 192 GB", _sustained(64 * GB),
+        {"adamw": _sustained(64 * GB)}, 192 * 10**9, 192 * 10**9 - (16 << 30),
+        source="2 DIMMs a channel, dual rank: DDR5-4000 (desktop boards' 2DPC 2R rating; Intel 13th/14th-gen Core), "
+               "4000 MT/s x 8 B x 2 channels = 64 GB/s; 75% sustained (TI SPRAD45A, STREAM 74-78% of the wire rate); "
+               "single-pass AdamW DRAM-bound (prime-rl PR #3248); Intel ARK i9-13900K (192 GB)",
     ),
     "server-ddr5-8ch": HostProfile(
         "server, 8 channels DDR5-4400 (2 DIMMs a channel), 1 TiB", _sustained(281.6 * GB),
@@ -459,7 +487,11 @@ def read_host_profile(path: Union[str, Path]) -> HostProfile:
     import json
 
     data = json.loads(Path(path).read_text())
-    fields = data.get("profile", data)
+    fields = dict(data.get("profile", data))
+    variants = data.get("optimizer_variants", {})  # each kernel's measured rate (Note [Host profiles])
+    if variants and isinstance(fields.get("optimizer_rates"), dict):
+        fields["optimizer_rates"] = {**fields["optimizer_rates"], **{f"{opt}:{kernel}": rate for opt, kernels in
+                                     variants.items() for kernel, rate in kernels.items() if kernel in KERNELS}}
     try:
         return HostProfile(**fields)
     except TypeError as e:

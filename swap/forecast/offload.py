@@ -7,11 +7,12 @@ Each schedule is a placement of every bucket, where the host steps run, and the 
 model in, judged on the same capture, device, host, activation search and simulator (Note [Model-state
 simulation] in swap/schedule/model_state_sim.py):
 
-- ``ours``: placements planned under the budget (``plan_model_state``: a resident prefix, host masters,
-  streamed buckets; the device room and the resident share tried and simulated, the fastest kept), host
-  steps before use (speculative during the backward where host memory holds the staging slots); the host
-  memory model state leaves is split between swapped activations and staging, all of it, half or none to
-  the activations (``HOST_SHARES``), the fastest kept;
+- ``ours``: what ``SwapManager(model=, optimizer=)`` runs, and only that (Note [What the runtime runs]):
+  placements planned under the budget (``plan_model_state``: a resident prefix, host masters, streamed
+  buckets; the device room and the resident share tried and simulated, the fastest kept), host steps after
+  ``opt.step()``, each bucket's next use waiting for its own (``before_use``), every role in the model's
+  dtype, the host step on the kernel the runtime runs for the user's optimizer (``host_kernel``); the swapped
+  activations may take all the host memory model state leaves;
 - ``zero_offload`` (DeepSpeed ZeRO-Offload, ZeRO-2 with ``offload_optimizer``): compute copies resident,
   master and Adam on the host, the host step after the backward; without the one-step delayed update, which
   changes the math;
@@ -24,10 +25,27 @@ simulation] in swap/schedule/model_state_sim.py):
   the master's dtype, cast by autocast at each forward), each stepped on the host after the backward and
   copied back; no gradient clipping.
 
+Each system's host step runs its own kernel (Note [Host profiles] in swap/devices.py): DeepSpeed's CPU-Adam is a
+single-pass kernel ("fused"); FSDP2 and torchao step with the user's torch optimizer on CPU tensors, whose default
+is the per-tensor loop ("for-loop").
+
 What is not modelled: DeepSpeed's fixed prefetch sizes (every schedule gets our window), NUMA and thread
 placement on the host, and pinned-memory rounding (our host pool is exact: Note [Exact-size pinned blocks]).
 For every schedule the activations are planned by the same joint search (``activations``: a strategy of
 swap.joint.search, default ``auto``) with the model state's device bytes reserved at every step.
+
+Note [What the runtime runs]
+A forecast prices only what the runtime does. Today ``SwapManager(model=, optimizer=)``:
+- steps the host optimizer after ``opt.step()`` returns (Note [Host step after confirmation] in
+  swap/runtime/model_state/host_step.py), so ``ours`` is simulated ``before_use``; the simulator's
+  ``speculative`` timing (host steps started during the backward) is kept for the runtime that will have it
+  (issue 37) and priced in no row;
+- keeps the parameter itself as the host master, so every role is in the model's dtype: a bf16 model trains as
+  pure-bf16 AdamW (bf16 master and moments: ``runtime_format``), and fp32 master and state mean an fp32 model,
+  whose fp32 weights cross the link and are cast on the device by autocast at each fetch (``cast="device"``;
+  autocast's bf16 copies saved for the backward are not captured: the fetch's cast stands for them);
+- runs the user's optimizer class on the host with the kernel ``host_kernel`` names (``RUNTIME_DEFAULT_KERNEL``
+  where the user left torch's default).
 """
 
 from __future__ import annotations
@@ -39,19 +57,11 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ..capture import Trace, capture
-from ..devices import DeviceProfile, HostProfile, host_step_bytes
+from ..devices import KERNELS, DeviceProfile, HostProfile, host_step_bytes
 from ..joint.search import BASELINES, Evaluator, Outcome, search
 from ..schedule.budget import InfeasibleBudget
 from ..schedule.model_state import Bucket, ModelStateDoesNotFit, ModelStatePlan, Placement, plan_model_state
-from ..schedule.model_state_choice import (
-    RESIDENT_SHARES,
-    ROOM_SHARES,
-    Placed,
-    fastest_timing,
-    place,
-    simulate_placed,
-    with_bytes,
-)
+from ..schedule.model_state_choice import RESIDENT_SHARES, ROOM_SHARES, Placed, place, simulate_placed, with_bytes
 from ..schedule.model_state_sim import ModelStatePrices
 from ..schedule.sequence import Sequence
 from ..schedule.weights import BucketUses, reserve
@@ -61,7 +71,9 @@ from .offload_report import OffloadForecast, OffloadResult
 from .ops_from_trace import table_from_trace
 from .pricing import event_seconds
 
-HOST_SHARES = (1.0, 0.5, 0.0)  # of the host memory model state leaves: the most swapped activations may take (ours)
+HOST_SHARES = (1.0,)  # of the host memory model state leaves: the most swapped activations may take (ours; no
+# staging for speculative host steps is priced, Note [What the runtime runs], so they may take all of it)
+RUNTIME_DEFAULT_KERNEL = "for-loop"  # where the user left torch's default (Note [What the runtime runs])
 AUTO_EVALUATIONS = 60  # plans the joint search judges per activation plan
 ROOM_GRID = 64  # rooms are rounded up to a 64th of the budget, so schedules share activation plans
 
@@ -78,35 +90,59 @@ class OffloadSchedule:
     weight_in_master_dtype: bool = False  # the device keeps the model's parameters in the master's dtype
     cast: Optional[str] = None  # where the master is cast (None: the format's)
     grad_in_master_dtype: bool = False  # gradients leave the device in the master's dtype
+    kernel: Optional[str] = None  # its host optimizer kernel (swap.devices.KERNELS; None: the runtime's, ours)
+    model_dtype: str = ""  # ours: "model" (the user's model's dtype) or "weight" (a model in the compute dtype)
 
-    def format(self, fmt: StateFormat) -> StateFormat:
-        """``fmt`` as this system keeps it."""
+    def format(self, fmt: StateFormat, model_bytes: Optional[int] = None) -> StateFormat:
+        """``fmt`` (the math: master and state dtypes, the compute dtype) as this system keeps it; ours for a
+        model whose parameters take ``model_bytes`` an element (None: the master's, an fp32 model with autocast)."""
+        if self.model_dtype:
+            return runtime_format(fmt, (model_bytes or fmt.master) if self.model_dtype == "model" else fmt.weight)
         weight = fmt.master if self.weight_in_master_dtype else fmt.weight
         grad = fmt.master if self.grad_in_master_dtype else fmt.grad
         return replace(fmt, weight=weight, grad=grad, cast=self.cast or fmt.cast)
 
 
+def runtime_format(fmt: StateFormat, param_bytes: int) -> StateFormat:
+    """What ``SwapManager(model=, optimizer=)`` keeps for a model whose parameters take ``param_bytes`` an element
+    (Note [What the runtime runs]): every role in that dtype; cast on the device (autocast) where the compute
+    dtype (``fmt.weight``) is narrower."""
+    cast = "device" if fmt.weight < param_bytes else "host"
+    return replace(fmt, weight=param_bytes, master=param_bytes, grad=param_bytes, state=param_bytes, cast=cast)
+
+
 SCHEDULES = {
     s.name: s
     for s in (
-        OffloadSchedule("ours", "ours (planned)", None, "before_use", "exact (per-bucket partial norms)"),
-        OffloadSchedule("zero_offload", "ZeRO-Offload", Placement.HOST_MASTER, "blocking", "exact"),
-        OffloadSchedule("zero3_offload", "ZeRO-3-offload", Placement.STREAMED, "blocking", "exact"),
+        OffloadSchedule("ours", "ours (the runtime)", None, "before_use", "exact (per-bucket partial norms)",
+                        model_dtype="model"),
+        OffloadSchedule("zero_offload", "ZeRO-Offload", Placement.HOST_MASTER, "blocking", "exact", kernel="fused"),
+        OffloadSchedule("zero3_offload", "ZeRO-3-offload", Placement.STREAMED, "blocking", "exact", kernel="fused"),
         OffloadSchedule("fsdp2_cpu_offload", "FSDP2 CPUOffloadPolicy", Placement.STREAMED, "blocking",
-                        "needs a gloo process group", cast="device", grad_in_master_dtype=True),
+                        "needs a gloo process group", cast="device", grad_in_master_dtype=True, kernel="for-loop"),
         OffloadSchedule("torchao_cpu_offload", "torchao CPUOffloadOptimizer", Placement.HOST_MASTER, "blocking",
-                        "not supported", weight_in_master_dtype=True, cast="device", grad_in_master_dtype=True),
+                        "not supported", weight_in_master_dtype=True, cast="device", grad_in_master_dtype=True,
+                        kernel="for-loop"),
+        # ours in other settings the runtime runs, for side-by-side tables (bench.model_state_sim): the host step
+        # with AdamW(fused=True), and a model kept in the compute dtype (pure bf16: not the baselines' math)
+        OffloadSchedule("ours_fused", "ours, AdamW(fused=True)", None, "before_use",
+                        "exact (per-bucket partial norms)", kernel="fused", model_dtype="model"),
+        OffloadSchedule("ours_pure", "ours, model in bf16 (pure)", None, "before_use",
+                        "exact (per-bucket partial norms)", model_dtype="weight"),
     )
 }  # fmt: skip
+DEFAULT_SCHEDULES = ("ours", "zero_offload", "zero3_offload", "fsdp2_cpu_offload", "torchao_cpu_offload")
 
 
-def prices_for(buckets: Seq[Bucket], fmt: StateFormat, dev: DeviceProfile, host: HostProfile) -> ModelStatePrices:
-    """Per-bucket prices (Note [Model-state simulation]): host steps from the host profile (the compute copy
-    written by the host step when the host casts), device steps and casts on the device's memory bandwidth."""
+def prices_for(buckets: Seq[Bucket], fmt: StateFormat, dev: DeviceProfile, host: HostProfile,
+               kernel: str = "fused") -> ModelStatePrices:  # fmt: skip
+    """Per-bucket prices (Note [Model-state simulation]): host steps from the host profile at ``kernel``'s rate
+    (the compute copy written by the host step when the host casts), device steps and casts on the device's
+    memory bandwidth."""
     copy = fmt.weight if fmt.cast == "host" and fmt.weight != fmt.master else 0
     dev_bw = dev.mem_bandwidth * dev.efficiency
     host_bytes = [host_step_bytes(fmt.optimizer, b.numel, fmt.master, fmt.grad, copy) for b in buckets]
-    rate = host.optimizer_rate(fmt.optimizer)
+    rate = host.optimizer_rate(fmt.optimizer, kernel)
     own = fmt.weight if fmt.weight != fmt.master else 0  # the device step writes the compute copy too
     device_step = [host_step_bytes(fmt.optimizer, b.numel, fmt.master, fmt.grad, own) / dev_bw for b in buckets]
     cast = [b.numel * (fmt.master + fmt.weight) / dev_bw for b in buckets] if fmt.cast == "device" else []
@@ -187,19 +223,16 @@ def _prepare(acts: _Activations, room: int, buckets: list[Bucket], uses: list[Bu
 
 def _result(name: str, prep: Union[_Prepared, str], plan: ModelStatePlan, room: int, tokens: int,
             host: HostProfile, *, prices: ModelStatePrices, buckets: list[Bucket], uses: list[BucketUses],
-            timing: str, in_flight: int) -> OffloadResult:  # fmt: skip
+            timing: str, in_flight: int, kernel: str) -> OffloadResult:  # fmt: skip
     """Schedule ``name``'s result: ``plan`` simulated on ``prep`` (or why it does not fit)."""
     s = SCHEDULES[name]
-    r = OffloadResult(name, s.label, False, "", plan=plan, room=room, clipping=s.clipping, timing=timing)
+    r = OffloadResult(name, s.label, False, "", plan=plan, room=room, clipping=s.clipping, timing=timing,
+                      kernel=kernel)
     if isinstance(prep, str):
         r.why = prep
         return r
     r.activations, r.room = _describe(prep.activations), prep.room
-    if timing == "fastest":  # ours: before use, or speculative where the host holds the staging (and it is faster)
-        plan, timing, sim = fastest_timing(prep.placed, buckets, uses, plan, prices, host.memory, in_flight)
-        r.plan, r.timing = plan, timing
-    else:
-        sim = simulate_placed(prep.placed, buckets, uses, plan, prices, timing, in_flight)
+    sim = simulate_placed(prep.placed, buckets, uses, plan, prices, timing, in_flight)
     r.fits, r.sim, r.step_time, r.tokens_per_s = True, sim, sim.step_time, tokens / sim.step_time
     r.device_peak, r.pinned_bytes = prep.placed.schedule.peak, plan.pinned_bytes
     r.host_bytes = plan.host_bytes + prep.placed.pool
@@ -219,8 +252,10 @@ def forecast_offload(
     dev: DeviceProfile,
     host: HostProfile,
     fmt: Optional[StateFormat] = None,
-    schedules: Seq[str] = tuple(SCHEDULES),
+    schedules: Seq[str] = DEFAULT_SCHEDULES,
     mode: str = "auto",
+    kernel: str = RUNTIME_DEFAULT_KERNEL,
+    model_bytes: Optional[int] = None,
     activations: str = "auto",
     bucket_bytes: int = 32 << 20,
     min_bytes: int = 1 << 20,
@@ -230,8 +265,14 @@ def forecast_offload(
 ) -> OffloadForecast:
     """Every schedule in ``schedules`` (``SCHEDULES``) on ``trace`` (one training step at ``batch``, captured
     with a stateless optimizer: ``swap.forecast.model_state.stateless_optimizer``) under ``budget`` (Note
-    [Offload schedules side by side]). ``mode`` is ours: "auto", "offload" or "resident" (``plan_model_state``)."""
+    [Offload schedules side by side]). ``fmt``: the math the baselines keep (master and state dtypes, the compute
+    dtype); ours keeps it as the runtime does (Note [What the runtime runs]). ``mode`` is ours: "auto",
+    "offload" or "resident" (``plan_model_state``); ``kernel``: ours' host optimizer kernel (``host_kernel``);
+    ``model_bytes``: bytes an element of the model's parameters, what ours keeps every role in (None: the master's,
+    an fp32 model trained with autocast in ``fmt.weight``'s dtype)."""
     fmt = fmt or StateFormat()
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown host optimizer kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     for s in schedules:
         if s not in SCHEDULES:
             raise ValueError(f"unknown offload schedule {s!r}: choose among {', '.join(SCHEDULES)}")
@@ -243,26 +284,29 @@ def forecast_offload(
     out = OffloadForecast(name, batch, tokens, budget, dev.name, host.name, fmt.describe(), layout.numel(),
                           sum(seq.compute), host.memory)  # fmt: skip
     for s in schedules:
-        sf = SCHEDULES[s].format(fmt)
+        sf = SCHEDULES[s].format(fmt, model_bytes)
         buckets = rebucket(layout, sf)
-        prices = prices_for(buckets, sf, dev, host)
+        k = SCHEDULES[s].kernel or kernel
+        prices = prices_for(buckets, sf, dev, host, k)
         if SCHEDULES[s].placement is None:
-            out.results[s] = _ours(acts, buckets, layout.uses, sf, prices, host, mode, in_flight, tokens, say)
+            out.results[s] = _ours(s, acts, buckets, layout.uses, sf, prices, host, mode, in_flight, tokens, say, k)
         else:
             plan = with_bytes(buckets, ModelStatePlan.uniform(len(buckets), SCHEDULES[s].placement), in_flight)
             room = acts.grid(plan.device_bytes)
             spare = host.memory - plan.host_bytes
             prep = _prepare(acts, room, buckets, layout.uses, plan, sf, prices, in_flight, spare)
             out.results[s] = _result(s, prep, plan, room, tokens, host, prices=prices, buckets=buckets,
-                                     uses=layout.uses, timing=SCHEDULES[s].timing, in_flight=in_flight)  # fmt: skip
+                                     uses=layout.uses, timing=SCHEDULES[s].timing, in_flight=in_flight,
+                                     kernel=k)  # fmt: skip
         r = out.results[s]
+        r.format = sf.describe()
         say(f"{s}: " + (f"{r.tokens_per_s:.0f} tokens/s" if r.fits and r.tokens_per_s else f"does not fit ({r.why})"))
     return out
 
 
-def _ours(acts: _Activations, buckets: list[Bucket], uses: list[BucketUses], fmt: StateFormat,
+def _ours(name: str, acts: _Activations, buckets: list[Bucket], uses: list[BucketUses], fmt: StateFormat,
           prices: ModelStatePrices, host: HostProfile, mode: str, in_flight: int, tokens: int,
-          say: Callable[[str], None]) -> OffloadResult:  # fmt: skip
+          say: Callable[[str], None], kernel: str) -> OffloadResult:  # fmt: skip
     """The fastest of our plans over the device rooms and resident shares tried (Note [Offload schedules
     side by side])."""
     best: Optional[OffloadResult] = None
@@ -278,13 +322,13 @@ def _ours(acts: _Activations, buckets: list[Bucket], uses: list[BucketUses], fmt
                 continue
             spare = host.memory - plan.host_bytes
             tried: set[int] = set()
-            for pool in HOST_SHARES:  # host memory for swapped activations; the rest may stage host steps
+            for pool in HOST_SHARES:  # host memory for swapped activations
                 prep = _prepare(acts, room, buckets, uses, plan, fmt, prices, in_flight, int(pool * spare))
                 if isinstance(prep, _Prepared) and id(prep.activations) in tried:
                     continue  # the same activation plan as with more host memory: the same result
                 tried.add(id(prep.activations) if isinstance(prep, _Prepared) else -len(tried) - 1)
-                r = _result("ours", prep, plan, room, tokens, host, prices=prices, buckets=buckets, uses=uses,
-                            timing="fastest", in_flight=in_flight)  # fmt: skip
+                r = _result(name, prep, plan, room, tokens, host, prices=prices, buckets=buckets, uses=uses,
+                            timing=SCHEDULES[name].timing, in_flight=in_flight, kernel=kernel)  # fmt: skip
                 if r.fits and (best is None or not best.fits or r.step_time < best.step_time):
                     best = r
                 elif best is None:
@@ -292,9 +336,11 @@ def _ours(acts: _Activations, buckets: list[Bucket], uses: list[BucketUses], fmt
                 why = r.why or why
             if mode != "auto" or all(p == Placement.RESIDENT for p in plan.placements):
                 break
-    assert best is not None
+    if best is None:  # no room tried holds a plan: say why (the largest room's refusal is the last)
+        s = SCHEDULES[name]
+        return OffloadResult(name, s.label, False, why, clipping=s.clipping, timing=s.timing, kernel=kernel)
     if best.fits:
-        say(f"ours: room {best.room / 2**30:.1f} GiB, placements resident/host-master/streamed {best.placements()}")
+        say(f"{name}: room {best.room / 2**30:.1f} GiB, placements resident/host-master/streamed {best.placements()}")
     return best
 
 
@@ -333,6 +379,22 @@ def state_format(optimizer: Optional[OptimizerFn], dtype: Optional[torch.dtype])
     return StateFormat(kind, weight, 4 if low else weight, weight, 4 if low else weight)
 
 
+def host_kernel(optimizer: Optional[OptimizerFn]) -> str:
+    """The kernel the runtime's host step runs for the user's optimizer (Note [What the runtime runs]): the one
+    the user named (``fused=True``, ``foreach=True``, or ``False`` for both: the per-tensor loop), else
+    ``RUNTIME_DEFAULT_KERNEL``."""
+    if optimizer is None:
+        return RUNTIME_DEFAULT_KERNEL
+    group = optimizer([torch.nn.Parameter(torch.empty(1, device="meta"))]).param_groups[0]
+    if group.get("fused"):
+        return "fused"
+    if group.get("foreach"):
+        return "foreach"
+    if group.get("fused") is False and group.get("foreach") is False:
+        return "for-loop"
+    return RUNTIME_DEFAULT_KERNEL
+
+
 def forecast_model(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], Any], loss_fn: Any, *,
                    batch: int, budget: int, dev: DeviceProfile, host: HostProfile, mode: str,
                    optimizer: Optional[OptimizerFn] = None,
@@ -340,7 +402,8 @@ def forecast_model(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[
                    name: str = "model", say: Callable[[str], None] = lambda _m: None) -> OffloadForecast:  # fmt: skip
     """``swap.plan(model_state=...)``: one training step at ``batch`` captured with a stateless optimizer
     (Note [Model state from a trace]) and every offload schedule forecast on it, in the format the user's
-    optimizer and dtype say (``state_format``). Tokens are the batch's elements of its first input."""
+    optimizer and dtype say (``state_format``), ours in the model's own dtype with the host kernel the runtime
+    runs for that optimizer (Note [What the runtime runs]). Tokens are the batch's elements of its first input."""
     trace = capture(model_fn, batch_fn, batch, loss_fn, optimizer=stateless_optimizer, dtype=dtype, target=target,
                     name=name)  # fmt: skip
     say(f"model state: captured batch {batch} ({len(trace)} events)")
@@ -351,4 +414,10 @@ def forecast_model(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[
         first = first[0]
     tokens = int(first.numel()) if isinstance(first, torch.Tensor) and not first.is_floating_point() else batch
     return forecast_offload(trace, model_fn, batch=batch, tokens=tokens, budget=budget, dev=dev, host=host,
-                            fmt=state_format(optimizer, dtype), mode=mode, min_bytes=min_bytes, name=name, say=say)
+                            fmt=state_format(optimizer, dtype), mode=mode, min_bytes=min_bytes, name=name, say=say,
+                            kernel=host_kernel(optimizer), model_bytes=model_bytes(dtype))  # fmt: skip
+
+
+def model_bytes(dtype: Optional[torch.dtype]) -> int:
+    """Bytes an element of a model's parameters in ``dtype`` (None: fp32)."""
+    return torch.empty(0, dtype=dtype or torch.float32).element_size()

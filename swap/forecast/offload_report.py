@@ -26,6 +26,8 @@ class OffloadResult:
         room: device bytes kept for model state while the activations were planned.
         clipping: how the schedule's system clips gradients.
         timing: when its host steps run ("blocking", "before_use", "speculative").
+        kernel: the host optimizer's kernel it is priced with (``swap.devices.KERNELS``).
+        format: the bytes it keeps each role in (``StateFormat.describe``).
     """
 
     schedule: str
@@ -43,6 +45,8 @@ class OffloadResult:
     room: int = 0
     clipping: str = ""
     timing: str = ""
+    kernel: str = ""
+    format: str = ""
 
     def placements(self) -> str:
         """resident/host-master/streamed bucket counts."""
@@ -57,7 +61,8 @@ class OffloadResult:
             "schedule": self.schedule, "label": self.label, "fits": self.fits, "why": self.why,
             "tokens_per_s": self.tokens_per_s, "step_time": self.step_time, "activations": self.activations,
             "device_peak": self.device_peak, "host_bytes": self.host_bytes, "pinned_bytes": self.pinned_bytes,
-            "room": self.room, "clipping": self.clipping, "timing": self.timing,
+            "room": self.room, "clipping": self.clipping, "timing": self.timing, "kernel": self.kernel,
+            "format": self.format,
             "placements": self.placements(),
         }  # fmt: skip
         if self.plan is not None:
@@ -117,7 +122,7 @@ class OffloadForecast:
             f"({self.tokens} tokens a step) on {self.device} with {self.host}: budget {fmt_size(self.budget)} "
             f"(simulated)",
             f"{'schedule':<28}{'tokens/s':>10}{'step':>9}{'bound':>14}{'host step':>11}{'exposed':>9}"
-            f"{'R/H/S':>11}{'device':>11}{'host mem':>11}  clipping",
+            f"{'R/H/S':>11}{'device':>11}{'host mem':>11}  {'host kernel':<12}clipping",
         ]  # fmt: skip
         for r in self.results.values():
             if not r.fits:
@@ -128,10 +133,12 @@ class OffloadForecast:
             lines.append(
                 f"{r.label:<28}{r.tokens_per_s:>10.0f}{r.step_time:>8.2f}s{s.bound:>8} {s.lower_bound:>4.2f}s"
                 f"{s.host_seconds:>10.2f}s{s.host_exposed:>8.2f}s{r.placements():>11}{fmt_size(r.device_peak):>11}"
-                f"{r.host_bytes / 1e9:>8.0f} GB  {r.clipping}"
+                f"{r.host_bytes / 1e9:>8.0f} GB  {r.kernel:<12}{r.clipping}"
             )  # fmt: skip
         lines.append("R/H/S: buckets resident / host master / streamed; exposed: seconds the step waited on host "
-                     "steps; bound: the largest of compute, link and host-step seconds")  # fmt: skip
+                     "steps; bound: the largest of compute, link and host-step seconds; every host step runs after "
+                     "the backward (none speculative: the runtime has no speculation)")  # fmt: skip
+        lines += [f"{r.label}: {r.format}" for r in self.results.values() if r.format]
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -9,8 +9,10 @@ room the activations lose (more swapping or recomputing), resident buckets save 
 traffic but take 16 bytes a parameter where a host master takes 2. So ``choose_model_state`` tries rooms
 (shares of what the activations leave) and resident shares, places each plan in the sequence
 (``place``: ``with_weights``, then the window schedule whose simulated step is fastest), simulates it with
-host steps before use and, where the host has memory for staging slots, speculative (``with_speculation``),
-and keeps the fastest that fits the host's memory (model state, staging, and the swapped activations).
+host steps before use (what the runtime does: it steps after ``opt.step()``) and, asked for with
+``speculative=True`` where the host has memory for staging slots, speculative (``with_speculation``: a
+mechanism the runtime does not have yet, issue 37; no forecast row prices it), and keeps the fastest that
+fits the host's memory (model state, staging, and the swapped activations).
 """
 
 from __future__ import annotations
@@ -96,12 +98,12 @@ def simulate_placed(placed: Placed, buckets: Seq[Bucket], uses: Seq[BucketUses],
 
 
 def fastest_timing(placed: Placed, buckets: Seq[Bucket], uses: Seq[BucketUses], plan: ModelStatePlan,
-                   prices: ModelStatePrices, host_memory: Optional[int],
-                   in_flight: int = 2) -> tuple[ModelStatePlan, str, ModelStateSim]:  # fmt: skip
-    """Host steps before use, or speculative where ``host_memory`` has room to stage them and it is faster:
-    (the plan, its timing, its simulated step)."""
+                   prices: ModelStatePrices, host_memory: Optional[int], in_flight: int = 2,
+                   speculative: bool = False) -> tuple[ModelStatePlan, str, ModelStateSim]:  # fmt: skip
+    """Host steps before use, or (``speculative``) speculative where ``host_memory`` has room to stage them and
+    it is faster: (the plan, its timing, its simulated step). Note [Choosing model state]."""
     sim = simulate_placed(placed, buckets, uses, plan, prices, "before_use", in_flight)
-    if host_memory is None:
+    if host_memory is None or not speculative:
         return plan, "before_use", sim
     spec = with_speculation(buckets, plan, host_memory - plan.host_bytes - placed.pool, in_flight)
     if spec is not None:
@@ -124,10 +126,12 @@ def choose_model_state(
     host_memory: Optional[int] = None,
     in_flight: int = 2,
     fetch_bytes: Optional[Seq[int]] = None,
+    speculative: bool = False,
 ) -> ModelStateChoice:
     """The fastest model-state plan for the activation sequence ``seq`` (its ``nonswap`` without model state)
     under ``budget`` (Note [Choosing model state]). ``rooms``: device rooms to try (default ``ROOM_SHARES`` of
-    what the activations leave: the budget less the largest ``nonswap``); ``mode`` as ``plan_model_state``.
+    what the activations leave: the budget less the largest ``nonswap``); ``mode`` as ``plan_model_state``;
+    ``speculative``: also try host steps during the backward (not what the runtime does today).
 
     Raises ``ModelStateDoesNotFit`` (no placement fits a room, or the host's memory) or ``InfeasibleBudget``
     (every placement's schedule exceeds the budget), saying what was tried."""
@@ -147,7 +151,8 @@ def choose_model_state(
             except (ModelStateDoesNotFit, InfeasibleBudget) as e:
                 last = e
                 continue
-            plan, timing, sim = fastest_timing(placed, buckets, uses, plan, prices, host_memory, in_flight)
+            plan, timing, sim = fastest_timing(placed, buckets, uses, plan, prices, host_memory, in_flight,
+                                               speculative)  # fmt: skip
             host = plan.host_bytes + placed.pool
             if host_memory is not None and host > host_memory:
                 what = f"model state and swapped activations need {host} bytes of host memory"

@@ -3,6 +3,7 @@ schedules side by side, ``swap.plan(model_state=...)`` and ``python -m swap.plan
 Llama-shaped model (captured in a second)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from swap.cli import main
 from swap.devices import HOST_PROFILES, HostProfile, host_profile, host_step_bytes, profile
 from swap.forecast.from_trace import sequence_from_trace
 from swap.forecast.model_state import StateFormat, layout_from_trace, stateless_optimizer
-from swap.forecast.offload import SCHEDULES, forecast_offload, state_format
+from swap.forecast.offload import DEFAULT_SCHEDULES, forecast_offload, host_kernel, state_format
 from swap.forecast.zoo import llama
 from swap.schedule.model_state import Placement
 
@@ -39,8 +40,15 @@ def test_host_profiles_price_a_step_by_its_dram_bytes(tmp_path):
     # written: 28 bytes a parameter, the figure the DRAM-bound argument uses
     assert host_step_bytes("adamw", 1, 4, 2, 2) == 28 and host_step_bytes("sgd", 1, 4, 4) == 20
     desk = host_profile("desktop-ddr5-2ch")
-    assert desk.step_seconds("adamw", 8 * 10**9, 4, 2, 2) == pytest.approx(8e9 * 28 / (0.75 * 89.6e9))
+    # 192 GB is four DIMMs, two a channel: DDR5-4000, not 5600 (the profile says which population it assumes)
+    assert "4 x 48 GB" in desk.name and "DDR5-4000" in desk.name and desk.memory == 192 * 10**9
+    assert desk.step_seconds("adamw", 8 * 10**9, 4, 2, 2) == pytest.approx(8e9 * 28 / (0.75 * 64e9))
     assert desk.optimizer_rate("adam") == desk.optimizer_rate("adamw") and desk.source
+    # torch's default CPU kernel (the per-tensor loop) is priced slower than a single-pass one, by the ratio
+    # bench/host_profile.py measured (fused 4.79 GB/s, for-loop 0.94)
+    assert desk.optimizer_rate("adamw", "for-loop") == pytest.approx(desk.optimizer_rate("adamw") * 0.94 / 4.79)
+    with pytest.raises(ValueError, match="unknown host optimizer kernel 'avx'"):
+        desk.optimizer_rate("adamw", "avx")
     assert host_profile("server-ddr5-8ch").memory == 1 << 40 and set(HOST_PROFILES) >= {"desktop-ddr5-2ch"}
     with pytest.raises(ValueError, match="unknown host profile 'laptop'"):
         host_profile("laptop")
@@ -50,6 +58,9 @@ def test_host_profiles_price_a_step_by_its_dram_bytes(tmp_path):
     path.write_text(json.dumps({"profile": {"name": "m", "dram_bandwidth": 1e10, "optimizer_rates": {"adamw": 5e9},
                                             "memory": 1 << 34, "pinnable": 1 << 33}}))  # fmt: skip
     assert host_profile(str(path)) == HostProfile("m", 1e10, {"adamw": 5e9}, 1 << 34, 1 << 33)
+    # a measured profile: its own rate for each kernel it measured
+    measured = host_profile(str(Path(__file__).resolve().parents[2] / "bench/results/host_profile.json"))
+    assert measured.optimizer_rate("adamw", "for-loop") == pytest.approx(0.936e9, rel=0.01)
 
 
 def test_buckets_in_first_use_order_and_where_they_are_read(trace):
@@ -72,7 +83,7 @@ def test_every_schedule_side_by_side_within_the_budget(trace):
     budget = 2 * MiB
     f = forecast_offload(trace, tiny, batch=4, tokens=128, budget=budget, dev=dev, host=host, min_bytes=0,
                          bucket_bytes=16 * 1024)  # fmt: skip
-    assert set(f.results) == set(SCHEDULES)
+    assert set(f.results) == set(DEFAULT_SCHEDULES)
     ours = f.results["ours"]
     assert ours.fits and ours.device_peak <= budget and ours.tokens_per_s > 0
     assert ours.sim.bytes_by_kind["gradients"][1] > 0 or all(p == Placement.RESIDENT for p in ours.plan.placements)
@@ -84,6 +95,36 @@ def test_every_schedule_side_by_side_within_the_budget(trace):
                              host=HostProfile("small", 1e10, {"adamw": 1e10}, 10_000, 10_000),
                              schedules=("zero3_offload",))  # fmt: skip
     assert not tight.results["zero3_offload"].fits and "host memory" in tight.results["zero3_offload"].why
+
+
+def test_ours_is_priced_with_only_what_the_runtime_does(trace):
+    # The forecast sold speculative host steps, fp32 masters beside bf16 weights and a DRAM-speed AdamW for
+    # "ours"; the runtime steps after opt.step(), keeps the parameter as the master, and runs torch's kernel.
+    dev, host = profile("rtx4090"), host_profile("desktop-ddr5-2ch")
+    f = forecast_offload(trace, tiny, batch=4, tokens=128, budget=2 * MiB, dev=dev, host=host, min_bytes=0,
+                         bucket_bytes=16 * 1024, mode="offload",
+                         schedules=(*DEFAULT_SCHEDULES, "ours_fused", "ours_pure"))  # fmt: skip
+    ours, fused, pure = (f.results[k] for k in ("ours", "ours_fused", "ours_pure"))
+    for r in (ours, fused, pure):
+        assert r.fits and r.timing == "before_use" and not r.plan.speculate and r.sim.speculated == 0
+    # the baselines' math (fp32 master and state) is an fp32 model to the runtime: fp32 weights fetched, cast on
+    # the device; a bf16 model is pure bf16
+    assert ours.format == "fp32 weights and gradients, fp32 master and adamw state, cast on the device"
+    assert pure.format == "bf16 weights and gradients, bf16 master and adamw state, cast on the host"
+    assert ours.sim.bytes_by_kind["weights"][0] > pure.sim.bytes_by_kind["weights"][0]
+    # ours' host kernel is torch's CPU default; each baseline has its own system's
+    assert (ours.kernel, fused.kernel) == ("for-loop", "fused")
+    assert {k: f.results[k].kernel for k in DEFAULT_SCHEDULES[1:]} == {
+        "zero_offload": "fused", "zero3_offload": "fused", "fsdp2_cpu_offload": "for-loop",
+        "torchao_cpu_offload": "for-loop"}  # fmt: skip
+    assert ours.sim.host_seconds == pytest.approx(fused.sim.host_seconds * 4.79 / 0.94)
+    assert "for-loop" in f.table() and "none speculative" in f.table()
+
+
+def test_the_host_kernel_follows_the_users_optimizer():
+    assert host_kernel(None) == host_kernel(lambda p: torch.optim.AdamW(p)) == "for-loop"  # torch's CPU default
+    assert host_kernel(lambda p: torch.optim.AdamW(p, fused=True)) == "fused"
+    assert host_kernel(lambda p: torch.optim.Adam(p, foreach=True)) == "foreach"
 
 
 def test_the_format_follows_the_users_optimizer_and_dtype():

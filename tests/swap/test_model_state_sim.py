@@ -200,7 +200,10 @@ def test_choose_model_state_keeps_the_fastest_plan_that_fits():
     # a short forward cannot hide every host step after opt.step(), a long backward can hide most of them
     seq.compute[:4] = [0.2] * 4
     plain = choose_model_state(seq, buckets, uses, 1010, prices(host=0.8), mode="offload")
-    spec = choose_model_state(seq, buckets, uses, 1010, prices(host=0.8), mode="offload", host_memory=10**6)
+    assert choose_model_state(seq, buckets, uses, 1010, prices(host=0.8), mode="offload",
+                              host_memory=10**6).timing == "before_use"  # the runtime's: no speculation unasked
+    spec = choose_model_state(seq, buckets, uses, 1010, prices(host=0.8), mode="offload", host_memory=10**6,
+                              speculative=True)  # fmt: skip
     assert spec.timing == "speculative" and spec.plan.speculate and spec.sim.step_time < plain.sim.step_time
     with pytest.raises(ModelStateDoesNotFit, match="host"):
         choose_model_state(seq, buckets, uses, 1010, slow_host, mode="offload", host_memory=100)
