@@ -103,13 +103,14 @@ def test_every_option_has_help_text(capsys):
         assert said, f"no help for {head.split()[0]}"
 
 
-def test_the_readme_says_the_defaults_the_code_has():
-    # The README said --optimizer defaults to AdamW; --help said sgd (the built-ins train with SGD).
-    readme = (ROOT / "README.md").read_text()
-    flat = " ".join(readme.split())
+def test_the_guides_say_the_defaults_the_code_has():
+    # The README said --optimizer defaults to AdamW; --help said sgd (the built-ins train with SGD). The options
+    # are documented in docs/forecast.md, the manager's signature in docs/swap.md (issue 39 moved them there).
+    flat = " ".join((ROOT / "docs" / "forecast.md").read_text().split())
     assert f"`--optimizer adamw|adam|sgd` (default: {swap.cli.OPTIMIZER_DEFAULT})" in flat
     assert "`--strategies every|off|NAME,...`" in flat
-    # And the manager's signature, as README writes it, is the code's (recompute= and strategy= were missing).
+    # And the manager's signature, as the guide writes it, is the code's (recompute= and strategy= were missing).
+    flat = " ".join((ROOT / "docs" / "swap.md").read_text().split())
     parts = []
     for p in inspect.signature(swap.SwapManager).parameters.values():
         if p.kind is p.KEYWORD_ONLY and "*" not in parts:
