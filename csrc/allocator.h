@@ -253,6 +253,7 @@ class VMALLOC_API Allocator {
   std::size_t creatable_chunks() const;
   std::size_t growable_chunks(std::size_t need) const;  // Note [Reuse before growth]
   std::size_t chunks_in_use() const;
+  std::size_t slack_chunks() const;  // Note [Slack reported apart]
   std::string oom_message(std::size_t nbytes) const;
   std::string capture_message(std::size_t nbytes, Stream stream) const;
 
@@ -280,8 +281,9 @@ class VMALLOC_API Allocator {
   bool shrink_blocked_ = false;                               // the last shrink could not release everything
   std::size_t announced_captures_ = 0;                        // capture_begin() calls not yet ended
   std::size_t num_chunks_ = 0;                                // created and not released
-  std::size_t high_water_chunks_ = 0;
-  std::size_t growth_credit_ = 0;                             // chunks reclaimed not yet grown (Note [Reuse before growth])                         // the most chunks_in_use() after any malloc
+  std::size_t high_water_chunks_ = 0;                         // the most chunks_in_use() after any malloc
+  std::size_t growth_credit_ = 0;                             // chunks reclaimed not yet grown (Note [Reuse before growth])
+  std::size_t slack_peak_chunks_ = 0;                         // the most slack_chunks() (Note [Slack reported apart])
   std::size_t cached_chunks_ = 0;                             // chunks in kCached ranges
   std::map<std::uintptr_t, Range> ranges_;                    // every mapped range, by address
   std::unordered_map<Stream, SizeSet> cached_;                // cached free ranges per stream: (nchunks, addr)

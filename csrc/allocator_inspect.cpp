@@ -79,6 +79,9 @@ std::vector<std::pair<std::string, std::int64_t>> Allocator::stats() const {
   stat("mapped_bytes", stats_.mapped_bytes);
   stat("segment", stats_.segment);
   stat("slab_bytes", stats_.slab_bytes);
+  // Note [Slack reported apart]
+  out.emplace_back("slack_bytes.all.current", static_cast<std::int64_t>(slack_chunks() * chunk_));
+  out.emplace_back("slack_bytes.all.peak", static_cast<std::int64_t>(slack_peak_chunks_ * chunk_));
   const auto mapped = stats_.mapped_bytes.current, active = stats_.active_bytes.current;
   out.emplace_back("inactive_split_bytes.all.current", mapped - active);
   out.emplace_back("cached_free_bytes", stats_.reserved_bytes.current - active);

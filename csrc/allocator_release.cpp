@@ -148,6 +148,7 @@ void Allocator::reset_peak_stats() {
                           &stats_.mapped_bytes, &stats_.segment, &stats_.slab_bytes, &stats_.active_bytes,
                           &stats_.active})
     s->reset_peak();
+  slack_peak_chunks_ = slack_chunks();
 }
 
 
