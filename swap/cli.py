@@ -46,7 +46,8 @@ OPTIMIZER_DEFAULT = "sgd (with momentum) for the built-in models, adamw for your
 DTYPES = ("float32", "bfloat16", "float16")
 EVERY = "every"  # --strategies every: each strategy (Note [Policy and strategy]); "all" names one of them
 SIZE_FLAGS = ("--budget", "--min-bytes")
-NOTHING_FITS = 1  # the exit status when no batch fits the budget (2: the command line is wrong)
+NOTHING_FITS = 1  # the exit status when no batch fits the budget, model state offloaded or not (2: the command
+# line is wrong)
 
 
 class SpecError(ValueError):
@@ -203,7 +204,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--plot-memory", default=None, help="write a PNG of one step's memory, unswapped and swapped")
     ap.add_argument("--host", default=None, help="also plan model state (parameters, gradients, optimizer state) "
                     f"under the budget at --at-batch, on this host profile ({', '.join(HOST_PROFILES)}, or a JSON "
-                    "file bench/host_profile.py wrote), beside other systems' offload schedules (simulated)")
+                    "file bench/host_profile.py wrote), beside other systems' offload schedules (simulated). "
+                    "Without it, where no batch fits, model-state offload is planned on a default host profile "
+                    "(named in the output)")
     ap.add_argument("--model-state", default=None, choices=MODES,
                     help="with --host: how to place model state (default auto)")
     ap.add_argument("--tf32", default="auto", choices=TF32_SETTINGS,
@@ -290,7 +293,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(result.table())
     if not _write(result, args):
         return 2
-    if result.fits_nothing:
+    if result.fits_nothing and not result.offload_fits:  # a plan with model state offloaded is a plan: exit 0
         print(f"swap.plan: {_nothing_fits(result, args)}", file=sys.stderr)
         return NOTHING_FITS
     return 0

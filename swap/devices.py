@@ -482,6 +482,13 @@ HOST_PROFILES = {
 }
 
 
+def default_host(dev: DeviceProfile) -> str:
+    """The host profile a device is planned with when none is named (``swap.plan`` without ``host``, where model
+    state resident on the device fits nothing): a server's for a device of more than 48 GiB (the data-centre
+    parts: A100, H100, H200), a desktop's for the rest (the GeForce cards, 24 GiB at most)."""
+    return "server-ddr5-8ch" if dev.memory > 48 << 30 else "desktop-ddr5-2ch"
+
+
 def read_host_profile(path: Union[str, Path]) -> HostProfile:
     """A host profile written by bench/host_profile.py (its ``profile`` object)."""
     import json

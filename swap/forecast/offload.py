@@ -66,7 +66,7 @@ from ..schedule.model_state_sim import ModelStatePrices
 from ..schedule.sequence import Sequence
 from ..schedule.weights import BucketUses, reserve
 from .from_trace import sequence_from_trace
-from .model_state import Layout, StateFormat, layout_from_trace, stateless_optimizer
+from .model_state import Layout, StateFormat, access_events, layout_from_trace, stateless_optimizer
 from .offload_report import OffloadForecast, OffloadResult
 from .ops_from_trace import table_from_trace
 from .pricing import event_seconds
@@ -276,6 +276,11 @@ def forecast_offload(
     for s in schedules:
         if s not in SCHEDULES:
             raise ValueError(f"unknown offload schedule {s!r}: choose among {', '.join(SCHEDULES)}")
+    if min_bytes and not access_events(trace, min_bytes=min_bytes):
+        # every saved tensor is below min_bytes (a small model at a small batch): none would move, but the buckets
+        # still need the steps that read them, so the sequence keeps them all
+        say(f"no saved tensor reaches min_bytes ({min_bytes} bytes): model state placed among all of them")
+        min_bytes = 0
     seq = sequence_from_trace(trace, cost=dev, min_bytes=min_bytes)
     layout = layout_from_trace(trace, model_fn, fmt, bucket_bytes, min_bytes=min_bytes)
     seq = replace(seq, nonswap=[max(0, a - b) for a, b in zip(seq.nonswap, layout.trace_bytes)])

@@ -6,6 +6,14 @@ batch whose plan fits: the scheduler must meet the budget and, with an allocator
 replay within the budget on that allocator (vmalloc's real core on its sim backend, or models of PyTorch's
 allocator); fragmentation lowers the budget the schedule is made for until it does
 (``swap.forecast.replay.fitting_budget``). Step times come from simulating the schedule on the device profile.
+
+Note [Model-state offload unasked]
+The question most asked of a planner ("will this model's full fine-tune fit that card?") is answered "no batch
+fits" when the model state alone outgrows the device, though offloading it to the host would fit. So when
+nothing fits and no ``host`` was named, ``swap.plan`` forecasts model-state offload anyway, at ``batch`` (or 1),
+on a named default host profile (``swap.devices.default_host``), and says so in a note: whether it fits, how
+fast (simulated), on which host, and how to choose another. The plan then has a way to train the model, and
+``python -m swap.plan`` exits 0.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from ..devices import (
     DeviceProfile,
     HostProfile,
     InterconnectProfile,
+    default_host,
     host_profile,
     read_measured,
     refuse_budget_above,
@@ -325,7 +334,7 @@ def plan(
     optimizer = with_parameters(optimizer)
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise ValueError(f"batch must be a positive int, not {batch!r}")
-    min_bytes_ = parse_size(min_bytes, "min_bytes", minimum=1) if min_bytes else 0
+    min_bytes_ = parse_size(min_bytes, "min_bytes", none="0, as SwapManager: every saved tensor may move") or 0
     label = name or getattr(model_fn, "__name__", "model")
     ranks = distributed.sharding(model_fn, world_size, shard, interconnect, dtype)
     host_ = _model_state_host(model_state, host, batch)
@@ -370,15 +379,35 @@ def plan(
         result.min_budget, result.min_budget_policy = _smallest_budget(ev, policies, say)
     if ranks is not None:
         result = distributed.with_collectives(result, traces.at, ranks, dev)
+    offload_batch = batch
+    if host_ is None and model_state is None and ranks is None and result.fits_nothing:
+        host_, offload_batch = host_profile(default_host(dev)), batch or 1  # Note [Model-state offload unasked]
+        say(f"nothing fits with model state on the device: model-state offload at batch {offload_batch} on host "
+            f"profile {default_host(dev)}")  # fmt: skip
     if host_ is not None:
-        assert batch is not None  # _model_state_host checked it
+        assert offload_batch is not None  # _model_state_host checked it
         result.model_state = forecast_model(
-            model_fn, batch_fn, loss_fn, batch=batch, budget=budget, dev=dev, host=host_, mode=model_state or "auto",
-            optimizer=optimizer, dtype=dtype, min_bytes=min_bytes_, target=target, name=label, say=say,
+            model_fn, batch_fn, loss_fn, batch=offload_batch, budget=budget, dev=dev, host=host_,
+            mode=model_state or "auto", optimizer=optimizer, dtype=dtype, min_bytes=min_bytes_, target=target,
+            name=label, say=say,
         )  # fmt: skip
+        if host is None and model_state is None:
+            result.notes.append(_offload_unasked(result.model_state, default_host(dev), offload_batch))
     result.seconds = time.perf_counter() - t0
     say(f"done in {result.seconds:.1f} s")
     return result
+
+
+def _offload_unasked(f: Any, host: str, batch: int) -> str:
+    """Note [Model-state offload unasked]: what the forecast with model state offloaded found, in words."""
+    ours = f.results["ours"]
+    where = (f"planned at batch {batch} on host profile {host} (the default for this device; host= or --host to "
+             f"choose another, --at-batch for another batch)")  # fmt: skip
+    if ours.fits:
+        return (f"no batch fits with model state (parameters, gradients, optimizer state) on the device, but batch "
+                f"{batch} fits with model state offloaded to the host: {ours.tokens_per_s:.0f} tokens/s "
+                f"(simulated), {where}")  # fmt: skip
+    return f"no batch fits with model state on the device, nor with it offloaded to the host ({ours.why}); {where}"
 
 
 def _smallest_budget(ev: _Evaluator, policies: tuple[str, ...], say: _Progress) -> tuple[Optional[int], str]:

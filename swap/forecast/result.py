@@ -99,6 +99,12 @@ class Plan:
         return bool(results) and not any(r.max_batch for r in results)
 
     @property
+    def offload_fits(self) -> bool:
+        """Model-state offload was forecast (``model_state``) and ours fits: a way to train when nothing else fits."""
+        ours = self.model_state.results.get("ours") if self.model_state is not None else None
+        return ours is not None and ours.fits
+
+    @property
     def allocator_name(self) -> str:
         return self.allocator or "the ideal allocator (no fragmentation)"
 
