@@ -24,17 +24,25 @@ ASAN_PKG := build/asan/pkg
 # Every install goes through the pins (Note [Pinned set-up] in constraints.txt).
 PIP_INSTALL = $(PY) -m pip install -q -c $(CURDIR)/constraints.txt
 
-.PHONY: setup demo demo-allocator test test-python test-sanitize lint bench-latency bench-plan bench-clock clean fakecuda \
+.PHONY: setup setup-test demo demo-allocator test test-python test-sanitize lint bench-latency bench-plan bench-clock clean fakecuda \
   package-check
 
-# The build requirements too (pyproject.toml), since the editable install builds without isolation; the CUDA
-# header wheel only where no cuda.h is found (a toolkit's, or a CUDA torch's wheels).
+# Note [A lean set-up]
+# `setup` installs what the packages and the demo need: torch, numpy, ninja and the build requirements
+# (pyproject.toml; the editable install builds without isolation), and the CUDA header wheel only where no
+# cuda.h is found (a toolkit's, or a CUDA torch's wheels). `setup-test` adds the test tools and the packages the
+# integration tests train with (pyproject.toml's `test` and `integrations` extras, listed here because the
+# editable install takes no dependencies): about 280 MiB that a user running the demo does not need
+# (docs/development.md says what each weighs and how that was measured).
 setup: $(VENV_PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP_INSTALL) $(TORCH)
-	$(PIP_INSTALL) "setuptools>=64" wheel pybind11 cmake ninja numpy pytest hypothesis matplotlib ruff
+	$(PIP_INSTALL) "setuptools>=64" wheel pybind11 cmake ninja numpy
 	@$(PY) vmalloc/cuda_paths.py cuda.h >/dev/null || $(PIP_INSTALL) "nvidia-cuda-runtime>=13,<14"
-	$(PIP_INSTALL) cuda-python transformers accelerate lightning diffusers
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+
+setup-test: setup
+	$(PIP_INSTALL) pytest hypothesis matplotlib ruff
+	$(PIP_INSTALL) cuda-python transformers accelerate lightning diffusers
 
 $(abspath $(VENV))/bin/python:
 	$(SYSTEM_PY) -m venv $$($(SYSTEM_PY) -c "import torch" 2>/dev/null && echo --system-site-packages) $(VENV)
@@ -49,7 +57,7 @@ demo: setup
 demo-allocator: setup
 	$(PY) examples/fragmentation_demo.py
 
-test: setup test-python test-sanitize
+test: setup-test test-python test-sanitize
 
 test-python: fakecuda
 	$(PY) -m pytest -q tests
@@ -101,11 +109,11 @@ bench-latency: setup
 	$(PY) -m bench.alloc_latency
 
 # The planner's predicted peaks against real CPU training of three third-party models (bench/results/plan_vs_reality.*).
-bench-plan: setup
+bench-plan: setup-test
 	$(PY) -m bench.plan_vs_reality
 
 # The planner's step times against measured ones on this machine's CPU, calibrated first (plan_vs_reality_time.*).
-bench-clock: setup
+bench-clock: setup-test
 	$(PY) -m bench.cpu_profile
 	$(PY) -m bench.plan_vs_reality_time
 
@@ -122,9 +130,24 @@ GPU_BENCH_PARTS ?= vmm pinned replay training
 GPU_LOGS := build/gpu-logs
 GPU_LOG_DIR = $(or $(GPU_OUT),$(GPU_LOGS))
 
-.PHONY: gpu gpu-quick gpu-check gpu-build gpu-test gpu-sanitize gpu-bench
-gpu-quick gpu-check gpu-build gpu-test gpu-sanitize gpu-bench: SHELL := /bin/bash
-gpu gpu-quick gpu-check gpu-build gpu-test gpu-sanitize gpu-bench: PY := $(GPU_PY)
+.PHONY: gpu gpu-quick gpu-check gpu-build gpu-test gpu-sanitize gpu-bench gpu-lease gpu-lease-smoke
+gpu-quick gpu-check gpu-build gpu-test gpu-sanitize gpu-bench gpu-lease gpu-lease-smoke: SHELL := /bin/bash
+gpu gpu-quick gpu-check gpu-build gpu-test gpu-sanitize gpu-bench gpu-lease gpu-lease-smoke: PY := $(GPU_PY)
+
+# The first and only command to give a newly lent GPU machine, before anything else (issue 38): at most 9.5
+# minutes on an H100 or H200, highest value first, each phase under its own time box, results written to GPU_OUT
+# after every phase (at most 8 files: lease.log, summary.md, lease.json, failures.xml, model_state_gpu.json,
+# alloc_ratio.json, results.tar.gz). Note [One lease, phase by phase] in bench/gpu/lease.py. Run it with the
+# device tool's timeout_s=570; `make gpu`, gpu-test and gpu-bench are for longer leases.
+gpu-lease:
+	@test -n "$(GPU_OUT)" || { echo "gpu-lease: give the folder that comes back: make gpu-lease GPU_OUT=DIR"; exit 2; }
+	PYTHONUNBUFFERED=1 $(PY) -m bench.gpu.lease --out $(GPU_OUT)
+
+# The same phases on tiny sizes on the CPU (no GPU): what needs CUDA runs its CPU stand-in or says "skipped: no
+# CUDA"; the time boxes, files and summary run for real (tests/gpu_lease/test_lease_smoke.py runs it in CI).
+gpu-lease-smoke:
+	@test -n "$(GPU_OUT)" || { echo "gpu-lease-smoke: give an output folder: make gpu-lease-smoke GPU_OUT=DIR"; exit 2; }
+	PYTHONUNBUFFERED=1 $(PY) -m bench.gpu.lease --smoke --out $(GPU_OUT)
 
 gpu: gpu-test gpu-bench
 

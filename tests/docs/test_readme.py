@@ -33,8 +33,8 @@ def test_readme_is_a_front_page():
 def test_readme_snippet_runs_as_written(index, tmp_path):
     code = blocks(README.read_text(), "python")[index]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    done = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
     said = f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert done.returncode == 0, f"README snippet {index + 1} failed:\n{code}\n{said}"
 
