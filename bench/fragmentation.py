@@ -79,6 +79,7 @@ def steady_vmm(trace: Trace, chunk: str | int = "2MiB") -> dict[str, Any]:
         "steady_vmm_seconds": seconds,
         "steady_mapped_chunks": c["num_mapped_chunks"],
         "steady_created_chunks": c["num_created_chunks"],
+        "peak_slack": c["peak_slack"],
     }
 
 
@@ -86,7 +87,8 @@ def steady_calls(trace: Trace, chunk: str | int = "2MiB", block: str | int = 0) 
     """vmalloc's driver calls and the chunks they moved in the last iteration (the steady state), with
     block_size ``block`` (0: the default). A run of a block's chunks maps with one call (Note [Blocks and
     slices] in csrc/allocator_blocks.cpp). Also ``held_after_empty_cache``: the free bytes empty_cache could
-    not give back at the end of the trace, because their block holds a chunk still in use."""
+    not give back at the end of the trace, because their block holds a chunk still in use; and ``peak_slack``:
+    the most bytes held beyond the most ever in use (the growth slack, Note [Slack reported apart])."""
     from swap.capture import ALLOC, FREE
 
     arena = vmalloc.Arena("sim", capacity=4 << 40, chunk_size=chunk, block_size=block)
@@ -105,6 +107,7 @@ def steady_calls(trace: Trace, chunk: str | int = "2MiB", block: str | int = 0) 
             arena.free(addr.pop(ids[k]))
     after = arena.stats()
     out = {key: after[key] - before[key] for key in keys}
+    out["peak_slack"] = after["slack_bytes.all.peak"]
     arena.empty_cache()
     out["held_after_empty_cache"] = arena.stats()["num_pool_chunks"] * arena.chunk_size
     return out
@@ -174,23 +177,27 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "Utilization = peak active / peak reserved (GMLake); efficiency = peak requested / peak reserved (counts "
         "rounding as waste); steady = allocated / reserved per iteration after the first, averaged (STAlloc). "
-        "Unlimited capacity; reserved and requested in GiB.",
+        "Unlimited capacity; reserved and requested in GiB. Slack: vmalloc's growth slack, the most GiB held beyond "
+        "the most ever in use (stats()['slack_bytes.all.peak'], Note [Slack reported apart]); reserved includes it. "
+        "The trade-off by growth_slack: bench/results/fragmentation_slack.md.",
         "",
         "Maps / unmaps: driver calls (cuMemMap / cuMemUnmap; one per run of a physical block's chunks, Note [Blocks "
         "and slices]) over the whole trace (all iterations); per steady iteration: in the last one, with the chunks "
         f"they mapped and their modelled host time (per-call costs of bench.vmm_costs, {VMM_DEVICE}).",
         "",
-        "| trace | requested | allocator | reserved | utilization | efficiency | steady | maps / unmaps "
+        "| trace | requested | allocator | reserved | slack | utilization | efficiency | steady | maps / unmaps "
         "| maps / unmaps per steady iteration (chunks mapped) | modelled ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["traces"]:
         name = f"{row['model']} b{row['batch']}" + (f" swap@{gib(row['budget'])}" if row["swapped"] else "")
         for a, m in row["allocators"].items():
             steady = (f"{m['steady_maps']} / {m['steady_unmaps']} ({m['steady_mapped_chunks']}) "
                       f"| {1e3 * m['steady_vmm_seconds']:.0f}" if "steady_maps" in m else "- | -")  # fmt: skip
+            slack = gib(m["peak_slack"]) if "peak_slack" in m else "-"
             lines.append(
-                f"| {name} | {gib(row['requested_peak'])} | {a} | {gib(m['peak_reserved'])} | {m['utilization']:.3f} "
+                f"| {name} | {gib(row['requested_peak'])} | {a} | {gib(m['peak_reserved'])} | {slack} "
+                f"| {m['utilization']:.3f} "
                 f"| {m['efficiency']:.3f} | {m['steady_utilization']:.3f} | {m['num_maps']} / {m['num_unmaps']} "
                 f"| {steady} |"
             )

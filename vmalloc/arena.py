@@ -31,7 +31,9 @@ class Arena(_C.Arena):
         growth_slack: on a cache miss under the capacity, new chunks are created rather than cached ones
             reclaimed while the chunks held stay within (1 + growth_slack) x the most chunks ever in use at
             once (default 0.125). Reclaiming costs unmap/map calls and a wait for the stream; the slack lets a
-            repeated training step settle with none. 0: reserved memory stays at the peak in use.
+            repeated training step settle with none. 0: reserved memory stays at the peak in use. The slack
+            held is reported apart, in ``stats()["slack_bytes.all.current"]`` and ``["slack_bytes.all.peak"]``
+            (bytes beyond the most ever in use; reserved bytes include them).
         devices: how many devices the host and sim backends present (``device`` must be below it); the
             cuda backend has the driver's devices.
         block_size: the largest physical block, one backend allocation of several chunks whose runs map with
