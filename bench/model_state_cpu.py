@@ -77,6 +77,17 @@ def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=3e-4, weight_decay=0.1)
 
 
+def fused_steps(opt: torch.optim.Optimizer) -> None:
+    """The plain reference steps with the kernel the manager's host step runs for torch's default AdamW, fused=True
+    (Note [The host kernel] in swap/runtime/model_state/host_optim.py); its param groups keep fused=None."""
+
+    def hook(value: Optional[bool]) -> Any:
+        return lambda o, args, kwargs: [g.update(fused=value) for g in o.param_groups]
+
+    opt.register_step_pre_hook(hook(True))
+    opt.register_step_post_hook(hook(None))
+
+
 def train(s: Setup, budget: Optional[int], meter: Optional[swap.LiveBytesMeter]) -> dict[str, Any]:
     """A fresh model trained ``s.steps`` optimizer steps, under the manager when ``budget`` is given."""
     gc.collect()
@@ -84,7 +95,9 @@ def train(s: Setup, budget: Optional[int], meter: Optional[swap.LiveBytesMeter])
     opt = optimizer(model)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9)
     sm = None
-    if budget is not None:
+    if budget is None:
+        fused_steps(opt)
+    else:
         sm = swap.SwapManager(budget=budget, device="cpu", model=model, optimizer=opt, model_state="offload",
                               bucket_bytes=s.bucket, min_bytes="64KiB")  # fmt: skip
     out: dict[str, Any] = {"losses": [], "norms": [], "peaks": [], "wall": [], "cpu": []}

@@ -8,15 +8,16 @@ host gradients this step has, and queues one host step per bucket, in the order 
 on the host worker; ``opt.step()`` then returns at once and steps only the parameters still on the device (the
 offloaded ones have ``p.grad = None``). The next use of a bucket waits for its update (*update-before-use*), as
 does anything that reads parameters in between (a state dict, ``sm.flush()``, the manager's exit), so the host
-step hides behind the next forward pass. It is exact: on CPU runs the host step is the very kernel plain training
-runs, so parameters and optimizer state are bitwise plain torch's.
+step hides behind the next forward pass. It is exact: on CPU runs parameters and optimizer state are bitwise plain
+torch's with the kernel the host runs (Note [The host kernel] in host_optim: the user's optimizer with fused=True,
+where the user left torch's default).
 
 Note [Shadow optimizer]
 The host step is an instance of the user's optimizer class over the host masters, with the user's param groups
 (those holding offloaded parameters) and their hyperparameters, copied from the user's groups at every step, so
-schedulers, ``add_param_group`` edits and implementation flags (foreach, fused, maximize, amsgrad) take effect.
-Host-only changes: ``capturable`` is off (the host runs no CUDA graph), and ``fused`` falls back to the default
-kernel where the host has no fused one (a note in the report says so). One bucket is stepped by pointing each
+schedulers, ``add_param_group`` edits and the user's flags (maximize, amsgrad, a kernel chosen by name) take
+effect. Host-only changes: ``capturable`` is off (the host runs no CUDA graph), and the kernel is torch's fused
+CPU one where the user left torch's default (Note [The host kernel]). One bucket is stepped by pointing each
 shadow group's ``params`` at the bucket's parameters in it for the call: the optimizer's state is keyed by
 parameter, so buckets can be re-packed at no cost, and one step never touches another bucket's state.
 """
@@ -29,6 +30,8 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+
+from . import host_optim
 
 # Optimizers whose step updates each parameter from its own gradient and state only (so a bucket can be stepped
 # alone) and that step without a closure; tested bitwise against plain torch.
@@ -65,11 +68,14 @@ def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 
 class HostStepper:
     """Host steps of ``user`` (the user's optimizer) over ``host_of`` (id(parameter) -> host master), on
-    ``worker``; ``grads`` is the gradient sink (swap.runtime.model_state.gradients)."""
+    ``worker``; ``grads`` is the gradient sink (swap.runtime.model_state.gradients); ``fast``: torch's fused kernel
+    where the user left torch's default (Note [The host kernel]; False: the user's kernel, as FSDP2's HostSteps
+    runs it)."""
 
     def __init__(self, user: torch.optim.Optimizer, host_of: dict[int, torch.Tensor], grads: Any,
-                 worker: ThreadPoolExecutor) -> None:  # fmt: skip
+                 worker: ThreadPoolExecutor, fast: bool = False) -> None:  # fmt: skip
         self.user = user
+        self.fast = fast
         self.host_of = host_of
         self.grads = grads
         self.worker = worker
@@ -80,6 +86,7 @@ class HostStepper:
         self.overrides: dict[str, Any] = {}  # host-only settings over the user's (Note [Shadow optimizer])
         self.notes: list[str] = []
         self.shadow = self._build()
+        host_optim.warn_slow(self.kernel)
 
     def _build(self) -> torch.optim.Optimizer:
         groups = []
@@ -90,14 +97,18 @@ class HostStepper:
                 self.shadow_group[g] = len(groups)
                 groups.append({**hyperparameters(group), "params": hosts})
         self.full = [list(g["params"]) for g in groups]
+        self.kernel = host_optim.choose(self.user, groups) if self.fast else host_optim.user_kernel(groups)
         try:
-            return type(self.user)(groups)
-        except (RuntimeError, ValueError) as e:  # a fused kernel the host does not have: the default one
-            if not any(g.get("fused") for g in groups):
+            shadow = type(self.user)([{**g, **self.kernel.overrides} for g in groups])
+        except (RuntimeError, ValueError) as e:  # a fused kernel the host does not have: the user's own
+            if not any(g.get("fused") for g in groups) and "fused" not in self.kernel.overrides:
                 raise
-            self.overrides["fused"] = None
-            self.notes.append(f"fused=True is not available for the host step ({e}); it runs the default kernel")
-            return type(self.user)([{**g, **self.overrides} for g in groups])
+            self.kernel = host_optim.fallback(self.user, groups, e)
+            shadow = type(self.user)([{**g, **self.kernel.overrides} for g in groups])
+        self.overrides.update(self.kernel.overrides)
+        if self.kernel.slow is not None:
+            self.notes.append(f"the host step runs the {self.kernel.name} kernel, because {self.kernel.slow}")
+        return shadow
 
     # -- queueing ---------------------------------------------------------------------------------------
     def queue(self, buckets: dict[int, list[torch.nn.Parameter]]) -> None:

@@ -23,6 +23,7 @@ from .buckets import collect_entries, specs
 from .gradients import GradSink
 from .guard import ParamGuard
 from .host_memory import predict, refuse_over
+from .host_optim import host_worker
 from .host_step import HostStepper, check_optimizer
 from .state_dicts import StateDictHooks, host_state_value
 from .storage import Copies, Masters
@@ -113,7 +114,7 @@ class ModelStateRuntime:
                  for n, limited in ((pred.masters, False), (pred.grads, False), (pred.staging, True))]  # fmt: skip
         self.pools = pools
         self.activation_bytes = activation_bytes
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="swap-host-step")
+        self.worker, self.host_threads = host_worker(self.device)  # Note [Host threads]
         entries, copies = self.entries, self.copies
         self.guard = ParamGuard({}, self._dropped, self._demand, self._wrote)
         self._own_work = own_work
@@ -125,7 +126,7 @@ class ModelStateRuntime:
         self.grads.allocate()
         host_of = {id(p): self.masters.host_param(e, p) for e in entries for _, p in e.params}
         self.host_of = host_of
-        self.stepper = HostStepper(self.optimizer, host_of, self.grads, self.worker)
+        self.stepper = HostStepper(self.optimizer, host_of, self.grads, self.worker, fast=True)
         self._absorb_optimizer_state()
         self.streamer = Streamer(entries, self.masters, self.bucket_bytes, self.stepper.wait, self.stepper.updated,
                                  fits, copies, backward_ended=self.grads.settle,
@@ -395,6 +396,8 @@ class ModelStateRuntime:
             "pinned_bytes": sum(p.pinned_bytes for p in self.pools),
             "state_bytes": state_bytes,
             "steps": [self._step_row(r) for r in self.records],
+            "host_kernel": stepper.kernel.name,  # Note [The host kernel]
+            "host_threads": self.host_threads,
             "notes": list(stepper.notes),
             **self._totals(self.activation_bytes),
         }

@@ -1,5 +1,6 @@
 """Train small models plainly and under a SwapManager with model state, recording what must match bitwise:
-losses, clip norms, the final parameters, gradients and optimizer state (as numpy copies, which no meter counts)."""
+losses, clip norms, the final parameters, gradients and optimizer state (as numpy copies, which no meter counts).
+Plain runs step with the kernel the host step runs (``host_kernel``), so that they are the managed runs' reference."""
 
 from __future__ import annotations
 
@@ -61,6 +62,25 @@ OPTIMIZERS: dict[str, Callable[[torch.nn.Module], torch.optim.Optimizer]] = {
 }
 
 
+def host_kernel(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``opt``, stepping with torch's fused CPU kernel where it leaves torch's default kernel (foreach= and fused=
+    unset), its param groups and so its state dicts keeping the user's flags: plain training with the kernel the
+    host step runs (Note [The host kernel] in swap/runtime/model_state/host_optim.py)."""
+    if any(g.get("foreach") is not None or g.get("fused") is not None for g in opt.param_groups):
+        return opt
+
+    def fused(value: Optional[bool]) -> Callable[..., None]:
+        def hook(o: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            for g in o.param_groups:
+                g["fused"] = value
+
+        return hook
+
+    opt.register_step_pre_hook(fused(True))
+    opt.register_step_post_hook(fused(None))
+    return opt
+
+
 def copy(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
     return None if t is None else t.detach().cpu().numpy().copy()
 
@@ -88,6 +108,8 @@ def train(build: Callable[[], torch.nn.Module] = gpt, optimizer: Any = "adamw", 
     torch.manual_seed(0)
     model = build()
     opt = OPTIMIZERS[optimizer](model) if isinstance(optimizer, str) else optimizer(model)
+    if manager is None:
+        host_kernel(opt)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7)
     losses, norms, peaks = [], [], []
     sm = manager(model, opt) if manager is not None else None

@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from ms_training import batch, gpt, loss_of
+from ms_training import batch, gpt, host_kernel, loss_of
 
 import swap
 from swap.runtime.model_state.host_memory import HostMemoryError
@@ -110,6 +110,8 @@ def test_gradients_made_before_entering_join_the_step():
         torch.manual_seed(0)
         m = gpt()
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        if not use_manager:
+            host_kernel(opt)  # the host step's kernel (Note [The host kernel])
         x, y = batch(m, 0)
         loss_of(m, x, y).backward()
         if use_manager:

@@ -4,7 +4,8 @@ resident ones handed to the user's optimizer when the plan is applied (Note [Cha
 
 import functools
 
-from ms_training import assert_bitwise, train
+import torch
+from ms_training import assert_bitwise, groups, train
 
 import swap
 from swap.schedule.model_state import ModelStatePlan, Placement, UpdateSite
@@ -30,9 +31,15 @@ def propose_after_first_step(step, model, opt, sched, holder):
         ms.propose(mixed(len(ms.streamer.buckets)))
 
 
+def fused(model):
+    """AdamW with fused=True, so that the resident buckets (the user's optimizer) and the host (Note [The host
+    kernel]) step with the same kernel, as plain training with it does."""
+    return torch.optim.AdamW(groups(model), lr=3e-3, weight_decay=0.1, fused=True)
+
+
 @functools.cache
 def plain():
-    return train(steps=4)
+    return train(optimizer=fused, steps=4)
 
 
 def test_mixed_placements_are_bitwise_plain_torch():
@@ -42,7 +49,8 @@ def test_mixed_placements_are_bitwise_plain_torch():
         holder["sm"] = manager(model, opt)
         return holder["sm"]
 
-    got = train(steps=4, manager=make, step_hook=lambda *a: propose_after_first_step(*a, holder))
+    got = train(optimizer=fused, steps=4, manager=make,
+                step_hook=lambda *a: propose_after_first_step(*a, holder))  # fmt: skip
     assert_bitwise(plain(), got)
     ms = got["manager"].report()["model_state"]
     n = ms["buckets"]
@@ -78,8 +86,8 @@ def test_resident_buckets_are_stepped_by_the_users_optimizer_on_the_device():
 def test_auto_makes_buckets_resident_where_the_budget_leaves_room():
     """model_state="auto": every bucket starts streamed; once the activations are planned (here: the run fits,
     the manager declines to swap them) the room left makes them resident, and the run stays bitwise."""
-    got = train(steps=4, manager=lambda m, o: swap.SwapManager(budget="1GiB", device="cpu", policy="window", model=m,
-                                                                optimizer=o, bucket_bytes="64KiB"))  # fmt: skip
+    got = train(optimizer=fused, steps=4, manager=lambda m, o: swap.SwapManager(
+        budget="1GiB", device="cpu", policy="window", model=m, optimizer=o, bucket_bytes="64KiB"))  # fmt: skip
     assert_bitwise(plain(), got)
     report = got["manager"].report()
     ms = report["model_state"]
