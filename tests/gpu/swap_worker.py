@@ -4,10 +4,13 @@ JSON line (gradient digests, peaks by the allocator's own statistics and by the 
 memory after each iteration). tests/gpu/test_swap_cuda.py drives it.
 
     python swap_worker.py {vmalloc,vmalloc_pool,native} [--model resnet|gpt] [--policy window|...]
-        [--iterations N]
+        [--iterations N] [--lag] [--out FILE]
 
 vmalloc: vmalloc is torch's allocator (global mode); vmalloc_pool: torch's allocator with every allocation of
-both runs in a vmalloc pool (vmalloc.use_mem_pool); native: torch's allocator alone.
+both runs in a vmalloc pool (vmalloc.use_mem_pool); native: torch's allocator alone. --lag delays every copy
+of the swap engine (Note [Late copies] in bench/gpu/lag.py) and collects garbage between iterations (a variable
+dropped without its fence: ../shared/notes/model-state-review.md row 20), so the results must stay bitwise with
+copies late; --out also writes the JSON line's object to FILE.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def train(
     manager: Optional[Any] = None,
     poller: Optional[Any] = None,
     reserved: Optional[Callable[[], int]] = None,
+    collect: bool = False,
 ) -> dict[str, Any]:
     """Trains ``name``; ``reserved()`` (the allocator's reserved bytes) is read after each iteration."""
     import contextlib
@@ -68,6 +72,10 @@ def train(
             digests.append(d.hexdigest())
             opt.step()
             del loss, x, y
+            if collect:
+                import gc
+
+                gc.collect()
             if reserved is not None:
                 torch.cuda.synchronize()
                 held.append(reserved())
@@ -86,6 +94,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--model", choices=sorted(MODELS), default="resnet")
     p.add_argument("--policy", default="window")
     p.add_argument("--iterations", type=int, default=4)
+    p.add_argument("--lag", action="store_true", help="every copy of the swap engine late (bench/gpu/lag.py)")
+    p.add_argument("--out", type=Path, help="also write the result to this file")
     args = p.parse_args(argv)
 
     import contextlib
@@ -108,7 +118,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
-    out: dict[str, Any] = {"allocator": args.allocator, "model": args.model, "policy": args.policy}
+    out: dict[str, Any] = {"allocator": args.allocator, "model": args.model, "policy": args.policy, "lag": "off"}
+    if args.lag:
+        from bench.gpu import lag
+
+        lag.install()
+        out["lag"] = f"{lag.DEFAULT_CYCLES} cycles before every copy, gc.collect() after every iteration"
     scope: Any = contextlib.nullcontext()
     if args.allocator == "vmalloc":
         # The budget comes from this process's own no-swap run (the allocator is process-wide).
@@ -119,6 +134,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     with scope:
         run(args, out)
     print("RESULT " + json.dumps(out))
+    if args.out is not None:
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 
@@ -157,7 +174,8 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         poller = UsedMemoryPoller(0, held=reserved)
         sm = swap.SwapManager(budget=budget, policy=args.policy, min_bytes="256KiB")
         try:
-            swapped = train(args.model, args.iterations, manager=sm, poller=poller, reserved=reserved)
+            swapped = train(args.model, args.iterations, manager=sm, poller=poller, reserved=reserved,
+                            collect=args.lag)
             break
         except swap.InfeasibleBudget as e:
             if attempt:

@@ -1,0 +1,384 @@
+"""``make gpu-lease GPU_OUT=DIR``: the one command to give a lent GPU machine, at most 9.5 minutes on an H100 or
+H200, highest value first.
+
+    python -m bench.gpu.lease --out DIR [--seconds 555] [--smoke] [--work build/lease] [--list]
+
+Note [One lease, phase by phase]
+A GPU machine is lent for 15 minutes of device time in all, start-up included, one command of at most 10
+minutes (/work/.library/device/README.md), and what the command leaves in its output folder comes back even
+when it is cut. So the lease runs its phases in order of value, each in a process group of its own under
+coreutils ``timeout`` (its box, or what is left of the whole run, whichever is less: a phase that hangs costs
+its box, not the lease), and after every phase it writes what it has to DIR: the summary, the phases' JSON
+and a tarball of the rest. A phase marked "running" in the summary is the one the command was cut in.
+DIR holds at most 8 files, none in a folder (the device tool returns 8 files, two folders deep): lease.log
+(every phase's output), summary.md, lease.json (the phases: status, seconds, box, figure), failures.xml
+(JUnit), model_state_gpu.json, alloc_ratio.json and results.tar.gz (the work folder: the other phases' JSON
+and logs, quick.json, the adapter's build log).
+
+Phases, in the issue's order (issue 38): the core built, then the torch adapter in the background while model
+state runs; model state on CUDA (bench/gpu/model_state_gpu.py); orderings under late copies, model state and
+activations (bench/gpu/lag.py); the six failures of bench/results/gpu/NVIDIA_H200/FAILURES.md and the two
+vmalloc-vs-native agreement tests; the allocators side by side (bench/gpu/alloc_ratio.py); the rest of
+gpu-quick. ``--smoke`` (``make gpu-lease-smoke``) runs every phase on tiny sizes on the CPU: phases that need
+CUDA run their CPU stand-in or say "skipped: no CUDA", and the plumbing (time boxes, files, JSON, summary) runs
+for real; tests/gpu_lease/test_lease_smoke.py runs it in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from bench.gpu import common
+
+PY = sys.executable
+MAX_FILES = 8
+RESERVE = 15  # seconds kept at the end for the summary and the tarball
+FAILURE_TESTS = [  # bench/results/gpu/NVIDIA_H200/FAILURES.md (G1 x3, G1's second cause, G2, G3), then the agreements
+    "tests/gpu/test_swap_cuda.py::test_swapped_gradients_are_bitwise_equal_and_within_budget[vmalloc-resnet]",
+    "tests/gpu/test_swap_cuda.py::test_swapped_gradients_are_bitwise_equal_and_within_budget[vmalloc-gpt]",
+    "tests/gpu/test_swap_cuda.py::test_swapped_gradients_are_bitwise_equal_and_within_budget[vmalloc_pool-resnet]",
+    "tests/gpu/test_swap_cuda.py::test_swapped_gradients_are_bitwise_equal_and_within_budget[native-resnet]",
+    "tests/gpu/test_swap_cuda.py::test_reserved_memory_stays_flat_over_planned_iterations[vmalloc]",
+    "tests/gpu/test_torch_allocator.py::test_global_mode_parity_with_torchs_memory_api",
+    "tests/gpu/test_swap_cuda.py::test_vmalloc_and_native_runs_agree[resnet]",
+    "tests/gpu/test_swap_cuda.py::test_vmalloc_and_native_runs_agree[gpt]",
+]
+QUICK_REST = ["rebuilds", "host_waits", "profiled_time", "region_events", "vmalloc_calls", "copy_bandwidth"]
+NO_CUDA = "skipped: no CUDA"
+STATUSES = ("passed", "failed", "timed out", "running", NO_CUDA, "skipped: no time", "skipped: build failed")
+
+
+@dataclass
+class Phase:
+    """A phase: ``argv(ctx)`` is its command on a GPU, ``smoke(ctx)`` its CPU stand-in (None: skipped there);
+    ``judge(ctx, rc)`` reads what it wrote into (status, figure)."""
+
+    name: str
+    what: str
+    box: int
+    argv: Callable[[Lease], list[str]]
+    smoke: Optional[Callable[[Lease], list[str]]] = None
+    judge: Optional[Callable[[Lease, int], tuple[str, str]]] = None
+    outputs: list[str] = field(default_factory=list)  # work-folder files copied to DIR after the phase
+
+
+def _json(path: Path) -> Optional[dict[str, Any]]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def status_of(rc: int) -> str:
+    return "passed" if rc == 0 else "timed out" if rc in (124, 137, -9) else "failed"
+
+
+def judge_json(name: str) -> Callable[[Lease, int], tuple[str, str]]:
+    """A phase whose JSON (``name`` in the work folder) carries its figure, and ``ok`` where it has one."""
+
+    def judge(lease: Lease, rc: int) -> tuple[str, str]:
+        data = _json(lease.work / name)
+        if data is None:
+            return status_of(rc), f"no {name} (exit {rc})"
+        status = status_of(rc)
+        if status == "passed" and data.get("ok") is False:
+            status = "failed"
+        return status, str(data.get("figure", ""))
+
+    return judge
+
+
+def judge_junit(lease: Lease, rc: int) -> tuple[str, str]:
+    xml = lease.out / "failures.xml"
+    try:
+        suite = ET.parse(xml).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    except (OSError, ET.ParseError, AttributeError):
+        return status_of(rc), f"no JUnit XML (exit {rc})"
+    passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
+    figure = f"{passed} of {n['tests']} passed, {n['failures'] + n['errors']} failed, {n['skipped']} skipped"
+    if n["tests"] and n["skipped"] == n["tests"] and not lease.cuda:
+        return NO_CUDA, figure + " (tests/gpu skips every test without a device)"
+    return ("passed" if rc == 0 and passed == n["tests"] else status_of(rc) if rc else "failed"), figure
+
+
+def judge_swap_lag(lease: Lease, rc: int) -> tuple[str, str]:
+    r = _json(lease.work / "swap_lag.json")
+    if r is None or "swapped" not in r:
+        return status_of(rc), f"no result (exit {rc})"
+    same = r["swapped"]["grad_sha256"] == r["base"]["grad_sha256"] and r["swapped"]["losses"] == r["base"]["losses"]
+    rep = r.get("report", {})
+    figure = (f"activations swapped under late copies ({r.get('lag')}): bitwise {same}, swapped "
+              f"{(rep.get('swapped_out_bytes') or 0) / 2**20:.0f} MiB, peak {rep.get('peak_device_bytes')} of "
+              f"budget {r.get('budget')}")  # fmt: skip
+    return ("passed" if rc == 0 and same else "failed"), figure
+
+
+def judge_adapter(lease: Lease, rc: int) -> tuple[str, str]:
+    log = lease.work / "adapter.log"
+    text = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+    last = next((ln for ln in reversed(text) if ln.strip() and "RuntimeWarning" not in ln), "no output")[:300]
+    if rc != 0 and not lease.cuda:
+        return NO_CUDA, last
+    return status_of(rc), last
+
+
+def judge_quick(lease: Lease, rc: int) -> tuple[str, str]:
+    data = _json(lease.work / "quick" / "quick.json")
+    if data is None:
+        return status_of(rc), f"no quick.json (exit {rc})"
+    checks = data.get("checks", [])
+    failed = [c["name"] for c in checks if c["status"] != "PASS"]
+    return status_of(rc), f"{data.get('passed')} of {len(checks)} passed" + (f"; failed: {', '.join(failed)}"
+                                                                             if failed else "")  # fmt: skip
+
+
+def judge_env(lease: Lease, rc: int) -> tuple[str, str]:
+    env = lease.environment
+    return status_of(rc), f"{env.get('device')}, torch {env.get('torch')} (CUDA {env.get('torch_cuda')}), " \
+                          f"{os.cpu_count()} CPUs"
+
+
+def ms_args(lease: Lease, *extra: str) -> list[str]:
+    return [PY, "-m", "bench.gpu.model_state_gpu", "--out", str(lease.work), *extra]
+
+
+PHASES = [
+    Phase("env", "the machine: device, driver, CPUs, torch", 15,
+          lambda c: ["bash", "-c", "nvidia-smi -L; nvidia-smi --query-gpu=driver_version --format=csv,noheader; "
+                     "nproc; free -g | head -2; " + f"{PY} -c 'import torch; print(torch.__version__, "
+                     "torch.version.cuda)'"],
+          lambda c: [PY, "-c", "import os, platform; print(platform.platform(), os.cpu_count(), 'CPUs, no GPU')"],
+          judge_env),
+    # The smoke run does not rebuild the core (set-up built it; a rebuild from scratch takes minutes on two
+    # cores): it checks that the core set-up built serves an allocation.
+    Phase("build", "the core built in place; the torch adapter then builds in the background", 90,
+          lambda c: [PY, "setup.py", "-q", "build_ext", "--inplace"],
+          lambda c: [PY, "-c", "import vmalloc; a = vmalloc.Arena('host', capacity=1 << 24); a.free(a.malloc(4096)); "
+                     "print('the core as set-up built it (not rebuilt in the smoke run):', vmalloc.__file__)"]),
+    Phase("model_state", "model state on CUDA: Llama ~1B, budget 4 GiB < weights + AdamW state; bitwise against "
+          "the CPU-optimizer oracle; tok/s against plain and a CPU-offload-optimizer baseline", 150,
+          lambda c: ms_args(c, "--size", "1b"),
+          lambda c: ms_args(c, "--size", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1"),
+          judge_json("model_state_gpu.json"), ["model_state_gpu.json"]),
+    Phase("orderings_model_state", "model state under late copies (200M, sleep kernels on the copy streams): "
+          "bitwise against the oracle", 60,
+          lambda c: ms_args(c, "--size", "200m", "--lag", "--runs", "ours", "reference", "--steps", "3",
+                            "--warmup", "1", "--name", "model_state_lag"),
+          None, judge_json("model_state_lag.json")),
+    Phase("orderings_activations", "activations swapped under late copies (tests/gpu/swap_worker.py --lag, "
+          "ResNet, window): bitwise against unswapped", 45,
+          lambda c: [PY, "tests/gpu/swap_worker.py", "native", "--model", "resnet", "--lag", "--out",
+                     str(c.work / "swap_lag.json")],
+          None, judge_swap_lag),
+    Phase("adapter", "the torch adapter's background build, joined", 150, lambda c: [], lambda c: [],
+          judge_adapter),
+    Phase("failures", "the six failures of FAILURES.md and the two vmalloc-vs-native agreement tests", 120,
+          lambda c: [PY, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", f"--junitxml={c.out / 'failures.xml'}",
+                     *FAILURE_TESTS],
+          lambda c: [PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                     f"--junitxml={c.out / 'failures.xml'}", *FAILURE_TESTS],
+          judge_junit),
+    Phase("alloc", "allocators side by side: native, expandable, vmalloc, vmalloc MemPool, native again; "
+          "GPT-2 b4 and ResNet-50 b96, 10 + 20 iterations", 110,
+          lambda c: [PY, "-m", "bench.gpu.alloc_ratio", "--out", str(c.work), "--seconds", str(c.box_left - 5)],
+          lambda c: [PY, "-m", "bench.gpu.alloc_ratio", "--out", str(c.work), "--device", "cpu", "--warmup", "1",
+                     "--timed", "2", "--allocators", "native", "vmalloc", "--seconds", str(c.box_left - 5)],
+          judge_json("alloc_ratio.json"), ["alloc_ratio.json"]),
+    Phase("quick", "the rest of gpu-quick: " + ", ".join(QUICK_REST), 60,
+          lambda c: [PY, "-m", "bench.gpu.quick", "--out", str(c.work / "quick"), "--seconds", str(c.box_left - 5),
+                     "--only", *QUICK_REST],
+          None, judge_quick),
+]  # fmt: skip
+
+
+class Lease:
+    def __init__(self, out: Path, work: Path, seconds: float, smoke: bool, phases: list[Phase]) -> None:
+        self.out, self.work, self.smoke, self.phases = out, work, smoke, phases
+        self.cuda = not smoke
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + seconds
+        self.seconds = seconds
+        self.box_left = 0
+        self.rows: list[dict[str, Any]] = []
+        self.adapter: Optional[subprocess.Popen] = None
+        self.adapter_started = 0.0
+        self.environment: dict[str, Any] = common.environment()
+        out.mkdir(parents=True, exist_ok=True)
+        if work.exists():
+            shutil.rmtree(work)
+        work.mkdir(parents=True)
+        self.log_path = out / "lease.log"
+
+    def say(self, line: str) -> None:
+        stamp = f"[{time.monotonic() - self.t0:6.1f}s] "
+        print(stamp + line, flush=True)
+        with open(self.log_path, "a") as f:
+            f.write(stamp + line + "\n")
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic() - RESERVE
+
+    # -- running one phase ---------------------------------------------------------------------------------
+    def run(self, phase: Phase) -> dict[str, Any]:
+        row: dict[str, Any] = {"name": phase.name, "what": phase.what, "box_seconds": phase.box, "status": "running",
+                               "seconds": 0.0, "figure": "", "rc": None}  # fmt: skip
+        self.rows.append(row)
+        argv_of = phase.smoke if self.smoke else phase.argv
+        if argv_of is None:
+            row.update(status=NO_CUDA, figure="needs CUDA; no CPU stand-in")
+            self.say(f"--- {phase.name}: {NO_CUDA}")
+            return row
+        allowed = int(min(phase.box, self.left()))
+        if allowed < 10:
+            row.update(status="skipped: no time", figure=f"{max(0, allowed)} s left of the whole run")
+            self.say(f"--- {phase.name}: skipped: no time")
+            return row
+        self.box_left = allowed
+        row["box_seconds"] = allowed
+        self.flush()  # the summary says which phase runs, should the command be cut here
+        self.say(f"=== {phase.name} (box {allowed} s): {phase.what}")
+        t0 = time.monotonic()
+        if phase.name == "adapter":
+            rc = self.join_adapter(allowed)
+        else:
+            rc = self.spawn(argv_of(self), allowed)
+        row["seconds"] = round(time.monotonic() - t0, 1)
+        row["rc"] = rc
+        status, figure = (phase.judge or (lambda c, r: (status_of(r), "")))(self, rc)
+        if status == "timed out":
+            figure = f"timed out after its {allowed} s box; " + figure
+        row.update(status=status, figure=figure)
+        for name in phase.outputs:
+            if (self.work / name).exists():
+                shutil.copy(self.work / name, self.out / name)
+        self.say(f"=== {phase.name}: {status} in {row['seconds']:.0f} s: {figure}")
+        if phase.name == "build":
+            self.start_adapter()
+        return row
+
+    def spawn(self, argv: list[str], seconds: int, log: Optional[Path] = None) -> int:
+        """Runs ``argv`` under ``timeout`` in a process group of its own, its output appended to the log."""
+        cmd = ["timeout", "-k", "5", str(seconds), *argv] if shutil.which("timeout") else argv
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
+            [str(common.ROOT), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+        with open(log or self.log_path, "a") as f:
+            p = subprocess.Popen(cmd, cwd=common.ROOT, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=True)  # fmt: skip
+            try:
+                return p.wait(timeout=seconds + 15)
+            except subprocess.TimeoutExpired:  # timeout itself stuck: the whole group goes
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+                return 137
+
+    def start_adapter(self) -> None:
+        """The torch adapter's build, in the background while the next phases run (its own log)."""
+        cmd = ["timeout", "-k", "5", "150", PY, "-m", "vmalloc.torch_adapter"]
+        self.adapter_log = open(self.work / "adapter.log", "w")
+        self.adapter = subprocess.Popen(cmd, cwd=common.ROOT, stdout=self.adapter_log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)  # fmt: skip
+        self.adapter_started = time.monotonic()
+        self.say("--- adapter: building in the background (python -m vmalloc.torch_adapter, log in adapter.log)")
+
+    def join_adapter(self, seconds: int) -> int:
+        if self.adapter is None:
+            return 1
+        try:
+            rc = self.adapter.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.adapter.pid, signal.SIGKILL)
+            rc = self.adapter.wait()
+        self.adapter_log.close()
+        with open(self.log_path, "a") as f:
+            f.write((self.work / "adapter.log").read_text(errors="replace"))
+        return rc
+
+    # -- writing what it has -------------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        return {"mode": "smoke (CPU, tiny sizes)" if self.smoke else "gpu", "seconds_allowed": self.seconds,
+                "seconds_used": round(time.monotonic() - self.t0, 1), "environment": self.environment,
+                "phases": self.rows, "statuses": list(STATUSES)}  # fmt: skip
+
+    def flush(self) -> None:
+        """lease.json, summary.md and the tarball, rewritten: whatever was reached comes back."""
+        data = self.summary()
+        (self.out / "lease.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+        (self.out / "summary.md").write_text(markdown(data) + "\n")
+        with tarfile.open(self.out / "results.tar.gz.part", "w:gz") as tar:
+            tar.add(self.work, arcname="lease")
+            device_results = common.RESULTS / common.slug(self.environment.get("device", "unknown"))
+            if self.cuda and device_results.is_dir():
+                tar.add(device_results, arcname=f"results/{device_results.name}")
+        os.replace(self.out / "results.tar.gz.part", self.out / "results.tar.gz")
+
+    def main(self) -> int:
+        self.say(f"gpu-lease{' (smoke)' if self.smoke else ''}: {len(self.phases)} phases within "
+                 f"{self.seconds:.0f} s; results in {self.out}")  # fmt: skip
+        for phase in self.phases:
+            self.run(phase)
+            self.flush()
+        if self.adapter is not None and self.adapter.poll() is None:
+            os.killpg(self.adapter.pid, signal.SIGKILL)
+            self.adapter.wait()
+        self.flush()
+        bad = [r["name"] for r in self.rows if r["status"] in ("failed", "timed out")]
+        self.say(f"gpu-lease: done in {time.monotonic() - self.t0:.0f} s; " +
+                 (f"failed or timed out: {', '.join(bad)}" if bad else "no phase failed") + f"; see {self.out}")
+        return 1 if bad else 0
+
+
+def markdown(data: dict[str, Any]) -> str:
+    env = data["environment"] or {}
+    lines = [f"# gpu-lease: {data['mode']}", "",
+             f"{env.get('device', '?')}, torch {env.get('torch', '?')} (CUDA {env.get('torch_cuda')}), commit "
+             f"{env.get('git_commit')}; {data['seconds_used']:.0f} of {data['seconds_allowed']:.0f} s", "",
+             "| phase | status | seconds | box | figure |", "|---|---|---|---|---|"]  # fmt: skip
+    for r in data["phases"]:
+        figure = str(r["figure"]).replace("|", "/").replace("\n", " ")
+        lines.append(f"| {r['name']} | {r['status']} | {r['seconds']:.0f} | {r['box_seconds']} | {figure} |")
+    lines += ["", "Each phase's output is in lease.log; the work folder (JSON, logs) is results.tar.gz."]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, help="the folder that comes back (GPU_OUT; default $GPU_OUT)")
+    p.add_argument("--work", type=Path, help="the work folder (default build/lease, build/lease-smoke)")
+    p.add_argument("--seconds", type=float, default=555, help="the whole run (default 555: 9.25 minutes)")
+    p.add_argument("--smoke", action="store_true", help="every phase on tiny sizes on the CPU")
+    p.add_argument("--only", nargs="+", metavar="PHASE", help="run only these phases")
+    p.add_argument("--list", action="store_true", help="list the phases and stop")
+    args = p.parse_args(argv)
+    if args.list:
+        for ph in PHASES:
+            print(f"{ph.name:24} {ph.box:4d} s  {ph.what}")
+        return 0
+    out = args.out or (Path(os.environ["GPU_OUT"]) if os.environ.get("GPU_OUT") else None)
+    if out is None:
+        p.error("give the output folder: --out DIR (make gpu-lease GPU_OUT=DIR)")
+    unknown = set(args.only or []) - {ph.name for ph in PHASES}
+    if unknown:
+        p.error(f"no phase named {', '.join(sorted(unknown))}: --list names them")
+    if not args.smoke:
+        common.require_gpu()
+    work = args.work or common.ROOT / "build" / ("lease-smoke" if args.smoke else "lease")
+    phases = [ph for ph in PHASES if not args.only or ph.name in args.only]
+    return Lease(out.resolve(), work.resolve(), args.seconds, args.smoke, phases).main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

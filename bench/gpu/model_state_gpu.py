@@ -1,0 +1,455 @@
+"""Model state on CUDA: a Llama-shaped model trained with ``SwapManager(model=, optimizer=)`` under a budget below
+its weights + AdamW state, bitwise against an oracle, and its speed against plain GPU training and a
+CPU-offload-optimizer baseline.
+
+    python -m bench.gpu.model_state_gpu [--size 1b|200m|tiny] [--device cuda|cpu] [--budget 4GiB] [--lag]
+        [--allocator native|vmalloc] [--runs plain ours reference auto cpu_offload] [--out DIR] [--name NAME]
+
+Runs, each from the same seeded weights, the same batches and the same loop (``ACCUM`` micro-batches a step,
+AdamW with two param groups):
+- ``plain``: everything on the device, the user's AdamW there; unbounded. The throughput ceiling.
+- ``ours``: ``model_state="offload"``: every bucket streamed, the host steps it.
+- ``reference``: the oracle. The same forward and backward on the device, then the gradients copied to the host
+  and torch's AdamW run over host copies of the parameters with the kernel the runtime's host step reported
+  (Note [The host kernel]), and the parameters copied back. ``ours`` must equal it bitwise: every loss, the
+  final parameters and the final AdamW state. Its speed is the naive offload's.
+- ``auto``: ``model_state="auto"`` (some buckets may stay resident and step on the device: not bitwise; the
+  largest loss difference against the reference is given).
+- ``cpu_offload``: torchao's ``CPUOffloadOptimizer`` schedule, written here (bench/gpu/cpu_offload.py): the
+  parameters resident, each gradient copied to pinned host memory as it is accumulated, fused AdamW on the host
+  per parameter and each parameter copied back. Unbounded; its peak is given.
+
+Note [Model state dtype]
+The issue asks for bf16 compute with fp32 masters and state on the host. The runtime has no compute dtype
+(the host master *is* the parameter, in its own dtype: ../shared/notes/model-state-review.md row 4), so the
+model is built in bf16 and its AdamW state is bf16 too; ``compute_dtype`` in the results says which ran. If
+``SwapManager`` grows a ``compute_dtype``, ``--fp32-masters`` passes it (the oracle then keeps fp32 masters).
+
+Deterministic kernels, strictly (Note [Deterministic kernels, strictly] in tests/gpu/swap_worker.py), so that
+the oracle and ours can be compared bit for bit. Results are written to DIR/NAME.json after every run, so a run
+cut short keeps what it measured. ``--lag`` delays every copy of the swap engine (Note [Late copies],
+bench/gpu/lag.py); on the CPU (``--device cpu``, the lease's smoke mode) there are no copy streams to delay,
+and the results say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from bench.gpu import common
+
+GiB = 1 << 30
+# layers, d_model, heads, kv heads, d_ff, vocab; seq, micro-batches a step, default budget
+SIZES: dict[str, dict[str, Any]] = {
+    "1b": {"shape": (22, 2048, 32, 4, 5632, 32000), "seq": 2048, "accum": 4, "budget": 4 * GiB},
+    "200m": {"shape": (12, 1024, 16, 4, 2816, 32000), "seq": 2048, "accum": 2, "budget": 1 * GiB},
+    "tiny": {"shape": (2, 64, 4, 2, 128, 256), "seq": 32, "accum": 2, "budget": None},
+}
+RUNS = ["plain", "ours", "reference", "auto", "cpu_offload"]
+LR, WD = 1e-4, 0.1
+
+
+class Config:
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        s = SIZES[args.size]
+        self.size, self.shape, self.seq, self.accum = args.size, s["shape"], s["seq"], args.accum or s["accum"]
+        self.device = torch.device(args.device)
+        self.cuda = self.device.type == "cuda"
+        self.steps, self.warmup = args.steps, args.warmup
+        self.budget_arg, self.default_budget = args.budget, s["budget"]
+        self.lag, self.allocator, self.fp32_masters = args.lag, args.allocator, args.fp32_masters
+        self.bucket = "64KiB" if args.size == "tiny" else "32MiB"
+        self.min_bytes = "16KiB" if args.size == "tiny" else "1MiB"
+        self.dtype = torch.float32 if self.fp32_masters else torch.bfloat16
+
+    def build(self) -> Any:
+        import torch
+
+        from swap.forecast import zoo
+
+        torch.manual_seed(0)
+        with torch.device(self.device):
+            model = zoo.llama(*self.shape)
+        return model.to(self.dtype)
+
+    def batch(self, step: int, micro: int) -> tuple[Any, Any]:
+        import torch
+
+        g = torch.Generator().manual_seed(1000 * step + micro)
+        t = torch.randint(0, self.shape[5], (1, self.seq + 1), generator=g)
+        return t[:, :-1].to(self.device), t[:, 1:].to(self.device)
+
+    def tokens_per_step(self) -> int:
+        return self.seq * self.accum
+
+
+def adamw(params: list[Any], **kw: Any) -> Any:
+    """AdamW with two param groups (no weight decay on norms), as fine-tuning loops make it."""
+    import torch
+
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=LR, weight_decay=WD, **kw)
+
+
+def digest(tensors: list[Any]) -> str:
+    d = hashlib.sha256()
+    for t in tensors:
+        d.update(t.detach().cpu().contiguous().reshape(-1).view(__import__("torch").uint8).numpy().tobytes())
+    return d.hexdigest()
+
+
+def state_tensors(opt: Any) -> list[Any]:
+    """AdamW's moments in parameter order (the step counts aside: their type depends on the kernel)."""
+    sd = opt.state_dict()["state"]
+    return [sd[i][k] for i in sorted(sd) for k in ("exp_avg", "exp_avg_sq") if k in sd[i]]
+
+
+class Timer:
+    """Per micro-batch: main-thread CPU seconds and device seconds (CUDA events; the host clock on the CPU)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda, self.cpu, self.gpu, self._pending = cuda, [], [], []
+
+    def __call__(self, fn: Callable[[], Any]) -> Any:
+        import torch
+
+        c0 = time.thread_time()
+        if self.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = fn()
+            b.record()
+            self._pending.append((a, b))
+        else:
+            t0 = time.perf_counter()
+            out = fn()
+            self.gpu.append(time.perf_counter() - t0)
+        self.cpu.append(time.thread_time() - c0)
+        return out
+
+    def settle(self) -> None:
+        for a, b in self._pending:
+            self.gpu.append(a.elapsed_time(b) / 1e3)
+        self._pending = []
+
+
+def sync(cfg: Config) -> None:
+    import torch
+
+    if cfg.cuda:
+        torch.cuda.synchronize()
+
+
+def train(cfg: Config, model: Any, opt: Any, step_fn: Callable[[], None], manager: Any = None,
+          after_backward: Callable[[], None] = lambda: None) -> dict[str, Any]:  # fmt: skip
+    """The loop every run shares: ``cfg.steps`` steps of ``cfg.accum`` micro-batches, ``step_fn()`` for the
+    optimizer step. Returns losses (repr), step seconds, per micro-batch timings."""
+    import contextlib
+
+    import torch
+    import torch.nn.functional as F
+
+    losses, seconds, timer = [], [], Timer(cfg.cuda)
+    peak = None
+    with contextlib.ExitStack() as stack:
+        t_start = time.perf_counter()
+        if manager is not None:
+            stack.enter_context(manager)
+        start_seconds = time.perf_counter() - t_start
+        for step in range(cfg.steps):
+            if cfg.cuda and step == cfg.warmup and manager is None:
+                torch.cuda.reset_peak_memory_stats()
+            sync(cfg)
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            step_losses = []
+            for micro in range(cfg.accum):
+                x, y = cfg.batch(step, micro)
+
+                def micro_batch(x: Any = x, y: Any = y) -> Any:
+                    logits = model(x)
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                    (loss / cfg.accum).backward()
+                    return loss.detach()
+
+                step_losses.append(timer(micro_batch))
+            after_backward()
+            step_fn()
+            sync(cfg)
+            seconds.append(time.perf_counter() - t0)
+            timer.settle()
+            losses += [repr(v) for v in torch.stack(step_losses).float().tolist()]
+        if cfg.cuda and manager is None:
+            peak = torch.cuda.max_memory_allocated()
+    timed = seconds[cfg.warmup:] or seconds
+    median = statistics.median(timed)
+    return {"losses": losses, "step_seconds": seconds, "tokens_per_second": cfg.tokens_per_step() / median,
+            "median_step_seconds": median, "start_seconds": start_seconds,
+            "cpu_seconds_per_micro_batch": statistics.median(timer.cpu[cfg.warmup * cfg.accum:] or timer.cpu),
+            "device_seconds_per_micro_batch": statistics.median(timer.gpu[cfg.warmup * cfg.accum:] or timer.gpu),
+            "peak_allocated_bytes": peak}  # fmt: skip
+
+
+def finish(out: dict[str, Any], model: Any, opt: Any) -> dict[str, Any]:
+    out["params_sha256"] = digest(list(model.parameters()))
+    out["state_sha256"] = digest(state_tensors(opt))
+    return out
+
+
+# -- the runs -------------------------------------------------------------------------------------------------
+def run_plain(cfg: Config, found: dict[str, Any]) -> dict[str, Any]:
+    model = cfg.build()
+    opt = adamw(list(model.parameters()))
+    return finish(train(cfg, model, opt, opt.step), model, opt)
+
+
+def manager(cfg: Config, model: Any, opt: Any, mode: str, budget: int) -> Any:
+    import swap
+
+    kw: dict[str, Any] = {}
+    if cfg.fp32_masters:
+        kw["compute_dtype"] = __import__("torch").bfloat16
+    return swap.SwapManager(budget=budget, device=cfg.device, model=model, optimizer=opt, model_state=mode,
+                            bucket_bytes=cfg.bucket, min_bytes=cfg.min_bytes, **kw)  # fmt: skip
+
+
+def budget_of(cfg: Config, model: Any) -> int:
+    """The budget: given, or the size's, or (tiny) 80 % of weights + AdamW state."""
+    from swap.units import parse_size
+
+    if cfg.budget_arg:
+        return int(parse_size(cfg.budget_arg, "--budget"))
+    if cfg.default_budget:
+        return cfg.default_budget
+    return int(0.8 * 3 * sum(p.numel() * p.element_size() for p in model.parameters()))
+
+
+def run_managed(cfg: Config, found: dict[str, Any], mode: str) -> dict[str, Any]:
+    import swap
+
+    model = cfg.build()
+    budget = budget_of(cfg, model)
+    out: dict[str, Any] = {"budget_bytes": budget}
+    for attempt in range(2):
+        model = cfg.build() if attempt else model
+        opt = adamw(list(model.parameters()))
+        sm = manager(cfg, model, opt, mode, budget)
+        try:
+            out.update(train(cfg, model, opt, opt.step, sm))
+            break
+        except swap.InfeasibleBudget as e:
+            if attempt:
+                raise
+            out["infeasible_at"] = budget
+            budget = out["budget_bytes"] = int(1.05 * e.min_budget)
+    rep = sm.report()
+    ms = dict(rep.get("model_state") or {})
+    ms.pop("bucket_specs", None)
+    out["report"] = {k: rep.get(k) for k in ("status", "peak_device_bytes", "planned_peak_bytes", "budget_bytes",
+                                             "swapped_out_bytes", "demand_fetches", "stall_seconds", "replans")}
+    out["model_state"] = ms
+    out["within_budget"] = rep.get("peak_device_bytes") is not None and rep["peak_device_bytes"] <= budget
+    out["weights_and_adamw_state_bytes"] = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+    out["pinned_bytes"], out["pinned_bytes_predicted"] = ms.get("pinned_bytes"), ms.get("pinned_bytes_predicted")
+    out["bytes_per_kind"] = {k: ms.get(k) for k in ("weights_in_bytes", "weights_out_bytes", "grads_out_bytes",
+                                                     "state_in_bytes", "activations_in_bytes",
+                                                     "activations_out_bytes")}  # fmt: skip
+    out["host_kernel"] = ms.get("host_kernel")
+    return finish(out, model, opt)
+
+
+def host_kernel_flags(kernel: Optional[str]) -> dict[str, Any]:
+    """torch's AdamW flags for the kernel the runtime's host step named (Note [The host kernel])."""
+    return {"fused": {"fused": True}, "foreach": {"foreach": True}}.get(kernel or "for-loop", {"foreach": False})
+
+
+def run_reference(cfg: Config, found: dict[str, Any]) -> dict[str, Any]:
+    """The oracle: device forward and backward; torch's AdamW over host copies; parameters copied back."""
+    import torch
+
+    model = cfg.build()
+    params = list(model.parameters())
+    master_dtype = torch.float32 if cfg.fp32_masters else None
+    masters = [p.detach().to("cpu", dtype=master_dtype or p.dtype, copy=True) for p in params]
+    kernel = (found.get("ours") or {}).get("host_kernel")
+    host_opt = adamw(masters, **host_kernel_flags(kernel))
+
+    def step() -> None:
+        for p, m in zip(params, masters):
+            m.grad = p.grad.to("cpu", dtype=m.dtype, copy=True)
+            p.grad = None  # the loop's zero_grad clears the host optimizer's gradients, not the model's
+        host_opt.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+
+    out = train(cfg, model, host_opt, step)
+    out["host_kernel"] = kernel or "for-loop"
+    out["params_sha256"] = digest(params)
+    out["state_sha256"] = digest(state_tensors(host_opt))
+    return out
+
+
+def run_cpu_offload(cfg: Config, found: dict[str, Any]) -> dict[str, Any]:
+    from bench.gpu.cpu_offload import CPUOffloadAdamW
+
+    model = cfg.build()
+    opt = CPUOffloadAdamW(model, adamw)
+    try:
+        out = train(cfg, model, opt, opt.step)
+    finally:
+        opt.close()
+    out["params_sha256"] = digest(list(model.parameters()))
+    out["state_sha256"] = digest(state_tensors(opt))
+    return out
+
+
+RUNNERS: dict[str, Callable[[Config, dict[str, Any]], dict[str, Any]]] = {
+    "plain": run_plain, "ours": lambda c, f: run_managed(c, f, "offload"), "reference": run_reference,
+    "auto": lambda c, f: run_managed(c, f, "auto"), "cpu_offload": run_cpu_offload,
+}  # fmt: skip
+
+
+def compare(found: dict[str, Any]) -> dict[str, Any]:
+    """Bitwise checks and ratios from the runs found so far."""
+    out: dict[str, Any] = {}
+    ref, ours = found.get("reference"), found.get("ours")
+    if ref and ours and "losses" in ref and "losses" in ours:
+        out["ours_vs_reference_bitwise"] = {k: ref[k] == ours[k] for k in ("losses", "params_sha256", "state_sha256")}
+    if ref and found.get("plain") and "losses" in found["plain"]:
+        n = found["plain"]["losses"][:1]
+        out["determinism_precheck_step0_loss_equal"] = n == ref["losses"][:1]
+    if ref and found.get("cpu_offload") and "losses" in found["cpu_offload"]:
+        co = found["cpu_offload"]
+        out["cpu_offload_vs_reference_bitwise"] = {k: ref[k] == co[k] for k in ("losses", "params_sha256")}
+    if ref and found.get("auto") and "losses" in found["auto"]:
+        out["auto_max_abs_loss_difference"] = max(abs(float(a) - float(b)) for a, b in
+                                                  zip(ref["losses"], found["auto"]["losses"]))  # fmt: skip
+    rate = {k: v["tokens_per_second"] for k, v in found.items() if isinstance(v, dict) and "tokens_per_second" in v}
+    for k in ("plain", "cpu_offload", "reference"):
+        if k in rate:
+            out[f"tokens_per_second_vs_{k}"] = {n: r / rate[k] for n, r in rate.items() if n != k}
+    return out
+
+
+def verdict(result: dict[str, Any]) -> tuple[bool, str]:
+    """One line for the lease's summary, and whether the run passed (ours bitwise, within the budget)."""
+    found, cmp = result["runs"], result["compare"]
+    bits = cmp.get("ours_vs_reference_bitwise")
+    ours = found.get("ours", {})
+    parts = []
+    if bits is not None:
+        parts.append("ours bitwise vs oracle: " + ("yes" if all(bits.values()) else
+                                                    "NO (" + ", ".join(k for k, v in bits.items() if not v) + ")"))
+    if "tokens_per_second" in ours:
+        parts.append(f"ours {ours['tokens_per_second']:.0f} tok/s")
+    for k in ("plain", "cpu_offload"):
+        r = cmp.get(f"tokens_per_second_vs_{k}", {}).get("ours")
+        if r is not None:
+            parts.append(f"{r:.2f}x {k}")
+    if "within_budget" in ours:
+        parts.append(f"within budget: {ours['within_budget']}")
+    errors = [f"{k}: {v['error']}" for k, v in found.items() if isinstance(v, dict) and "error" in v]
+    parts += errors
+    ok = bool(bits) and all(bits.values()) and bool(ours.get("within_budget")) and not errors
+    return ok, "; ".join(parts) or "no run finished"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=sorted(SIZES), default="1b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--budget", help="the manager's budget (default: the size's; tiny: 80%% of weights + state)")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--accum", type=int, help="micro-batches a step (default: the size's)")
+    p.add_argument("--runs", nargs="+", default=RUNS, choices=RUNS)
+    p.add_argument("--lag", action="store_true", help="delay every copy of the swap engine (CUDA only)")
+    p.add_argument("--allocator", choices=["native", "vmalloc"], default="native")
+    p.add_argument("--fp32-masters", action="store_true", help="fp32 model, bf16 compute_dtype (if the runtime has it)")
+    p.add_argument("--out", type=Path, default=Path("build/lease"))
+    p.add_argument("--name", default="model_state_gpu")
+    args = p.parse_args(argv)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    import torch
+
+    import swap
+
+    if args.device.startswith("cuda"):
+        common.require_gpu()
+    if args.fp32_masters and "compute_dtype" not in inspect.signature(swap.SwapManager).parameters:
+        p.error("--fp32-masters needs SwapManager(compute_dtype=), which this runtime does not have")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    cfg = Config(args)
+    notes = []
+    if cfg.cuda and args.allocator == "vmalloc":
+        import vmalloc
+
+        torch.cuda.memory.change_current_allocator(vmalloc.allocator())
+    lag = "off"
+    if args.lag:
+        if cfg.cuda:
+            from bench.gpu import lag as lagging
+
+            lagging.install()
+            lag = f"{lagging.DEFAULT_CYCLES} cycles before every copy"
+        else:
+            lag = "skipped: no CUDA (the CPU engine has no copy streams to delay)"
+    has_compute_dtype = "compute_dtype" in inspect.signature(swap.SwapManager).parameters
+    compute = ("bf16 compute, fp32 masters and state (compute_dtype)" if cfg.fp32_masters else
+               "bf16 parameters, bf16 AdamW state: " + ("--fp32-masters not asked" if has_compute_dtype else
+                                                         "the runtime has no compute_dtype (Note [Model state dtype])"))
+    result: dict[str, Any] = {
+        "environment": common.environment(), "size": cfg.size, "shape": dict(zip(
+            ("layers", "d_model", "heads", "kv_heads", "d_ff", "vocab"), cfg.shape)),
+        "seq": cfg.seq, "micro_batches": cfg.accum, "steps": cfg.steps, "warmup": cfg.warmup,
+        "device": str(cfg.device), "allocator": args.allocator, "lag": lag, "compute_dtype": compute,
+        "runs": {}, "compare": {}, "notes": notes,
+    }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{args.name}.json"
+    order = [r for r in RUNS if r in args.runs]
+    if "reference" in order and "ours" in order:  # the oracle takes the host kernel ours reported
+        order.remove("reference")
+        order.insert(order.index("ours") + 1, "reference")
+    for name in order:
+        print(f"model_state_gpu: {name} ...", flush=True)
+        t0 = time.perf_counter()
+        try:
+            row = RUNNERS[name](cfg, result["runs"])
+        except Exception as e:  # noqa: BLE001 - one run failing must not lose the others
+            import traceback
+
+            traceback.print_exc()
+            row = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        row["wall_seconds"] = round(time.perf_counter() - t0, 2)
+        result["runs"][name] = row
+        result["compare"] = compare(result["runs"])
+        result["ok"], result["figure"] = verdict(result)
+        path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        shown = row.get("error") or f"{row.get('tokens_per_second', 0):.0f} tok/s"
+        print(f"model_state_gpu: {name}: {shown} ({row['wall_seconds']:.0f} s)", flush=True)
+        import gc
+
+        gc.collect()
+        if cfg.cuda:
+            torch.cuda.empty_cache()
+    print(f"model_state_gpu: {'PASS' if result['ok'] else 'FAIL'}: {result['figure']}; wrote {path}", flush=True)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

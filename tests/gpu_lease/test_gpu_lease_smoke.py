@@ -1,0 +1,94 @@
+"""``make gpu-lease-smoke``: the lease's every phase on tiny sizes on the CPU, its plumbing for real, so the script is
+known to work before it costs device time. The output contract the device tool needs: at most 8 files, none
+deeper than two folders, every JSON parses, the summary lists every phase with a status from the known set; and
+the CPU stand-ins that can pass do (model state bitwise against its oracle, the allocators' native runs)."""
+
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from bench.gpu import lease
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_out")
+    work = tmp_path_factory.mktemp("work")
+    r = subprocess.run([sys.executable, "-m", "bench.gpu.lease", "--smoke", "--out", str(out), "--work", str(work)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)  # fmt: skip
+    return out, r
+
+
+def test_the_output_folder_keeps_to_what_the_device_tool_returns(smoke):
+    out, r = smoke
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= lease.MAX_FILES, files
+    assert all(len(p.relative_to(out).parts) <= 3 for p in files)  # $OUT/a/b/file at most
+    names = {p.name for p in files}
+    assert {"lease.log", "summary.md", "lease.json", "failures.xml", "model_state_gpu.json", "alloc_ratio.json",
+            "results.tar.gz"} <= names, names  # fmt: skip
+    for p in files:
+        if p.suffix == ".json":
+            json.loads(p.read_text())
+    with tarfile.open(out / "results.tar.gz") as tar:
+        assert "lease/model_state_gpu.json" in tar.getnames()
+
+
+def test_the_summary_lists_every_phase_with_its_status(smoke):
+    out, r = smoke
+    data = json.loads((out / "lease.json").read_text())
+    rows = {row["name"]: row for row in data["phases"]}
+    assert list(rows) == [ph.name for ph in lease.PHASES], r.stdout[-3000:]
+    assert all(row["status"] in lease.STATUSES for row in rows.values())
+    md = (out / "summary.md").read_text()
+    for name, row in rows.items():
+        assert f"| {name} | {row['status']} |" in md
+    # what needs CUDA says so; what has a CPU stand-in ran it and passed
+    for name in ("orderings_model_state", "orderings_activations", "quick", "adapter", "failures"):
+        assert rows[name]["status"] == lease.NO_CUDA, rows[name]
+    for name in ("env", "build", "model_state", "alloc"):
+        assert rows[name]["status"] == "passed", (rows[name], r.stdout[-3000:])
+    assert all(0 < row["box_seconds"] <= 150 for row in rows.values())
+    assert data["seconds_used"] < data["seconds_allowed"]
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_model_state_and_allocator_results_carry_their_figures(smoke):
+    out, _ = smoke
+    ms = json.loads((out / "model_state_gpu.json").read_text())
+    assert set(ms["runs"]) == {"plain", "ours", "reference", "auto", "cpu_offload"}
+    assert ms["compare"]["ours_vs_reference_bitwise"] == {"losses": True, "params_sha256": True, "state_sha256": True}
+    assert ms["runs"]["ours"]["within_budget"] and ms["ok"]
+    assert "compute_dtype" in ms and ms["runs"]["ours"]["bytes_per_kind"]["weights_in_bytes"] > 0
+    ar = json.loads((out / "alloc_ratio.json").read_text())
+    natives = [row for row in ar["rows"] if row["allocator"] == "native"]
+    assert natives and all(row["throughput"] > 0 and row["alloc_free_ns"]["4KiB"] > 0 for row in natives)
+    assert all(row["status"] == "skipped: no CUDA" for row in ar["rows"] if row["allocator"] != "native")
+    assert "| failures | skipped: no CUDA |" in (out / "summary.md").read_text()
+
+
+def test_a_phase_past_its_box_is_stopped_and_the_rest_still_run(tmp_path):
+    hang = lease.Phase("hangs", "a phase that outlives its box", 10, lambda c: [sys.executable, "-c",
+                       "import time; time.sleep(60)"], lambda c: [sys.executable, "-c", "import time; time.sleep(60)"])
+    after = lease.Phase("after", "a phase after it", 10, lambda c: [sys.executable, "-c", "print('ran')"],
+                        lambda c: [sys.executable, "-c", "print('ran')"])  # fmt: skip
+    run = lease.Lease(tmp_path / "out", tmp_path / "work", 120, True, [hang, after])
+    assert run.main() == 1
+    rows = json.loads((tmp_path / "out" / "lease.json").read_text())["phases"]
+    assert [r["status"] for r in rows] == ["timed out", "passed"]
+    assert rows[0]["seconds"] < 30 and rows[0]["figure"].startswith("timed out after its 10 s box")
+
+
+def test_phases_that_find_no_time_left_say_so(tmp_path):
+    quick = lease.Phase("quick", "q", 60, lambda c: [sys.executable, "-c", "pass"], lambda c: [sys.executable, "-c",
+                        "pass"])  # fmt: skip
+    run = lease.Lease(tmp_path / "out", tmp_path / "work", lease.RESERVE + 5, True, [quick])
+    run.main()
+    row = json.loads((tmp_path / "out" / "lease.json").read_text())["phases"][0]
+    assert row["status"] == "skipped: no time"
