@@ -389,8 +389,12 @@ def _rewrite(seq: Sequence, table: OpTable, calls: list[_Call]) -> tuple[Sequenc
         first_at[i] = min(first_at[i], first_at[i + 1])
     for i in range(1, n + 1):
         last_at[i] = max(last_at[i], last_at[i - 1])
-    # Renumber: first-save order, as the runtime numbers variables.
+    # Renumber: first-save order, as the runtime numbers variables; clean variables (buckets of weights, at home on
+    # the host: Note [Clean variables] in swap.schedule.sequence) are never saved, and the runtime numbers them
+    # first, at the iteration's start.
     new_id: dict[int, int] = {}
+    for v in sorted({e.var for e in entries if e.var >= 0 and seq.clean[e.var]}):
+        new_id[v] = len(new_id)
     for e in entries:
         if e.kind == SAVE and e.var not in new_id:
             new_id[e.var] = len(new_id)
@@ -431,6 +435,7 @@ def _rewrite(seq: Sequence, table: OpTable, calls: list[_Call]) -> tuple[Sequenc
         [new_id[e.var] for e in entries], [e.kind for e in entries], new_sizes, [e.nonswap for e in entries],
         [e.compute for e in entries], swappable, held_until, freed=freed, modules=modules,
         transient=[e.transient for e in entries], kept=[e.kept for e in entries], base=seq.base, node_last=node_last,
+        clean=[old >= 0 and seq.clean[old] for old in new_id],
     )  # fmt: skip
     return out, {old: new for old, new in new_id.items() if old >= 0}, holds
 

@@ -81,6 +81,9 @@ class Executor:
         self.kept = KeptTensors(self._acct)  # profiling: saved tensors kept on the device (min_bytes, exclude)
         self.clean: dict[int, CleanVariable] = {}  # bucket -> its variable (Note [Clean variables at run time])
         self.clean_mover: Optional[CleanMover] = None  # whose buckets are this iteration's first variables
+        # Told before a use of clean weights begins an iteration (a saved tensor's beginning is told by the
+        # saved-tensor hooks): the operator profiler cuts its iterations there (Note [Operator profiler]).
+        self.on_boundary: Optional[Callable[[], None]] = None
         self._span: Optional[tuple[int, CleanVariable]] = None  # the forward weight use whose module runs
         self._backward_done = True  # so the first saved tensor starts iteration 1
         self._in_backward = False
@@ -211,6 +214,8 @@ class Executor:
             if running:
                 self._queue_end_of_backward()
             elif self.between_iterations:
+                if self.on_boundary is not None:
+                    self.on_boundary()
                 self._begin_iteration(nbytes, ("clean", (nbytes,)))
             if self.lifecycle.mode == DECLINED:
                 return False

@@ -111,7 +111,7 @@ class OpProfiler(TorchDispatchMode):
         self._log: list[_Raw] = []
         self._calls: list[_RawCall] = []
         self._open: list[_RawCall] = []
-        self._handles: list[Any] = []
+        self._handles: dict[str, list[Any]] = {}  # candidate path -> its pre- and post-hook handles
         if roofline is None and device.type == "cuda":
             roofline = with_tf32(cuda_profile(torch.cuda.get_device_name(device)), "auto")
         self.roofline = roofline
@@ -196,12 +196,27 @@ class OpProfiler(TorchDispatchMode):
                 self._sharded[path] = sharded_inside(m)
                 # Note [Hooks and torch.compile] (swap.runtime.signals): dynamo must run the hooks, not trace them.
                 pre, post = torch._dynamo.disable(self._pre(path)), torch._dynamo.disable(self._post(path))
-                self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-                self._handles.append(m.register_forward_hook(post, always_call=True))
+                self._handles[path] = [m.register_forward_pre_hook(pre, with_kwargs=True),
+                                       m.register_forward_hook(post, always_call=True)]  # fmt: skip
+
+    # Note [Hooks removed only outside their dispatch]
+    # torch's ``Module._call_impl`` iterates a snapshot of a module's hooks but looks up "with_kwargs" in the live
+    # dict for each one. Profiling can end inside a module's pre-hooks (model state: the streamer's pre-hook begins
+    # the iteration that judges the last profiled one), and removing the profiler's hooks there made torch call
+    # the rest of the snapshot without ``kwargs``. So ``stop`` never touches a hook dict: it disables the hooks
+    # (``active``), and each one removes its module's pair the next time it runs, from inside its own call, where
+    # its own lookup is already done; those of modules that never run again go with ``forget_modules`` (the
+    # manager's exit, outside any forward).
+    def _retire(self, path: str) -> None:
+        for h in self._handles.pop(path, ()):
+            h.remove()
 
     def _pre(self, path: str) -> Callable:
         def pre(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            if not self.active or self.ex.in_backward:
+            if not self.active:
+                self._retire(path)  # Note [Hooks removed only outside their dispatch]
+                return
+            if self.ex.in_backward:
                 return
             leaves, _ = tree_flatten((args, kwargs))
             inputs = [(self._sid(t), t.untyped_storage().nbytes()) for t in leaves
@@ -219,6 +234,9 @@ class OpProfiler(TorchDispatchMode):
 
     def _post(self, path: str) -> Callable:
         def post(module: torch.nn.Module, args: tuple, kwargs: Any, *rest: Any) -> None:
+            if not self.active:
+                self._retire(path)
+                return
             if not self._open or self._open[-1].path != path:
                 return
             call = self._open.pop()
@@ -281,15 +299,16 @@ class OpProfiler(TorchDispatchMode):
         return OpTable(ops, table_calls)
 
     def stop(self) -> None:
-        """Profiling is over: record nothing more and drop the module hooks."""
+        """Profiling is over: record nothing more; the module hooks go as they next run (Note [Hooks removed only
+        outside their dispatch])."""
         self.active = False
-        for h in self._handles:
-            h.remove()
-        self._handles = []
         self._log, self._calls, self._open = [], [], []
 
     def forget_modules(self) -> None:
-        """Drops every reference to the model's modules (the paths stay, for the report)."""
+        """Drops every reference to the model's modules and the hooks left on them (the paths stay, for the
+        report). Call it outside any module's forward."""
+        for path in list(self._handles):
+            self._retire(path)
         self.modules = dict.fromkeys(self.modules)  # type: ignore[assignment]
         self.roots = []
         self.paths = ModulePaths()

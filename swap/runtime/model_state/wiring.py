@@ -27,6 +27,12 @@ def attach(ms: ModelStateRuntime, executor: Executor, engine: Any, hooks: SavedT
     streamer.step_hook = lambda bucket, nbytes, module: executor.use_clean(bucket, nbytes, streamer, module)
     executor.clean_mover = streamer
 
+    def boundary() -> None:  # an iteration begun by a bucket's use is one the saved-tensor hooks never see begin
+        if hooks.listener is not None:
+            hooks.listener.boundary()
+
+    executor.on_boundary = boundary
+
 
 def fits(executor: Executor, memory: DeviceMemory, budget: int) -> Callable[[int], bool]:
     """Whether ``nbytes`` more on the device now keeps ``budget``, with room for the most a step of the last
