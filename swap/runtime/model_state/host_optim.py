@@ -19,7 +19,8 @@ runs, keeps running Python. The budget: on a device, every core this process may
 thread that launches device work); on CPU runs, the cores the main thread's intra-op threads leave, at least one.
 torch keeps an intra-op thread count per thread (OpenMP's) but also one process-wide value that threads not yet
 initialised copy on their first parallel call: the worker sets its own after initialising, and the main thread,
-initialised first, puts the process-wide value back.
+initialised first, puts the process-wide value back. A torch built with its own thread pool instead of OpenMP
+has one count for every thread: there the worker runs on it as it is.
 """
 
 from __future__ import annotations
@@ -116,6 +117,8 @@ def _init_worker(threads: int) -> None:
 def host_worker(device: torch.device) -> tuple[ThreadPoolExecutor, int]:
     """The host step's worker thread with its threads (Note [Host threads]), and their number."""
     main = torch.get_num_threads()  # also initialises this thread's own count, before the worker changes torch's
+    if "OpenMP" not in torch.__config__.parallel_info():  # one count for all threads: leave it as it is
+        return ThreadPoolExecutor(1, thread_name_prefix="swap-host-step"), main
     threads = host_threads(device, compute=main)
     worker = ThreadPoolExecutor(1, thread_name_prefix="swap-host-step", initializer=_init_worker,
                                 initargs=(threads,))  # fmt: skip
