@@ -217,7 +217,8 @@ def figure(result: dict[str, Any]) -> str:
     return "; ".join(parts + errors) or "no process finished"
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (the lease checks its own commands against it on the CPU)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["gpt2", "resnet50"], choices=sorted(BATCH))
     p.add_argument("--allocators", nargs="+", default=ALLOCATORS, choices=sorted(set(ALLOCATORS)))
@@ -227,6 +228,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--seconds", type=float, default=300, help="time for all the processes")
     p.add_argument("--out", type=Path, default=Path("build/lease"))
     p.add_argument("--child", nargs=2, metavar=("MODEL", "ALLOCATOR"), help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.child:
         row = child(args.child[0], args.child[1], args.warmup, args.timed, args.device)

@@ -258,6 +258,8 @@ class Lease:
             rc = self.spawn(argv_of(self), allowed)
         row["seconds"] = round(time.monotonic() - t0, 1)
         row["rc"] = rc
+        if self.adapter is not None and phase.name != "adapter" and self.adapter.poll() is None:
+            row["adapter_building"] = True  # its compile shared the CPUs with this phase: timings may suffer
         status, figure = (phase.judge or (lambda c, r: (status_of(r), "")))(self, rc)
         if status == "timed out":
             figure = f"timed out after its {allowed} s box; " + figure
@@ -349,6 +351,8 @@ def markdown(data: dict[str, Any]) -> str:
              "| phase | status | seconds | box | figure |", "|---|---|---|---|---|"]  # fmt: skip
     for r in data["phases"]:
         figure = str(r["figure"]).replace("|", "/").replace("\n", " ")
+        if r.get("adapter_building"):
+            figure += " (the adapter was still compiling in the background)"
         lines.append(f"| {r['name']} | {r['status']} | {r['seconds']:.0f} | {r['box_seconds']} | {figure} |")
     lines += ["", "Each phase's output is in lease.log; the work folder (JSON, logs) is results.tar.gz."]
     return "\n".join(lines)

@@ -267,6 +267,10 @@ def run_managed(cfg: Config, found: dict[str, Any], mode: str) -> dict[str, Any]
                                                      "state_in_bytes", "activations_in_bytes",
                                                      "activations_out_bytes")}  # fmt: skip
     out["host_kernel"] = ms.get("host_kernel")
+    seconds, exposed = ms.get("host_step_seconds"), ms.get("host_step_exposed_seconds")
+    if seconds is not None and exposed is not None:
+        out["host_step"] = {"seconds": seconds, "exposed_seconds": exposed,
+                            "hidden_seconds": max(0.0, seconds - exposed)}  # fmt: skip
     return finish(out, model, opt)
 
 
@@ -361,13 +365,18 @@ def verdict(result: dict[str, Any]) -> tuple[bool, str]:
             parts.append(f"{r:.2f}x {k}")
     if "within_budget" in ours:
         parts.append(f"within budget: {ours['within_budget']}")
+    if "host_step" in ours:
+        parts.append(f"host step {ours['host_step']['seconds']:.2f} s ({ours['host_step']['exposed_seconds']:.2f} s "
+                     "exposed)")
+    parts.append(result["compute_dtype"])
     errors = [f"{k}: {v['error']}" for k, v in found.items() if isinstance(v, dict) and "error" in v]
     parts += errors
     ok = bool(bits) and all(bits.values()) and bool(ours.get("within_budget")) and not errors
     return ok, "; ".join(parts) or "no run finished"
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (the lease checks its own commands against it on the CPU)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(SIZES), default="1b")
     p.add_argument("--device", default="cuda")
@@ -381,6 +390,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--fp32-masters", action="store_true", help="fp32 model, bf16 compute_dtype (if the runtime has it)")
     p.add_argument("--out", type=Path, default=Path("build/lease"))
     p.add_argument("--name", default="model_state_gpu")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch

@@ -19,9 +19,10 @@ ORACLE_SLACK = 64 * MiB
 
 
 @cache
-def run(allocator: str, model: str, policy: str = "window", iterations: int = 4) -> dict:
+def run(allocator: str, model: str, policy: str = "window", iterations: int = 4, *extra: str) -> dict:
     r = subprocess.run([sys.executable, str(WORKER), allocator, "--model", model, "--policy", policy,
-                        "--iterations", str(iterations)], capture_output=True, text=True, timeout=900)  # fmt: skip
+                        "--iterations", str(iterations), *extra],
+                       capture_output=True, text=True, timeout=900)  # fmt: skip
     assert r.returncode == 0, f"swap_worker {allocator} {model} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     return json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
 
@@ -80,6 +81,17 @@ def test_vmalloc_and_native_runs_agree(model):
     a, b = run("vmalloc", model), run("native", model)
     assert a["base"]["grad_sha256"] == b["base"]["grad_sha256"], "the model's own kernels are not deterministic"
     assert a["swapped"]["grad_sha256"] == b["swapped"]["grad_sha256"]
+
+
+@pytest.mark.parametrize("allocator", ["vmalloc", "native"])
+def test_swapped_gradients_stay_bitwise_when_every_copy_is_late(allocator):
+    # Note [Late copies] in bench/gpu/lag.py: a sleep kernel before every copy on the copy streams, and garbage
+    # collected between iterations; only device-side waits keep the results bitwise.
+    r = run(allocator, "resnet", "window", 4, "--lag")
+    assert "cycles before every copy" in r["lag"]
+    assert r["swapped"]["losses"] == r["base"]["losses"]
+    assert r["swapped"]["grad_sha256"] == r["base"]["grad_sha256"]
+    assert r["report"]["swapped_out_bytes"] > 0 and r["report"]["peak_device_bytes"] <= r["budget"]
 
 
 def test_a_budget_above_the_device_memory_is_refused():

@@ -92,3 +92,23 @@ def test_phases_that_find_no_time_left_say_so(tmp_path):
     run.main()
     row = json.loads((tmp_path / "out" / "lease.json").read_text())["phases"][0]
     assert row["status"] == "skipped: no time"
+
+
+def test_the_gpu_commands_parse_and_name_what_exists(tmp_path):
+    """The lease's GPU-only commands are checked here, where they cost nothing: a flag the script does not take,
+    a gpu-quick check or a failure test that is not there would waste a lease."""
+    from bench.gpu import alloc_ratio, model_state_gpu, quick_checks
+
+    run = lease.Lease(tmp_path / "out", tmp_path / "work", 600, False, lease.PHASES)
+    run.box_left = 100
+    parsers = {"bench.gpu.model_state_gpu": model_state_gpu.parser(), "bench.gpu.alloc_ratio": alloc_ratio.parser()}
+    checked = 0
+    for ph in lease.PHASES:
+        argv = ph.argv(run)
+        if argv[1:2] == ["-m"] and argv[2] in parsers:
+            parsers[argv[2]].parse_args(argv[3:])  # exits (a failure here) on a flag it does not take
+            checked += 1
+    assert checked == 3  # model state, its late-copies run, the allocators
+    assert set(lease.QUICK_REST) <= {c.name for c in quick_checks.CHECKS}
+    assert {"adapter", "resnet_vmalloc_swap"}.isdisjoint(lease.QUICK_REST)  # run by earlier phases
+    # The failure tests' ids: the smoke run's failures phase runs them (pytest fails on an id it cannot find).
