@@ -68,6 +68,8 @@ class CPUOffloadAdamW:
     def step(self) -> None:
         import torch
 
+        if self.cuda:  # the copies back overwrite parameters the backward may still be reading
+            self.stream.wait_stream(torch.cuda.current_stream())
         for i, (p, h, opt) in enumerate(zip(self.params, self.host, self.optims)):
             ev = self.events.pop(i, None)
             if ev is not None:

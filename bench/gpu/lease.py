@@ -175,8 +175,8 @@ PHASES = [
           lambda c: ms_args(c, "--size", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1"),
           judge_json("model_state_gpu.json"), ["model_state_gpu.json"]),
     Phase("orderings_model_state", "model state under late copies (200M, sleep kernels on the copy streams): "
-          "bitwise against the oracle", 60,
-          lambda c: ms_args(c, "--size", "200m", "--lag", "--runs", "ours", "reference", "--steps", "3",
+          "AdamW bitwise against the oracle, and SGD's weights copied back at exit (review row 6)", 75,
+          lambda c: ms_args(c, "--size", "200m", "--lag", "--runs", "ours", "reference", "sgd_exit", "--steps", "3",
                             "--warmup", "1", "--name", "model_state_lag"),
           None, judge_json("model_state_lag.json")),
     Phase("orderings_activations", "activations swapped under late copies (tests/gpu/swap_worker.py --lag, "

@@ -15,6 +15,8 @@ AdamW with two param groups):
   final parameters and the final AdamW state. Its speed is the naive offload's.
 - ``auto``: ``model_state="auto"`` (some buckets may stay resident and step on the device: not bitwise; the
   largest loss difference against the reference is given).
+- ``sgd_exit`` (asked for by the late-copies phase): row 6 of the model-state review, the weights copied back at
+  exit with stateless SGD, bitwise against SGD on host copies.
 - ``cpu_offload``: torchao's ``CPUOffloadOptimizer`` schedule, written here (bench/gpu/cpu_offload.py): the
   parameters resident, each gradient copied to pinned host memory as it is accumulated, fused AdamW on the host
   per parameter and each parameter copied back. Unbounded; its peak is given.
@@ -54,7 +56,8 @@ SIZES: dict[str, dict[str, Any]] = {
     "200m": {"shape": (12, 1024, 16, 4, 2816, 32000), "seq": 2048, "accum": 2, "budget": 1 * GiB},
     "tiny": {"shape": (2, 64, 4, 2, 128, 256), "seq": 32, "accum": 2, "budget": None},
 }
-RUNS = ["plain", "ours", "reference", "auto", "cpu_offload"]
+RUNS = ["plain", "ours", "reference", "auto", "cpu_offload", "sgd_exit"]
+DEFAULT_RUNS = RUNS[:-1]  # sgd_exit: the late-copies phase asks for it
 LR, WD = 1e-4, 0.1
 
 
@@ -153,7 +156,8 @@ def sync(cfg: Config) -> None:
 
 
 def train(cfg: Config, model: Any, opt: Any, step_fn: Callable[[], None], manager: Any = None,
-          after_backward: Callable[[], None] = lambda: None) -> dict[str, Any]:  # fmt: skip
+          after_backward: Callable[[], None] = lambda: None,
+          before_exit: Callable[[], None] = lambda: None) -> dict[str, Any]:  # fmt: skip
     """The loop every run shares: ``cfg.steps`` steps of ``cfg.accum`` micro-batches, ``step_fn()`` for the
     optimizer step. Returns losses (repr), step seconds, per micro-batch timings."""
     import contextlib
@@ -191,6 +195,7 @@ def train(cfg: Config, model: Any, opt: Any, step_fn: Callable[[], None], manage
             seconds.append(time.perf_counter() - t0)
             timer.settle()
             losses += [repr(v) for v in torch.stack(step_losses).float().tolist()]
+        before_exit()
         if cfg.cuda and manager is None:
             peak = torch.cuda.max_memory_allocated()
     timed = seconds[cfg.warmup:] or seconds
@@ -236,7 +241,8 @@ def budget_of(cfg: Config, model: Any) -> int:
     return int(0.8 * 3 * sum(p.numel() * p.element_size() for p in model.parameters()))
 
 
-def run_managed(cfg: Config, found: dict[str, Any], mode: str) -> dict[str, Any]:
+def run_managed(cfg: Config, found: dict[str, Any], mode: str, make: Callable[..., Any] = adamw,
+                before_exit: Callable[[Any], None] = lambda opt: None) -> dict[str, Any]:  # fmt: skip
     import swap
 
     model = cfg.build()
@@ -244,10 +250,10 @@ def run_managed(cfg: Config, found: dict[str, Any], mode: str) -> dict[str, Any]
     out: dict[str, Any] = {"budget_bytes": budget}
     for attempt in range(2):
         model = cfg.build() if attempt else model
-        opt = adamw(list(model.parameters()))
+        opt = make(list(model.parameters()))
         sm = manager(cfg, model, opt, mode, budget)
         try:
-            out.update(train(cfg, model, opt, opt.step, sm))
+            out.update(train(cfg, model, opt, opt.step, sm, before_exit=lambda o=opt: before_exit(o)))
             break
         except swap.InfeasibleBudget as e:
             if attempt:
@@ -279,7 +285,8 @@ def host_kernel_flags(kernel: Optional[str]) -> dict[str, Any]:
     return {"fused": {"fused": True}, "foreach": {"foreach": True}}.get(kernel or "for-loop", {"foreach": False})
 
 
-def run_reference(cfg: Config, found: dict[str, Any]) -> dict[str, Any]:
+def run_reference(cfg: Config, found: dict[str, Any], make: Callable[..., Any] = adamw,
+                  kernel: Optional[str] = None) -> dict[str, Any]:  # fmt: skip
     """The oracle: device forward and backward; torch's AdamW over host copies; parameters copied back."""
     import torch
 
@@ -287,8 +294,8 @@ def run_reference(cfg: Config, found: dict[str, Any]) -> dict[str, Any]:
     params = list(model.parameters())
     master_dtype = torch.float32 if cfg.fp32_masters else None
     masters = [p.detach().to("cpu", dtype=master_dtype or p.dtype, copy=True) for p in params]
-    kernel = (found.get("ours") or {}).get("host_kernel")
-    host_opt = adamw(masters, **host_kernel_flags(kernel))
+    kernel = kernel or (found.get("ours") or {}).get("host_kernel")
+    host_opt = make(masters, **host_kernel_flags(kernel))
 
     def step() -> None:
         for p, m in zip(params, masters):
@@ -320,9 +327,31 @@ def run_cpu_offload(cfg: Config, found: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def sgd(params: list[Any], **kw: Any) -> Any:
+    """Stateless SGD (no momentum): nothing to copy back at exit but the weights."""
+    import torch
+
+    return torch.optim.SGD(params, lr=100 * LR, momentum=0.0, **kw)
+
+
+def run_sgd_exit(cfg: Config, found: dict[str, Any]) -> dict[str, Any]:
+    """Row 6 of ../shared/notes/model-state-review.md: at exit the weights are copied back from the host masters
+    while the host pools close; with stateless SGD and the gradients dropped before exit, no later synchronous
+    copy closes that window. Ours (offload, SGD, ``zero_grad(set_to_none=True)`` before exit) against the same
+    training with SGD on host copies: the final parameters bitwise, late copies making any race show."""
+    ours = run_managed(cfg, found, "offload", sgd, lambda opt: opt.zero_grad(set_to_none=True))
+    if "error" in ours:
+        return ours
+    ref = run_reference(cfg, found, sgd, ours.get("host_kernel"))
+    same = {k: ours.get(k) == ref.get(k) for k in ("losses", "params_sha256")}
+    return {"bitwise": same, "ours": {k: ours.get(k) for k in ("losses", "params_sha256", "host_kernel", "report",
+                                                                 "within_budget")},
+            "reference": {k: ref.get(k) for k in ("losses", "params_sha256")}}  # fmt: skip
+
+
 RUNNERS: dict[str, Callable[[Config, dict[str, Any]], dict[str, Any]]] = {
     "plain": run_plain, "ours": lambda c, f: run_managed(c, f, "offload"), "reference": run_reference,
-    "auto": lambda c, f: run_managed(c, f, "auto"), "cpu_offload": run_cpu_offload,
+    "auto": lambda c, f: run_managed(c, f, "auto"), "cpu_offload": run_cpu_offload, "sgd_exit": run_sgd_exit,
 }  # fmt: skip
 
 
@@ -338,6 +367,8 @@ def compare(found: dict[str, Any]) -> dict[str, Any]:
     if ref and found.get("cpu_offload") and "losses" in found["cpu_offload"]:
         co = found["cpu_offload"]
         out["cpu_offload_vs_reference_bitwise"] = {k: ref[k] == co[k] for k in ("losses", "params_sha256")}
+    if found.get("sgd_exit") and "bitwise" in found["sgd_exit"]:
+        out["sgd_exit_bitwise"] = found["sgd_exit"]["bitwise"]
     if ref and found.get("auto") and "losses" in found["auto"]:
         out["auto_max_abs_loss_difference"] = max(abs(float(a) - float(b)) for a, b in
                                                   zip(ref["losses"], found["auto"]["losses"]))  # fmt: skip
@@ -369,9 +400,13 @@ def verdict(result: dict[str, Any]) -> tuple[bool, str]:
         parts.append(f"host step {ours['host_step']['seconds']:.2f} s ({ours['host_step']['exposed_seconds']:.2f} s "
                      "exposed)")
     parts.append(result["compute_dtype"])
+    exit_bits = cmp.get("sgd_exit_bitwise")
+    if exit_bits is not None:
+        parts.append("SGD weights back at exit bitwise: " + ("yes" if all(exit_bits.values()) else "NO"))
     errors = [f"{k}: {v['error']}" for k, v in found.items() if isinstance(v, dict) and "error" in v]
     parts += errors
     ok = bool(bits) and all(bits.values()) and bool(ours.get("within_budget")) and not errors
+    ok = ok and (exit_bits is None or all(exit_bits.values()))
     return ok, "; ".join(parts) or "no run finished"
 
 
@@ -384,7 +419,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--accum", type=int, help="micro-batches a step (default: the size's)")
-    p.add_argument("--runs", nargs="+", default=RUNS, choices=RUNS)
+    p.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=RUNS)
     p.add_argument("--lag", action="store_true", help="delay every copy of the swap engine (CUDA only)")
     p.add_argument("--allocator", choices=["native", "vmalloc"], default="native")
     p.add_argument("--fp32-masters", action="store_true", help="fp32 model, bf16 compute_dtype (if the runtime has it)")
@@ -454,7 +489,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         result["compare"] = compare(result["runs"])
         result["ok"], result["figure"] = verdict(result)
         path.write_text(json.dumps(result, indent=1, default=str) + "\n")
-        shown = row.get("error") or f"{row.get('tokens_per_second', 0):.0f} tok/s"
+        shown = row.get("error") or (f"{row['tokens_per_second']:.0f} tok/s" if "tokens_per_second" in row else "done")
         print(f"model_state_gpu: {name}: {shown} ({row['wall_seconds']:.0f} s)", flush=True)
         import gc
 
