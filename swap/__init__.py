@@ -32,8 +32,8 @@ spelling, still means ``strategy="auto"`` and warns. ``swap.plan`` compares the 
 ``--policies``) and the strategies (``strategies=``, ``--strategies``) side by side.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: this module annotates nothing, and the import would leave a
+# name ``swap.annotations`` in the public namespace beside the package's own names.
 from .forecast import Plan, plan  # Note [swap.plan is a function]
 from .joint.search import STRATEGIES
 from .runtime import fsdp2  # swap.fsdp2: FSDP2 units offloaded by a budget, their host steps, clipping across ranks

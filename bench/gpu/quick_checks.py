@@ -232,7 +232,7 @@ def region_events() -> Outcome:
         sm._joint.choose = _checkpoint_everything  # regions for certain, whatever the search would choose
 
     sm, data = swapped_run(REGION_ITERATIONS, setup=setup)
-    stats = list(sm._joint.regions._stats.values())
+    stats = list(sm.joint_view.regions.values())
     marks, reruns = sum(len(s.rerun_marks) for s in stats), sum(s.reruns for s in stats)
     ok = reruns > 0 and marks <= 2 * len(stats)
     return Outcome(ok, f"{marks} marks ({2 * marks} events) alive after {REGION_ITERATIONS} iterations: {len(stats)} "

@@ -286,13 +286,16 @@ def plan(
             the device's datasheet figures.
         policies: which swap policies to plan (default all: "none", "window", "fixed_distance", "all").
         min_bytes: saved tensors smaller than this stay on the device, as ``SwapManager(min_bytes=...)``.
+        steps: training steps captured per batch size (default 2: the second has the optimizer state the first
+            made, as a real loop's steady iterations do).
         target: whose kernels to mirror in the capture ("cuda", or "cpu" to compare with a CPU run).
+        name: the model's name in the output and the traces (default: ``model_fn.__name__``).
         progress: log lines to stderr as it goes.
         strategies: which keep / swap / recompute strategies to compare side by side (default: every baseline
             of ``swap.joint.search.BASELINES`` and the joint strategy "auto"; ``()``: none).
-        batch: also compare the strategies at this batch size.
         world_size, shard, interconnect: forecast one rank of ``world_size`` sharding the model with ``shard``
-            ("fsdp2": ``fully_shard`` on each block and the root), its collectives priced on ``interconnect``
+            ("fsdp2": ``fully_shard`` on each block and the root; "fsdp2-offload", or a
+            ``swap.forecast.fsdp2_lanes.Offload``: with model-state offload), its collectives priced on ``interconnect``
             (``swap.devices.INTERCONNECTS``: "nvlink4", "ib-ndr400"; default "nvlink4"): the budget and every
             batch are per rank (Note [One rank of FSDP2] in swap/forecast/distributed.py).
         batch: also compare the strategies at this batch size (and forecast model state at it).

@@ -23,7 +23,10 @@ to the executor by its ``wiring``), notes and warnings (swap.runtime.notices) an
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Optional, Union
 
 import torch
@@ -42,7 +45,6 @@ from .model_state import wiring
 from .model_state.runtime import ModelStateRuntime, check_model_state
 from .notices import NOT_STARTED, Notices, never_started
 from .ranks import Ranks
-from .recompute import RecomputeHooks
 from .report import SwapReport
 from .resources import default_budget, open_resources, refuse_budget_above_memory
 from .scheduling import Scheduling
@@ -51,6 +53,23 @@ from .tracer import Exclusions
 
 _active_lock = threading.Lock()
 _active: list[SwapManager] = []  # entered and not exited, process-wide
+
+
+@dataclasses.dataclass(frozen=True)
+class JointView:
+    """What ``strategy="auto"`` decided and ran, and what the rebuilds made, when ``SwapManager.joint_view`` was
+    read: a frozen copy, so tests, benchmarks and tools read the joint runtime without reaching into the manager's
+    parts (and without changing them)."""
+
+    searching: bool  # the manager runs the joint search (strategy="auto")
+    decided: bool  # the search has run (at the last profiling iteration)
+    result: Any  # its JointResult (``result.best.strategy.plan``: the RecomputePlan), None before or without one
+    applied: bool  # checkpointed regions are wrapped around the model's modules now
+    table: Any  # the profiled operator table (OpTable), None before profiling ends
+    regions: Mapping[str, Any]  # region path -> a copy of its RegionStats (calls, reruns, scratch, rerun_marks...)
+    rebuilding: bool  # rebuilds are on (recompute=True, or chosen by the search)
+    rebuilt: int  # rebuilds run (one per backward use)
+    rebuilt_bytes: int  # the bytes they made on the device instead of moving them
 
 
 class SwapManager:
@@ -159,9 +178,22 @@ class SwapManager:
             )  # fmt: skip
 
     @property
-    def _recompute(self) -> Optional[RecomputeHooks]:
-        """The rebuilds' runtime side, when on (``recompute=True``, or chosen by ``strategy="auto"``)."""
-        return self.hooks.recompute
+    def joint_view(self) -> JointView:
+        """A read-only snapshot of the joint runtime and the rebuilds (``JointView``); read it again for later
+        figures."""
+        joint, rec = self._joint, self.hooks.recompute
+        regions = joint.regions if joint is not None else None
+        paths = regions.plan.paths if regions is not None and regions.plan is not None else []
+        stats = {p: regions.stats_of(p) for p in paths} if regions is not None else {}
+        copies = {p: dataclasses.replace(s, rerun_marks=list(s.rerun_marks), forced=dict(s.forced))
+                  for p, s in stats.items() if s is not None}  # fmt: skip
+        return JointView(
+            searching=joint is not None, decided=joint is not None and joint.decided,
+            result=joint.result if joint is not None else None, applied=joint is not None and joint.applied,
+            table=joint.table if joint is not None else None, regions=MappingProxyType(copies),
+            rebuilding=rec is not None, rebuilt=rec.rebuilt if rec is not None else 0,
+            rebuilt_bytes=rec.rebuilt_bytes if rec is not None else 0,
+        )  # fmt: skip
 
     # -- context manager --------------------------------------------------------------------------------
     def __enter__(self) -> SwapManager:
@@ -313,4 +345,4 @@ class SwapManager:
         return self.executor.lifecycle.latest if self.executor is not None else None
 
 
-__all__ = ["SwapManager", "InfeasibleBudget", "BudgetWarning"]
+__all__ = ["SwapManager", "JointView", "InfeasibleBudget", "BudgetWarning"]

@@ -38,8 +38,7 @@ def test_training_with_recompute_is_bitwise_equal_and_moves_fewer_bytes():
     seq = probe["manager"].sequence
     assert_bitwise_equal(ref, plain)
     assert_bitwise_equal(ref, rebuilt)
-    hooks = rebuilt["manager"]._recompute
-    assert hooks.rebuilt >= 2 * 4  # one GELU output per block (2 blocks), every iteration
+    assert rebuilt["manager"].joint_view.rebuilt >= 2 * 4  # one GELU output per block (2 blocks), every iteration
     r_plain, r_rebuilt = plain["manager"].report(), rebuilt["manager"].report()
     assert r_rebuilt["swapped_out_bytes"] < r_plain["swapped_out_bytes"]
     # The runtime's recorded sequence is the model's: fewer variables, the rebuilt ones' uses read the source.
@@ -118,7 +117,7 @@ def test_a_rebuild_whose_input_is_rebuilt_is_declined_and_gradients_stay_bitwise
                                                               recompute=True), **kw)  # fmt: skip
     assert_bitwise_equal(ref, rebuilt)
     assert rebuilt["manager"].report()["status"] == "planned"  # profiled twice, then two planned iterations
-    assert rebuilt["manager"]._recompute.rebuilt == 2 * 4
+    assert rebuilt["manager"].joint_view.rebuilt == 2 * 4
     # The planning side declines the same candidate: two recipes, each from a variable that is kept.
     torch.manual_seed(0)
     net = gelu_chain()
@@ -146,7 +145,7 @@ def test_a_run_that_fits_with_its_rebuilds_keeps_rebuilding_and_stays_within_the
     report = got["manager"].report()
     assert report["status"] == "declined" and report["overruns"] == 0, report
     assert report["peak_device_bytes"] <= report["budget_bytes"]
-    assert got["manager"]._recompute.rebuilt == 2 * 5  # rebuilt in every iteration, declined ones included
+    assert got["manager"].joint_view.rebuilt == 2 * 5  # rebuilt in every iteration, declined ones included
 
 
 def test_recipes_leaves_no_activation_alive():
@@ -295,11 +294,11 @@ def test_training_a_resnet_with_batch_norm_rebuilds_is_bitwise_equal_and_moves_f
     ref, probe, plain, rebuilt = train_with_and_without_rebuilds("resnet")
     assert_bitwise_equal(ref, plain)
     assert_bitwise_equal(ref, rebuilt)  # gradients, losses and BatchNorm's running statistics
-    assert rebuilt["manager"]._recompute.rebuilt > 0
+    assert rebuilt["manager"].joint_view.rebuilt > 0
     report, plain_report = rebuilt["manager"].report(), plain["manager"].report()
     assert report["swapped_out_bytes"] < plain_report["swapped_out_bytes"]
     # The report says what the rebuilds did; a run without them has no such rows.
-    assert report["rebuilds"] == rebuilt["manager"]._recompute.rebuilt
+    assert report["rebuilds"] == rebuilt["manager"].joint_view.rebuilt
     assert report["rebuilt_bytes"] >= 16 * KiB * report["rebuilds"]  # every candidate is at least min_bytes
     assert "rebuilt, not moved" in str(report) and "rebuilds" not in plain_report
     # The planning side finds the same candidates on the meta device: one per conv -> bn -> relu of the model.
@@ -403,7 +402,7 @@ def test_a_checkpointed_conv_bn_relu_block_trains_under_the_manager_with_rebuild
     got = run("net", 3, manager=lambda: swap.SwapManager(budget="64GiB", device="cpu", min_bytes=0, recompute=True),
               **kw)  # fmt: skip
     assert_bitwise_equal(ref, got)
-    assert got["manager"]._recompute.rebuilt > 0  # the tail's conv -> bn -> relu outside the checkpoint still rebuilds
+    assert got["manager"].joint_view.rebuilt > 0  # the tail's conv -> bn -> relu outside the checkpoint still rebuilds
 
 
 @pytest.mark.parametrize("backward", [True, False])
@@ -428,7 +427,8 @@ def test_batch_norm_rebuild_handles_keep_no_activation_or_module_alive(backward)
             if backward:
                 loss.backward()
             del loss
-    assert sm._recompute.rebuilt > 0 if backward else sm._recompute is not None
+    view = sm.joint_view
+    assert view.rebuilt > 0 if backward else view.rebuilding
     gc.collect()
     alive = [r for r in outputs if r() is not None]
     assert len(outputs) == 3 * len(net) and not alive, f"{len(alive)} activations kept alive"

@@ -85,7 +85,8 @@ def train(rank: int, manager: Optional[Callable[[], swap.SwapManager]], iteratio
                 sm.__exit__(None, None, None)
     if sm is not None:
         r = sm.report()
-        best = sm._joint.result.best if sm._joint is not None and sm._joint.result is not None else None
+        result = sm.joint_view.result
+        best = result.best if result is not None else None
         out["plan"] = best.strategy.plan if best is not None and best.feasible else None
         out["reruns"] = {m["module"]: m["reruns"] for m in r["modules"]}
         out["not_checkpointed"] = r["not_checkpointed"]

@@ -76,7 +76,7 @@ def test_batchnorm_statistics_are_updated_once_by_a_rerun():
     budget = int(unswapped_peak(ref) * 0.9)
     got = run("resnet_bn", 4, manager=lambda: manager(budget, fixed("checkpoint")), **kw)
     sm = got["manager"]
-    stats = sm._joint.regions._stats
+    stats = sm.joint_view.regions
     assert sum(s.scratch for s in stats.values()) > 0  # the reruns wrote BatchNorm statistics on scratch copies
     assert_bitwise_equal(ref, got)  # running_mean, running_var and num_batches_tracked included
 
@@ -154,7 +154,7 @@ def test_a_module_that_writes_its_input_in_place_is_not_checkpointed_and_the_rep
     blocked = report["not_checkpointed"]
     assert set(blocked) == {"0", "1", "2"}, blocked
     assert all("aten.relu_.default writes one of its inputs in place" in why for why in blocked.values()), blocked
-    assert not got["manager"]._joint.applied
+    assert not got["manager"].joint_view.applied
     assert "modules never checkpointed" in str(report)
 
 
@@ -204,8 +204,8 @@ def test_a_users_own_checkpoint_keeps_working_and_is_not_wrapped_again():
     ref = run("gpt", 4, wrap=wrap)
     got = run("gpt", 4, wrap=wrap, manager=lambda: manager(1 << 30))
     assert_bitwise_equal(ref, got)
-    joint = got["manager"]._joint
-    assert not joint.regions._wrapped
+    joint = got["manager"].joint_view
+    assert not joint.applied
     assert "of your own" in joint.table.blocked("blocks.0") and "of your own" in joint.table.blocked("blocks.1")
 
 
@@ -244,7 +244,7 @@ def test_the_sequence_model_matches_what_the_runtime_records_and_auto_wins_on_it
         got = run("gpt", 4, manager=lambda choose=choose: manager(budget, choose))
         assert_bitwise_equal(ref, got)
         ev = seen["ev"]
-        plan = got["manager"]._joint.result.best.strategy.plan
+        plan = got["manager"].joint_view.result.best.strategy.plan
         model, real = with_regions(ev.seq, ev.table, plan), got["manager"].sequence
         assert (model.var, model.kind, model.sizes) == (real.var, real.kind, real.sizes), name
         assert (model.freed, model.node_last) == (real.freed, real.node_last), name
@@ -270,7 +270,7 @@ def test_a_plan_that_does_not_fit_is_reported_and_the_manager_swaps_only():
     report = got["manager"].report()
     assert report["recompute_plan"] == "none (checkpoint_window does not fit the budget: swapping only)"
     assert any("the rerun of blocks.0 is over" in n for n in report["notes"]), report["notes"]
-    assert report["status"] == "planned" and not got["manager"]._joint.applied
+    assert report["status"] == "planned" and not got["manager"].joint_view.applied
 
 
 def test_the_operator_profiler_leaves_the_dispatch_stack_when_profiling_ends_with_nothing_to_manage():
@@ -326,7 +326,8 @@ def test_a_region_ending_in_batch_norm_and_relu_trains_with_rebuilds_on():
     assert_bitwise_equal(ref, got)
     sm = got["manager"]
     assert sm.report()["recompute_plan"] == "1 region(s), 0 kept operator(s), rebuilds"
-    assert sm._joint.regions._stats["0"].reruns > 0 and sm._recompute.rebuilt > 0
+    view = sm.joint_view
+    assert view.regions["0"].reruns > 0 and view.rebuilt > 0
 
 
 def test_the_profilers_own_time_does_not_inflate_the_calibrated_prices(monkeypatch):
