@@ -33,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import time
 import xml.etree.ElementTree as ET
@@ -152,6 +153,11 @@ def judge_env(lease: Lease, rc: int) -> tuple[str, str]:
                           f"{os.cpu_count()} CPUs"
 
 
+def judge_build(lease: Lease, rc: int) -> tuple[str, str]:
+    lib = common.ROOT / "vmalloc" / ("_C" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+    return status_of(rc), f"core library {lib.name}" if lib.exists() else f"no {lib.name} in vmalloc/"
+
+
 def ms_args(lease: Lease, *extra: str) -> list[str]:
     return [PY, "-m", "bench.gpu.model_state_gpu", "--out", str(lease.work), *extra]
 
@@ -168,7 +174,8 @@ PHASES = [
     Phase("build", "the core built in place; the torch adapter then builds in the background", 90,
           lambda c: [PY, "setup.py", "-q", "build_ext", "--inplace"],
           lambda c: [PY, "-c", "import vmalloc; a = vmalloc.Arena('host', capacity=1 << 24); a.free(a.malloc(4096)); "
-                     "print('the core as set-up built it (not rebuilt in the smoke run):', vmalloc.__file__)"]),
+                     "print('the core as set-up built it (not rebuilt in the smoke run):', vmalloc.__file__)"],
+          judge_build),
     Phase("model_state", "model state on CUDA: Llama ~1B, budget 4 GiB < weights + AdamW state; bitwise against "
           "the CPU-optimizer oracle; tok/s against plain and a CPU-offload-optimizer baseline", 150,
           lambda c: ms_args(c, "--size", "1b"),

@@ -112,3 +112,15 @@ def test_the_gpu_commands_parse_and_name_what_exists(tmp_path):
     assert set(lease.QUICK_REST) <= {c.name for c in quick_checks.CHECKS}
     assert {"adapter", "resnet_vmalloc_swap"}.isdisjoint(lease.QUICK_REST)  # run by earlier phases
     # The failure tests' ids: the smoke run's failures phase runs them (pytest fails on an id it cannot find).
+
+
+def test_allocator_ratios_are_to_the_first_native_run_and_the_repeat_shows_drift():
+    from bench.gpu import alloc_ratio
+
+    rows = [{"model": "gpt2", "allocator": a, "throughput": t, "unit": "tokens/s"}
+            for a, t in [("native", 100.0), ("vmalloc", 98.0), ("native", 101.0)]]  # fmt: skip
+    rows.append({"model": "gpt2", "allocator": "expandable", "skipped": True, "status": "skipped: no CUDA"})
+    r = alloc_ratio.ratios(rows)
+    assert r == {"gpt2": {"native": 1.0, "vmalloc": 0.98, "native_repeat": 1.01}}
+    fig = alloc_ratio.figure({"rows": rows, "ratio_to_native": r})
+    assert fig == "gpt2: native 100 tokens/s, vmalloc 0.980x, native_repeat 1.010x; skipped: expandable (no CUDA)"
