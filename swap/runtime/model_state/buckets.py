@@ -37,9 +37,23 @@ class Entry:
         return f"Entry({self.index}, {', '.join(n for n, _ in self.params)}, {self.nbytes} bytes)"
 
 
+# Note [Frozen parameters]
+# A parameter that needs no gradient (``requires_grad=False``: a frozen layer, a LoRA base weight) is model state
+# like the others: its weights are streamed or kept on the host by the same plan, whether or not the optimizer
+# lists it (fine-tuning recipes pass ``model.parameters()`` after freezing; LoRA recipes pass only the adapters,
+# and then the frozen base is exactly what must leave the device). It gets no gradient buffer, no gradient hook
+# (torch refuses one on a tensor that needs no gradient) and no optimizer state, as in plain torch, which skips
+# a parameter without a gradient. Whether it needs a gradient is read when the manager starts: freeze or unfreeze
+# layers before entering it.
+def trains(p: torch.nn.Parameter) -> bool:
+    """Whether ``p`` gets gradients (Note [Frozen parameters])."""
+    return p.requires_grad
+
+
 def collect_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> list[Entry]:
-    """The entries of the parameters ``optimizer`` steps, in ``model``'s registration order. Raises ``ValueError``
-    for an optimizer holding parameters the model does not own, or parameters the runtime cannot move."""
+    """The entries of the parameters ``optimizer`` steps and of the frozen ones (Note [Frozen parameters]), in
+    ``model``'s registration order. Raises ``ValueError`` for an optimizer holding parameters the model does not
+    own, or parameters it steps that the runtime cannot move (frozen ones it cannot move stay where they are)."""
     names = {id(p): n for n, p in model.named_parameters()}
     stepped: dict[int, torch.nn.Parameter] = {}
     foreign = []
@@ -58,8 +72,10 @@ def collect_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer, de
     entries: list[Entry] = []
     for name, p in model.named_parameters():
         if id(p) not in stepped:
-            continue
-        _check_movable(name, p, device)
+            if trains(p) or not movable(p, device):
+                continue
+        else:
+            _check_movable(name, p, device)
         st = p.untyped_storage()
         e = by_storage.get(st._cdata)
         if e is None:
@@ -67,6 +83,11 @@ def collect_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer, de
             entries.append(e)
         e.params.append((name, p))
     return entries
+
+
+def movable(p: torch.nn.Parameter, device: torch.device) -> bool:
+    """Whether the runtime can move ``p`` (``_check_movable`` says why not)."""
+    return p.device == device and p.layout == torch.strided and type(p) is torch.nn.Parameter and p.is_floating_point()
 
 
 def _check_movable(name: str, p: torch.nn.Parameter, device: torch.device) -> None:
@@ -127,6 +148,15 @@ def group_of(optimizer: torch.optim.Optimizer) -> dict[int, int]:
     return {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
 
 
+def stepped_state_bytes(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter, groups: dict[int, int]) -> int:
+    """``state_bytes`` of ``p`` if ``optimizer`` steps it (``groups``: ``group_of(optimizer)``), else 0: a frozen
+    parameter, or one the optimizer does not list, has no state (Note [Frozen parameters])."""
+    g = groups.get(id(p))
+    if g is None or not trains(p):
+        return 0
+    return state_bytes(optimizer, p, optimizer.param_groups[g])
+
+
 def specs(entries: list[Entry], buckets: list[list[int]], optimizer: Optional[torch.optim.Optimizer]) -> list[Bucket]:
     """The plan's view of ``buckets`` (swap.schedule.model_state.Bucket), in bucket order."""
     groups = group_of(optimizer) if optimizer is not None else {}
@@ -134,9 +164,8 @@ def specs(entries: list[Entry], buckets: list[list[int]], optimizer: Optional[to
     for b, members in enumerate(buckets):
         params = [(n, p) for i in members for n, p in entries[i].params]
         weight = sum(entries[i].nbytes for i in members)
-        grad = sum(span_bytes(p) for _, p in params)
-        state = sum(state_bytes(optimizer, p, optimizer.param_groups[groups[id(p)]]) for _, p in params
-                    if optimizer is not None)  # fmt: skip
+        grad = sum(span_bytes(p) for _, p in params if trains(p))
+        state = sum(stepped_state_bytes(optimizer, p, groups) for _, p in params if optimizer is not None)
         out.append(Bucket(b, tuple(n for n, _ in params), sum(p.numel() for _, p in params), weight, weight, grad,
                           state))  # fmt: skip
     return out

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..host_pool import HostBlock, HostPool, HostPoolExhausted
-from .buckets import Entry
+from .buckets import Entry, trains
 from .storage import Copies, grad_span, host_tensor
 
 
@@ -38,7 +38,8 @@ class GradSink:
         self.pool, self.staging, self.engine, self.worker = pool, staging, engine, worker
         self.gate, self.in_backward, self.copies, self.busy = gate, in_backward, copies, busy
         self.lock = threading.Lock()
-        self.params = [p for e in entries for _, p in e.params]
+        # Frozen parameters have no gradient buffer (Note [Frozen parameters] in swap.runtime.model_state.buckets).
+        self.params = [p for e in entries for _, p in e.params if trains(p)]
         self.offloaded = {id(p) for p in self.params}  # whose gradients leave the device (not resident ones)
         self.entry_of = {id(p): e.index for e in entries for _, p in e.params}
         self.blocks: dict[int, HostBlock] = {}

@@ -18,7 +18,7 @@ import torch
 
 from ...units import fmt_bytes
 from ..host_pool import ALIGN
-from .buckets import Entry, group_of, state_bytes
+from .buckets import Entry, group_of, stepped_state_bytes, trains
 from .storage import grad_span
 
 
@@ -54,11 +54,11 @@ def predict(entries: list[Entry], optimizer: torch.optim.Optimizer, bucket_bytes
     staging buffers for accumulated gradients are a bucket's worth (or the largest gradient)."""
     groups = group_of(optimizer)
     params = [p for e in entries for _, p in e.params]
-    grad_sizes = [_aligned(grad_span(p)) for p in params]
+    grad_sizes = [_aligned(grad_span(p)) for p in params if trains(p)]  # Note [Frozen parameters]
     return HostPrediction(
         masters=sum(_aligned(e.nbytes) for e in entries),
         grads=sum(grad_sizes),
-        state=sum(state_bytes(optimizer, p, optimizer.param_groups[groups[id(p)]]) for p in params),
+        state=sum(stepped_state_bytes(optimizer, p, groups) for p in params),
         staging=_aligned(max(max(grad_sizes, default=0), bucket_bytes)),
         params=sum(p.numel() for p in params),
     )

@@ -125,7 +125,8 @@ class HostStepper:
         group_of = {id(p): self.shadow_group[g] for g, grp in enumerate(groups) if g in self.shadow_group
                     for p in grp["params"]}  # fmt: skip
         for b, params in buckets.items():
-            work = [(group_of[id(p)], self.host_of[id(p)], self.grads.grad(p)) for p in params]
+            # Only parameters the user's optimizer steps and that have a gradient (frozen ones have none).
+            work = [(group_of[id(p)], self.host_of[id(p)], self.grads.grad(p)) for p in params if id(p) in group_of]
             work = [w for w in work if w[2] is not None]
             if not work:
                 continue

@@ -66,6 +66,8 @@ def run(build: Callable[[], torch.nn.Module], step: Step, iters: int = 6,
     peaks: list[int] = []
     sm = manager(model, opt) if manager is not None else None
     with metered(meter, sm):
+        if meter is not None:
+            meter.reset_window()  # iterations from here: the model as the user made it may exceed the budget
         for it in range(iters):
             step(model, opt, it, log)
             if meter is not None:
