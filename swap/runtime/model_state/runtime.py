@@ -20,6 +20,7 @@ from ..host_pool import ALIGN, HostPool, Pinner
 from ..resources import available_host_memory
 from . import clipping
 from .buckets import collect_entries, specs
+from .data_parallel import refuse_ddp
 from .gradients import GradSink
 from .guard import ParamGuard
 from .host_memory import predict, refuse_over
@@ -60,6 +61,7 @@ def check_model_state(model: Any, optimizer: Any, mode: Any) -> Optional[str]:
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
     if mode != "resident":
         check_optimizer(optimizer)
+        refuse_ddp(model)
     return mode
 
 
@@ -147,7 +149,7 @@ class ModelStateRuntime:
             self._wrap_zero_grad(obj)
         self.state_dicts = StateDictHooks(self.model, self.optimizer, entries, self.flush, self._host_param,
                                           self.stepper.state_of, self.stepper.set_state, self._settle,
-                                          self.grads.manages)  # fmt: skip
+                                          self.grads.manages, self.busy)  # fmt: skip
         self.state_dicts.install()
         self._restore.append(self.state_dicts.uninstall)
         clipping.route(self)
@@ -207,11 +209,12 @@ class ModelStateRuntime:
         return self.host_of[id(p)]
 
     def _settle(self, entries: list[int]) -> None:
-        """Written device copies of ``entries`` go back to their masters, and the weights off the device."""
-        with self.streamer.lock:
-            for i in entries:
-                self.masters.drop(self.entries[i])
-            self.streamer.held -= {self.streamer.bucket_of[i] for i in entries}
+        """Written device copies of ``entries`` go back to their masters, and the weights off the device (their
+        whole buckets: a demand fetch brought each bucket whole)."""
+        s = self.streamer
+        with s.lock:
+            for b in dict.fromkeys(s.bucket_of[i] for i in entries):
+                s.drop_bucket(b)
 
     # -- the optimizer step -----------------------------------------------------------------------------
     def _step_pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

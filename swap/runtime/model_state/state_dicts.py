@@ -5,7 +5,8 @@ Note [State dicts of offloaded model state]
 The values come from, and go to, the host masters and the host optimizer state, through torch's public hooks, so
 a run saved with the manager resumes without it and the other way round:
 - ``model.state_dict()``: a post-hook on each module that owns managed parameters puts the host master in place of
-  the (possibly dropped) parameter, after the pending host steps and any dirty device copy have landed on it.
+  the (possibly dropped) parameter, after the pending host steps and any dirty device copy have landed on it. No
+  weight comes to the device for it (Note [Saving without fetching]).
 - ``model.load_state_dict()``: torch copies each value into its parameter; the parameter guard fetches a dropped
   one first and marks the write dirty (Note [Parameter guard]); a load post-hook on each owning module then copies
   the written weights back to their masters and drops them, one module at a time.
@@ -14,10 +15,21 @@ a run saved with the manager resumes without it and the other way round:
 - ``opt.load_state_dict()``: a pre-hook takes the offloaded parameters' entries out (so torch puts nothing on the
   device for them) and a post-hook puts them, cast as torch would cast them, into the host state.
 Pending host steps are waited for first, in all four.
+
+Note [Saving without fetching]
+torch's ``_save_to_state_dict`` puts ``param.detach()`` in the dict, an operator on the parameter: the parameter
+guard would demand-fetch every dropped weight for it, so a checkpoint would bring the whole model to the device
+(a model larger than the device could not be saved) for a value the post-hook then replaces by its host master.
+So ``model.state_dict`` runs with the guard letting operators through (the runtime's own ``busy()``): the detach
+of a dropped parameter is an empty view, which the post-hook replaces; resident parameters are on the device and
+saved as torch saves them. Only the model's own ``state_dict`` is wrapped: a submodule's still saves correctly,
+through demand fetches that the next use drops again (Note [Reads between passes] in
+swap.runtime.model_state.streaming).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -52,12 +64,14 @@ class StateDictHooks:
     """The hooks of Note [State dicts of offloaded model state]. ``flush()`` lands every pending host step and
     dirty device copy; ``host_param(p)`` is ``p``'s host master; ``state_of(p)`` / ``set_state(p, s)`` read and set
     its host optimizer state; ``settle(entries)`` copies written device copies of ``entries`` back and drops them;
-    ``offloaded(p)`` says whether ``p`` is offloaded now (a resident parameter is plain torch's business)."""
+    ``offloaded(p)`` says whether ``p`` is offloaded now (a resident parameter is plain torch's business);
+    ``quiet()`` is a context in which the parameter guard fetches nothing (Note [Saving without fetching])."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, entries: list[Entry],
                  flush: Callable[[], None], host_param: Callable[[Any], torch.Tensor],
                  state_of: Callable[[Any], dict], set_state: Callable[[Any, dict], None],
-                 settle: Callable[[list[int]], None], offloaded: Callable[[Any], bool]) -> None:  # fmt: skip
+                 settle: Callable[[list[int]], None], offloaded: Callable[[Any], bool],
+                 quiet: Callable[[], Any] = contextlib.nullcontext) -> None:  # fmt: skip
         self.model = model
         self.optimizer = optimizer
         self.entries = entries
@@ -67,6 +81,7 @@ class StateDictHooks:
         self.set_state = set_state
         self.settle = settle
         self.offloaded = offloaded
+        self.quiet = quiet
         self.managed = {id(p): p for e in entries for _, p in e.params}
         self.entry_of = {id(p): e.index for e in entries for _, p in e.params}
         self._stash: dict[int, dict[str, Any]] = {}
@@ -83,11 +98,32 @@ class StateDictHooks:
         self._handles.append(opt.register_state_dict_post_hook(self._optimizer_saved))
         self._handles.append(opt.register_load_state_dict_pre_hook(self._optimizer_loading))
         self._handles.append(opt.register_load_state_dict_post_hook(self._optimizer_loaded))
+        self._wrap_state_dict()
 
     def uninstall(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._unwrap()
+
+    def _wrap_state_dict(self) -> None:
+        """Note [Saving without fetching]."""
+        model, original = self.model, self.model.state_dict
+        self._had_own = "state_dict" in vars(model)
+        self._original = original
+
+        def state_dict(*args: Any, **kwargs: Any) -> Any:
+            self.flush()
+            with self.quiet():
+                return original(*args, **kwargs)
+
+        model.state_dict = state_dict
+
+    def _unwrap(self) -> None:
+        if self._had_own:
+            self.model.state_dict = self._original
+        elif "state_dict" in vars(self.model):
+            del self.model.state_dict
 
     # -- the model --------------------------------------------------------------------------------------
     def _module_saved(self, own: list[tuple[str, torch.nn.Parameter]]) -> Callable[..., None]:

@@ -22,6 +22,13 @@ window schedules the bucket's fetches and drops with the activations', and the s
 the executor's ``CleanMover``. A bucket is pinned while a module whose forward pre-hook used it runs, or while the
 backward node that read it runs; a drop asked for then waits for the pin to end.
 
+Note [Reads between passes]
+A demand fetch while no pass is under way (after a backward pass ended, before the next forward's first use) and
+without gradients is no use of a pass: ``model.load_state_dict`` copying into the parameters, a user's
+``p.norm()`` under ``no_grad``. It fetches the bucket (dropped again at the next use) and records nothing: it
+neither begins a pass nor sets the order buckets are re-packed in (a checkpoint's key order is not the
+forward's), and the next pass does not learn to fetch it ahead at that point of its forward.
+
 A parameter read outside the modules that own it (a tied embedding read by the parent's forward) is a demand fetch
 the first time. The streamer remembers after which forward hook event (a pre- or post-hook of a module owning
 parameters, counted from the pass's start) the read came, and from the next pass on uses the entry at that event,
@@ -130,8 +137,15 @@ class Streamer:
         self._handles: list[Any] = []
 
     # -- buckets ----------------------------------------------------------------------------------------
+    # Note [Variables across a re-pack]
+    # The executor's variables of the iteration under way name buckets by index, and it still asks where they are
+    # after the backward pass that re-packs (it releases an iteration's leftovers when the next one begins). Those
+    # buckets are gone, and every one was dropped before the re-pack, so a variable made before it is answered
+    # "not on the device"; re-packing can change the number of buckets (an order of first uses that packs
+    # tighter), so an old index may not even exist any more.
     def repack(self, order: Any) -> None:
         """Buckets of entries in ``order`` (Note [Entries and buckets])."""
+        self._vars = {}
         self.buckets = pack([e.nbytes for e in self.entries], order, self.bucket_bytes)
         self.placements = [Placement.STREAMED] * len(self.buckets)
         self.bucket_of = [0] * len(self.entries)
@@ -245,10 +259,16 @@ class Streamer:
                 self._prefetch(step, used)
 
     def demand(self, entry: int) -> None:
-        """The parameter guard found ``entry`` dropped under an operator: fetched now, nothing dropped."""
+        """The parameter guard found ``entry`` dropped under an operator: fetched now, nothing dropped (Note
+        [Reads between passes])."""
         with self.lock:
-            self._maybe_begin_pass((entry,))
             self.copies.demand_fetches += 1
+            if self._pass_over and not self._in_backward and not torch.is_grad_enabled():
+                b = self.bucket_of[entry]
+                self.fetch_bucket(b)
+                self.ready(b)
+                return
+            self._maybe_begin_pass((entry,))
             self.uses.append((entry,))
             if not self._in_backward:
                 self._note_first_use((entry,))
@@ -303,6 +323,8 @@ class Streamer:
                 self.drop_bucket(key, by_executor=True)
 
     def on_device(self, key: int) -> bool:
+        if key not in self._vars:  # made before a re-pack: Note [Variables across a re-pack]
+            return False
         current = self.masters.current
         return all(current[i] for i in self.buckets[key])
 
