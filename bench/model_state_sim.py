@@ -1,26 +1,39 @@
-"""Model larger than the GPU, simulated: the model-state targets, and the baselines held to public figures.
+"""Model larger than the GPU, simulated: the model-state targets of issue 37, priced only with what the runtime
+does, and the baselines held to public figures.
 
-    python -m bench.model_state_sim            # ~40 minutes on 2 shared cores; writes
+    python -m bench.model_state_sim            # ~30 minutes on 2 shared cores; writes
                                                # bench/results/model_state_sim.{json,md,png}
-    python -m bench.model_state_sim --quick    # the 8B on the 4090 at 8k tokens only
+    python -m bench.model_state_sim --quick    # the 8B on the 4090 at 8k tokens only (datasheet efficiency)
 
 Every figure is simulated (Note [Model-state simulation] in swap/schedule/model_state_sim.py) from a capture
 on the meta device, priced on device and host profiles whose figures have sources (swap/devices.py: Note
-[Device profiles], Note [Host profiles]); nothing here is fitted to the targets. A full AdamW fine-tune
-with fp32 master and state and bf16 weights and gradients (``StateFormat()``), sequences of 1024 tokens,
-activations planned by the joint search, the offload schedules side by side (Note [Offload schedules side
-by side] in swap/forecast/offload.py):
+[Device profiles], Note [Host profiles]). The math is a full AdamW fine-tune with fp32 master and state and bf16
+compute (``StateFormat()``), sequences of 1024 tokens, activations planned by the joint search, the offload
+schedules side by side (Note [Offload schedules side by side] in swap/forecast/offload.py). "ours" is what
+``SwapManager(model=, optimizer=)`` runs (Note [What the runtime runs]): host steps after ``opt.step()`` (no
+speculation), the model in fp32 (the parameter is the host master; autocast computes in bf16), the host step on
+torch's fused CPU kernel (the runtime's where the user left torch's default); "ours, AdamW(foreach=False)" is the
+same loop with the user's choice of torch's per-tensor kernel; "ours, model in bf16 (pure)" trains bf16 master and
+moments (not the baselines' math).
 
-1. Llama-3-8B's shape on ``rtx4090-24gb`` (24 GiB) with ``desktop-ddr5-2ch``, at 8k, 16k and 32k tokens a
-   step (batch 8, 16, 32): it fits; ours is at least 1.5x ZeRO-Offload's tokens/s at 8k and 1.0x at 32k;
-   at 32k, at least 80% of the tokens/s its max(compute, link, host-optimizer) bound allows.
-2. The same shape on ``h100-sxm`` (80 GiB) with ``server-ddr5-8ch``, at 16k tokens: at least 6000 tokens/s.
+Note [DeepSpeed calibration]
+The rtx4090 profile's efficiency (0.74) was calibrated on a V100. DeepSpeed's published ZeRO-3-offload run on
+a 24 GB RTX 4090 (SlideFormer's baseline CSV: Llama-3.1-8B, seq 1024, full activation checkpointing) gives a
+step of 5.78 s fixed + 0.390 s a sequence (a line through its batches 8, 16, 32). Our ZeRO-3-offload schedule,
+given the published run's activation plan (``checkpoint``: full recompute) and DeepSpeed's CPU-Adam, is simulated
+at those batches; its cost a sequence is the device's compute, so the device's efficiency is scaled by the ratio
+of the simulated cost a sequence to the published one (at most 1.0: the datasheet peak), once, and every 4090 row
+is then priced on that device. The fixed cost is not fitted: it is the host step on the host profile (its DIMM
+population stated) and what of the link does not hide. Both are reported against the published ones (the goal:
+each within 20%).
+
+Targets (issue 37 item 7; simulated, with only mechanisms the runtime has):
+1. Llama-3-8B's shape on ``rtx4090-24gb`` with ``desktop-ddr5-2ch``: ours at least 1.5x ZeRO-Offload's tokens/s
+   at 8k tokens a step, 1.2x at 32k, and at 32k at least 85% of its max(compute, link, host) bound.
+2. The same shape on ``h100-sxm`` with ``server-ddr5-8ch``, at 16k tokens: at least 8000 tokens/s.
 3. The largest model of Llama-3-70B's shape (fewer layers) an ``h100-sxm`` trains with the 1 TiB of
-   ``server-ddr5-8ch``: host memory is what bounds it (at least 60 B parameters), at 16k tokens at least 50%
-   of its compute bound.
-4. DeepSpeed's published Llama-3.1-8B ZeRO-3-offload figures on a 24 GB card (914 / 1373 / 1791 tokens/s at
-   batch 8 / 16 / 32, seq 1024; SlideFormer's baseline CSV) against our ZeRO-3-offload schedule of item 1.
-
+   ``server-ddr5-8ch``: host memory bounds it (at least 60 B parameters), at 16k tokens at least 55% of its
+   compute bound.
 A missed target says by how much and which term binds (the simulated step's largest stall, or its bound).
 """
 
@@ -29,6 +42,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,10 +51,10 @@ import torch
 
 from bench.plotting import pyplot, save
 from bench.write import write_results
-from swap.capture import capture
-from swap.devices import host_profile, profile
+from swap.capture import Trace, capture
+from swap.devices import DeviceProfile, host_profile, profile
 from swap.forecast.model_state import StateFormat, stateless_optimizer
-from swap.forecast.offload import SCHEDULES, forecast_offload
+from swap.forecast.offload import DEFAULT_SCHEDULES, SCHEDULES, forecast_offload, runtime_format
 from swap.forecast.offload_report import OffloadForecast
 from swap.forecast.zoo import ZOO, llama3_8b, llama3_70b
 from swap.schedule.model_state import ModelStateDoesNotFit, Placement, host_bytes_of, pack_buckets, plan_model_state
@@ -49,37 +63,40 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results"
 SEQ = 1024
 DEEPSPEED = {8: 914.0, 16: 1373.0, 32: 1791.0}  # tokens/s, Llama-3.1-8B ZeRO-3 offload, seq 1024, 24 GB card
+DEEPSPEED_FIT = {"fixed_seconds": 5.78, "seconds_per_sequence": 0.390}  # a line through 8.97, 11.93, 18.30 s
 DEEPSPEED_SOURCE = ("SlideFormer (arXiv 2603.16428), baseline CSV bench/DeepSpeed/"
                     "ds_bench_1024_bf16_on_20260224_211132.csv: Llama-3.1-8B, seq 1024, bf16, Liger kernels, DeepSpeed "
-                    "ZeRO-3 with CPU offload, 176 GB host")  # fmt: skip
+                    "ZeRO-3 with CPU offload, full activation checkpointing, on an RTX 4090; the host's CPU and DRAM "
+                    "are not given (its 176 GB is the process's peak RSS, not the machine's memory)")  # fmt: skip
+SCHEDULES_SHOWN = (*DEFAULT_SCHEDULES, "ours_loop", "ours_pure")
 T0 = time.perf_counter()
-DEEPSPEED_EXPLAINED = (
-    "What each term of the simulated ZeRO-3-offload step depends on: the fixed part is the host step, which "
-    "the schedule runs after the backward (8.03 B parameters x 28 bytes of DRAM traffic at the desktop profile's "
-    "AdamW rate, 75% of two channels of DDR5-5600: 3.35 s) and what of the link does not hide; the part per "
-    "sequence is the compute on the rtx4090-24gb profile (165.2 TFLOP/s bf16 at the 0.74 efficiency calibrated "
-    "on V100) with the activation plan's recompute. Where the simulated figure is off the published one by more "
-    "than 25%, those are the profile figures to question; within 25%, the comparison says the baseline is priced "
-    "like the real system, so the ratios of ours to it mean what they say."
-)
 
 
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.0f} s] {msg}", file=sys.stderr, flush=True)
 
 
-def forecast(name: str, build: Any, layers: int, batch: int, device: str, host: str, budget_gib: float,
-             schedules: tuple[str, ...] = tuple(SCHEDULES)) -> OffloadForecast:  # fmt: skip
-    w = ZOO["llama3-70b-bf16" if build is llama3_70b else "llama3-8b-bf16"]
+_TRACES: dict[tuple[str, int, int], Trace] = {}
 
-    def model_fn() -> torch.nn.Module:
-        return build(layers)
 
+def traced(build: Any, layers: int, batch: int) -> Trace:
+    """One captured step of ``build(layers)`` at ``batch`` (captured once, kept for every forecast on it)."""
+    key = (build.__name__, layers, batch)
+    if key not in _TRACES:
+        w = ZOO["llama3-70b-bf16" if build is llama3_70b else "llama3-8b-bf16"]
+        t0 = time.perf_counter()
+        _TRACES[key] = capture(lambda: build(layers), w.batch_fn(SEQ), batch, dtype=torch.bfloat16,
+                               optimizer=stateless_optimizer)  # fmt: skip
+        log(f"{build.__name__}({layers}) captured at batch {batch} in {time.perf_counter() - t0:.0f} s")
+    return _TRACES[key]
+
+
+def forecast(name: str, build: Any, layers: int, batch: int, dev: DeviceProfile, host: str, budget_gib: float,
+             schedules: tuple[str, ...] = SCHEDULES_SHOWN, activations: str = "auto") -> OffloadForecast:  # fmt: skip
     t0 = time.perf_counter()
-    trace = capture(model_fn, w.batch_fn(SEQ), batch, dtype=torch.bfloat16, optimizer=stateless_optimizer)
-    log(f"{name}: {layers} layers captured at batch {batch} in {time.perf_counter() - t0:.0f} s ({len(trace)} events)")
-    f = forecast_offload(trace, model_fn, batch=batch, tokens=batch * SEQ, budget=int(budget_gib * 2**30),
-                         dev=profile(device), host=host_profile(host), schedules=schedules, name=name,
+    f = forecast_offload(traced(build, layers, batch), lambda: build(layers), batch=batch, tokens=batch * SEQ,
+                         budget=int(budget_gib * 2**30), dev=dev, host=host_profile(host), schedules=schedules,
+                         name=name, activations=activations,
                          say=lambda m: log(f"{name} batch {batch}: {m}"))  # fmt: skip
     log(f"{name} batch {batch}: forecast in {time.perf_counter() - t0:.0f} s")
     return f
@@ -96,7 +113,18 @@ def binding(f: OffloadForecast, name: str) -> str:
             "host": "waiting for the host steps after the backward", "update": "host masters' update copies",
             "gradients": "gradient copies out", "release": "activation copies out"}.get(stall, stall)  # fmt: skip
     return (f"bound {s.bound} {s.lower_bound:.2f} s; step {s.step_time:.2f} s = compute {s.compute_time:.2f} s "
-            f"+ stalls {s.stall_time:.2f} s, most on {what} ({seconds:.2f} s); host steps {s.host_seconds:.2f} s")
+            f"+ stalls {s.stall_time:.2f} s, most on {what} ({seconds:.2f} s); host steps {s.host_seconds:.2f} s "
+            f"({r.kernel} kernel)")  # fmt: skip
+
+
+def with_loop(f: OffloadForecast) -> str:
+    """What the same loop gives with the user's AdamW(foreach=False) (torch's per-tensor kernel), for a note."""
+    r = f.results.get("ours_loop")
+    if r is None or not r.fits or not r.tokens_per_s:
+        return ""
+    zo = f.results.get("zero_offload")
+    ratio = f" = {r.tokens_per_s / zo.tokens_per_s:.2f}x ZeRO-Offload" if zo is not None and zo.fits else ""
+    return f"; with AdamW(foreach=False): {r.tokens_per_s:.0f} tokens/s{ratio}"
 
 
 def target(label: str, value: Optional[float], goal: float, unit: str, why: str, met_note: str = "") -> dict[str, Any]:
@@ -106,7 +134,7 @@ def target(label: str, value: Optional[float], goal: float, unit: str, why: str,
                           if value is not None else "no figure; ") + why  # fmt: skip
     alone = value == float("inf")  # a ratio to a schedule that does not fit (strict JSON has no infinity)
     return {"target": label, "value": None if alone else value, "only_ours": alone, "goal": goal, "met": ok,
-            "note": met_note if ok else miss}  # fmt: skip
+            "note": (met_note or why) if ok else miss}  # fmt: skip
 
 
 def only_ours(f: OffloadForecast, other: str) -> str:
@@ -124,19 +152,22 @@ def llama70_params(layers: int) -> tuple[int, int]:
     return count[0] + (layers - 1) * per_layer, per_layer
 
 
+RUNTIME = runtime_format(StateFormat(), 4)  # what ours keeps: an fp32 model (Note [What the runtime runs])
+
+
 def largest_model(budget_gib: float, host: str) -> tuple[int, str]:
-    """The most layers of Llama-3-70B's shape whose model state ``host`` holds with every bucket streamed
-    (host bytes as ``plan_model_state`` counts them), and why one more layer does not fit."""
+    """The most layers of Llama-3-70B's shape whose model state ``host`` holds with every bucket streamed, in
+    the format the runtime keeps (host bytes as ``plan_model_state`` counts them), and why one more layer does
+    not fit."""
     memory = host_profile(host).memory
-    fmt = StateFormat()
     room = int(budget_gib * 2**30 * 0.3)
     _total, per_layer = llama70_params(1)
     why = ""
     for layers in range(200, 0, -1):
         total = llama70_params(layers)[0]
-        params = [fmt.param("embed", 128256 * 8192), fmt.param("head", 128256 * 8192)]
-        params += [fmt.param(f"layer {i}", per_layer) for i in range(layers)]
-        params.append(fmt.param("norm", total - 2 * 128256 * 8192 - layers * per_layer))
+        params = [RUNTIME.param("embed", 128256 * 8192), RUNTIME.param("head", 128256 * 8192)]
+        params += [RUNTIME.param(f"layer {i}", per_layer) for i in range(layers)]
+        params.append(RUNTIME.param("norm", total - 2 * 128256 * 8192 - layers * per_layer))
         try:
             plan_model_state(pack_buckets(params), room, mode="offload", host_memory=memory)
         except ModelStateDoesNotFit as e:
@@ -146,38 +177,84 @@ def largest_model(budget_gib: float, host: str) -> tuple[int, str]:
     raise AssertionError("no model fits")
 
 
+def fit(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
+    """A line through (batch, step seconds) of ``rows``' ``key`` tokens/s: fixed seconds and seconds a sequence."""
+    n = np.array([x["batch"] for x in rows], float)
+    steps = n * SEQ / np.array([x[key] for x in rows])
+    slope, fixed = np.polyfit(n, steps, 1)
+    return {"fixed_seconds": float(fixed), "seconds_per_sequence": float(slope)}
+
+
+def zero3_rows(dev: DeviceProfile, batches: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Our ZeRO-3-offload schedule as DeepSpeed's published run had it (full checkpointing), at ``batches``."""
+    rows = []
+    for b in batches:
+        f = forecast("Llama-3-8B shape", llama3_8b, 32, b, dev, "desktop-ddr5-2ch", 24, ("zero3_offload",),
+                     activations="checkpoint")  # fmt: skip
+        r = f.results["zero3_offload"]
+        rows.append({"batch": b, "published": DEEPSPEED[b], "simulated": r.tokens_per_s,
+                     "off": (r.tokens_per_s / DEEPSPEED[b] - 1) if r.tokens_per_s else None,
+                     "host_seconds": r.sim.host_seconds if r.sim else None,
+                     "compute": r.sim.compute_time if r.sim else None, "why": r.why})  # fmt: skip
+    return rows
+
+
+def calibrate(batches: tuple[int, ...]) -> dict[str, Any]:
+    """Note [DeepSpeed calibration]: the 4090's efficiency from the published cost a sequence, and both costs of
+    our ZeRO-3-offload schedule on the calibrated device against the published ones."""
+    base = profile("rtx4090-24gb")
+    before = zero3_rows(base, batches)
+    if len(batches) < 2 or not all(x["simulated"] for x in before):
+        return {"efficiency": base.efficiency, "datasheet_efficiency": base.efficiency, "rows": before, "fit": {},
+                "calibrated": False}  # fmt: skip
+    slope = fit(before, "simulated")["seconds_per_sequence"]
+    efficiency = min(1.0, base.efficiency * slope / DEEPSPEED_FIT["seconds_per_sequence"])
+    log(f"calibration: {slope:.3f} s a sequence at efficiency {base.efficiency} -> efficiency {efficiency:.3f}")
+    rows = zero3_rows(replace(base, efficiency=efficiency), batches)
+    fits = {"published": DEEPSPEED_FIT, "simulated, datasheet efficiency": fit(before, "simulated"),
+            "simulated, calibrated": fit(rows, "simulated") if all(x["simulated"] for x in rows) else {}}
+    return {"efficiency": efficiency, "datasheet_efficiency": base.efficiency, "rows": rows, "rows_before": before,
+            "fit": fits, "calibrated": True}  # fmt: skip
+
+
 def run(quick: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {"format": StateFormat().describe(), "seq": SEQ, "configs": {}, "targets": []}
+    out: dict[str, Any] = {"format": StateFormat().describe(), "ours_format": RUNTIME.describe(), "seq": SEQ,
+                           "configs": {}, "targets": []}  # fmt: skip
     cfg = out["configs"]
     batches = (8,) if quick else (8, 16, 32)
+    cal = out["deepspeed"] = calibrate(batches)
+    dev4090 = replace(profile("rtx4090-24gb"), efficiency=cal["efficiency"])
     for b in batches:
-        cfg[f"8b-4090-{b}"] = forecast("Llama-3-8B shape", llama3_8b, 32, b, "rtx4090-24gb", "desktop-ddr5-2ch", 24)
+        cfg[f"8b-4090-{b}"] = forecast("Llama-3-8B shape", llama3_8b, 32, b, dev4090, "desktop-ddr5-2ch", 24)
     t = out["targets"]
     f8 = cfg["8b-4090-8"]
     t.append(target("8B on rtx4090-24gb + desktop-ddr5-2ch fits (ours, 8k tokens)",
                     1.0 if f8.results["ours"].fits else 0.0, 1.0, "", binding(f8, "ours")))  # fmt: skip
     t.append(target("ours / ZeRO-Offload tokens/s at 8k tokens >= 1.5", f8.ratio("ours", "zero_offload"), 1.5, "x",
-                    "ours: " + binding(f8, "ours"), only_ours(f8, "zero_offload")))  # fmt: skip
+                    "ours: " + binding(f8, "ours") + with_loop(f8), only_ours(f8, "zero_offload")))  # fmt: skip
     if not quick:
         f32 = cfg["8b-4090-32"]
-        t.append(target("ours / ZeRO-Offload tokens/s at 32k tokens >= 1.0", f32.ratio("ours", "zero_offload"), 1.0,
-                        "x", "ours: " + binding(f32, "ours"), only_ours(f32, "zero_offload")))  # fmt: skip
-        t.append(target("ours at 32k tokens >= 80% of its max(compute, link, host) bound", f32.share_of_bound("ours"),
-                        0.8, "", binding(f32, "ours")))  # fmt: skip
-        h = cfg["8b-h100-16"] = forecast("Llama-3-8B shape", llama3_8b, 32, 16, "h100-sxm", "server-ddr5-8ch", 80)
+        t.append(target("ours / ZeRO-Offload tokens/s at 32k tokens >= 1.2", f32.ratio("ours", "zero_offload"), 1.2,
+                        "x", "ours: " + binding(f32, "ours") + with_loop(f32),
+                        only_ours(f32, "zero_offload")))  # fmt: skip
+        t.append(target("ours at 32k tokens >= 85% of its max(compute, link, host) bound", f32.share_of_bound("ours"),
+                        0.85, "", binding(f32, "ours")))  # fmt: skip
+        h = cfg["8b-h100-16"] = forecast("Llama-3-8B shape", llama3_8b, 32, 16, profile("h100-sxm"),
+                                         "server-ddr5-8ch", 80, (*DEFAULT_SCHEDULES, "ours_loop"))  # fmt: skip
         r = h.results["ours"]
-        t.append(target("8B on h100-sxm + server-ddr5-8ch at 16k tokens >= 6000 tokens/s", r.tokens_per_s, 6000.0,
-                        " tokens/s", binding(h, "ours")))  # fmt: skip
+        t.append(target("8B on h100-sxm + server-ddr5-8ch at 16k tokens >= 8000 tokens/s", r.tokens_per_s, 8000.0,
+                        " tokens/s", binding(h, "ours") + with_loop(h)))  # fmt: skip
         layers, why = largest_model(80, "server-ddr5-8ch")
         log(f"largest by model state: {layers} layers of the 70B shape (one more: {why})")
         while True:
             big = cfg["largest-h100-16"] = forecast(f"Llama-3-70B shape, {layers} layers", llama3_70b, layers, 16,
-                                                    "h100-sxm", "server-ddr5-8ch", 80, ("ours",))  # fmt: skip
+                                                    profile("h100-sxm"), "server-ddr5-8ch", 80,
+                                                    ("ours",))  # fmt: skip
             r = big.results["ours"]
             if r.fits or "host memory" not in r.why or r.host_bytes <= big.host_memory:
                 break
             # the swapped activations take host memory too: as many layers fewer as their bytes
-            per_layer = host_bytes_of(pack_buckets([StateFormat().param("layer", llama70_params(1)[1])])[0],
+            per_layer = host_bytes_of(pack_buckets([RUNTIME.param("layer", llama70_params(1)[1])])[0],
                                       Placement.STREAMED)[0]  # fmt: skip
             fewer = -(-(r.host_bytes - big.host_memory) // per_layer)
             why = f"{layers} layers need {r.host_bytes / 1e9:.0f} GB with the swapped activations"
@@ -185,39 +262,28 @@ def run(quick: bool) -> dict[str, Any]:
         out["largest"] = {"layers": layers, "params": big.params, "next_fails": why}
         t.append(target("largest model on h100-sxm with 1 TiB host, bounded by host memory (B parameters)",
                         big.params / 1e9 if big.results["ours"].fits else None, 60.0, " B", why))  # fmt: skip
-        t.append(target("that model at 16k tokens >= 50% of its compute bound", big.share_of_bound("ours"), 0.5, "",
-                        binding(big, "ours")))  # fmt: skip
-    out["deepspeed"] = deepspeed(cfg, batches)
+        t.append(target("that model at 16k tokens >= 55% of its compute bound", big.share_of_bound("ours"), 0.55, "",
+                        binding(big, "ours") + with_loop(big)))  # fmt: skip
     return out
-
-
-def deepspeed(cfg: dict[str, OffloadForecast], batches: tuple[int, ...]) -> dict[str, Any]:
-    """Our ZeRO-3-offload schedule against DeepSpeed's published figures, and a fixed + per-sequence fit of
-    both (the public one's 5.8 s fixed cost is the host step and the transfers that do not hide)."""
-    rows = []
-    for b in batches:
-        r = cfg[f"8b-4090-{b}"].results["zero3_offload"]
-        ours = r.tokens_per_s
-        rows.append({"batch": b, "published": DEEPSPEED[b], "simulated": ours,
-                     "off": (ours / DEEPSPEED[b] - 1) if ours else None,
-                     "host_seconds": r.sim.host_seconds if r.sim else None,
-                     "compute": r.sim.compute_time if r.sim else None})  # fmt: skip
-    fit = {}
-    if len(rows) >= 2 and all(x["simulated"] for x in rows):
-        n = np.array([x["batch"] for x in rows], float)
-        for key in ("published", "simulated"):
-            steps = n * SEQ / np.array([x[key] for x in rows])
-            slope, fixed = np.polyfit(n, steps, 1)
-            fit[key] = {"fixed_seconds": float(fixed), "seconds_per_sequence": float(slope)}
-    return {"source": DEEPSPEED_SOURCE, "rows": rows, "fit": fit}
 
 
 def markdown(out: dict[str, Any], seconds: float, quick: bool) -> str:
     cmd = "python -m bench.model_state_sim" + (" --quick" if quick else "")
+    d = out["deepspeed"]
     lines = ["# Model larger than the GPU (simulated)", "",
-             f"- command: `{cmd}` ({seconds / 60:.0f} min); format: {out['format']}; sequences of {out['seq']} tokens",
+             f"- command: `{cmd}` ({seconds / 60:.0f} min); the math: {out['format']}; sequences of {out['seq']} "
+             "tokens",
+             f"- ours is what `SwapManager(model=, optimizer=)` runs (Note [What the runtime runs] in "
+             f"swap/forecast/offload.py): {out['ours_format']} (an fp32 model, autocast in bf16); host steps after "
+             "`opt.step()`, none speculative; torch's fused CPU AdamW kernel (the runtime's where the user left "
+             "torch's default) unless the row says foreach=False (torch's per-tensor loop)",
              "- every figure is simulated on device and host profiles with sources (swap/devices.py); activations "
-             "planned by the joint search; nothing is fitted to the targets", "", "## Targets", "",
+             "planned by the joint search",
+             f"- rtx4090-24gb at efficiency {d['efficiency']:.3f} "
+             + ("(calibrated on DeepSpeed's published ZeRO-3-offload run, Note [DeepSpeed calibration]; the "
+                f"datasheet profile's is {d['datasheet_efficiency']})" if d["calibrated"] else
+                "(the datasheet profile's: --quick does not calibrate)"),
+             "", "## Targets", "",
              "| target | value | goal | met | what binds where missed (or why met) |",
              "|---|---|---|---|---|"]  # fmt: skip
     for t in out["targets"]:
@@ -226,27 +292,34 @@ def markdown(out: dict[str, Any], seconds: float, quick: bool) -> str:
         lines.append(f"| {t['target']} | {v} | {t['goal']:g} | {'yes' if t['met'] else 'no'} | {t['note']} |")
     for key, f in out["configs"].items():
         lines += ["", f"## {key}", "", "```", f.table(), "```"]
-    d = out["deepspeed"]
     lines += ["", "## Our ZeRO-3-offload schedule against DeepSpeed's published figures", "",
-              f"Source: {d['source']}.", "", "| batch | published tokens/s | simulated | off | host steps (s) | "
-              "compute (s) |", "|---|---|---|---|---|---|"]  # fmt: skip
+              f"Source: {DEEPSPEED_SOURCE}.", "",
+              "Our ZeRO-3-offload schedule with the published run's activation plan (full checkpointing) and "
+              "DeepSpeed's CPU-Adam (fused), on the calibrated device:", "",
+              "| batch | published tokens/s | simulated | off | host steps (s) | compute (s) |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
     for r in d["rows"]:
         off = "-" if r["off"] is None else f"{r['off'] * 100:+.0f}%"
         sim = "-" if r["simulated"] is None else f"{r['simulated']:.0f}"
         lines.append(f"| {r['batch']} | {r['published']:.0f} | {sim} | {off} | {r['host_seconds'] or 0:.2f} | "
                      f"{r['compute'] or 0:.2f} |")  # fmt: skip
+    pub = DEEPSPEED_FIT
     for key, v in d["fit"].items():
-        lines.append(f"\n{key}: step = {v['fixed_seconds']:.2f} s fixed + {v['seconds_per_sequence']:.3f} s a sequence")
-    lines += ["", DEEPSPEED_EXPLAINED]
+        if not v:
+            continue
+        off = (f" ({(v['fixed_seconds'] / pub['fixed_seconds'] - 1) * 100:+.0f}% / "
+               f"{(v['seconds_per_sequence'] / pub['seconds_per_sequence'] - 1) * 100:+.0f}% of the published)")
+        lines.append(f"\n{key}: step = {v['fixed_seconds']:.2f} s fixed + {v['seconds_per_sequence']:.3f} s a "
+                     f"sequence" + ("" if key == "published" else off))  # fmt: skip
     lines += ["", "![tokens/s per schedule](model_state_sim.png)"]
     return "\n".join(lines) + "\n"
 
 
 def plot(out: dict[str, Any], path: Path) -> Path:
     plt = pyplot()
-    configs = {k: f for k, f in out["configs"].items() if len(f.results) > 1}
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    names = list(SCHEDULES)
+    configs = {k: f for k, f in out["configs"].items() if len(f.results) > 2}
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    names = list(SCHEDULES_SHOWN)
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         vals = [f.results[name].tokens_per_s or 0 if name in f.results and f.results[name].fits else 0
@@ -256,13 +329,13 @@ def plot(out: dict[str, Any], path: Path) -> Path:
     points = [(k, DEEPSPEED[f.batch]) for k, f in enumerate(configs.values()) if "4090" in f.device]
     if points:
         ax.scatter([k + zero3 * width for k, _ in points], [v for _, v in points], marker="x", color="black", zorder=3,
-                   label="DeepSpeed ZeRO-3-offload, published (Llama-3.1-8B, 24 GB card)")  # fmt: skip
+                   label="DeepSpeed ZeRO-3-offload, published (Llama-3.1-8B, RTX 4090)")  # fmt: skip
     ax.set_xticks(np.arange(len(configs)) + width * (len(names) - 1) / 2)
     ax.set_xticklabels([f"{f.device.split(',')[0]}\n{f.tokens // 1024}k tokens" for f in configs.values()], fontsize=8)
     ax.set_ylabel("tokens/s (simulated)")
-    ax.set_title("Llama-3-8B shape, full AdamW fine-tune (fp32 master and state): offload schedules side by side",
-                 fontsize=10)  # fmt: skip
-    ax.legend(fontsize=8)
+    ax.set_title("Llama-3-8B shape, full AdamW fine-tune (fp32 master and state): offload schedules side by side, "
+                 "ours as the runtime runs it", fontsize=10)  # fmt: skip
+    ax.legend(fontsize=7)
     return save(fig, path)
 
 

@@ -44,8 +44,10 @@ A forecast prices only what the runtime does. Today ``SwapManager(model=, optimi
   pure-bf16 AdamW (bf16 master and moments: ``runtime_format``), and fp32 master and state mean an fp32 model,
   whose fp32 weights cross the link and are cast on the device by autocast at each fetch (``cast="device"``;
   autocast's bf16 copies saved for the backward are not captured: the fetch's cast stands for them);
-- runs the user's optimizer class on the host with the kernel ``host_kernel`` names (``RUNTIME_DEFAULT_KERNEL``
-  where the user left torch's default).
+- runs the user's optimizer class on the host with the kernel ``host_kernel`` names: torch's fused CPU kernel
+  where the user left torch's default (``RUNTIME_DEFAULT_KERNEL``; Note [The host kernel] in
+  swap/runtime/model_state/host_optim.py), the user's own kernel where the user chose one (``foreach=``,
+  ``fused=False``) or asked for ``differentiable=True``.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ from .pricing import event_seconds
 
 HOST_SHARES = (1.0,)  # of the host memory model state leaves: the most swapped activations may take (ours; no
 # staging for speculative host steps is priced, Note [What the runtime runs], so they may take all of it)
-RUNTIME_DEFAULT_KERNEL = "for-loop"  # where the user left torch's default (Note [What the runtime runs])
+RUNTIME_DEFAULT_KERNEL = "fused"  # where the user left torch's default (Note [What the runtime runs])
 AUTO_EVALUATIONS = 60  # plans the joint search judges per activation plan
 ROOM_GRID = 64  # rooms are rounded up to a 64th of the budget, so schedules share activation plans
 
@@ -123,10 +125,11 @@ SCHEDULES = {
         OffloadSchedule("torchao_cpu_offload", "torchao CPUOffloadOptimizer", Placement.HOST_MASTER, "blocking",
                         "not supported", weight_in_master_dtype=True, cast="device", grad_in_master_dtype=True,
                         kernel="for-loop"),
-        # ours in other settings the runtime runs, for side-by-side tables (bench.model_state_sim): the host step
-        # with AdamW(fused=True), and a model kept in the compute dtype (pure bf16: not the baselines' math)
-        OffloadSchedule("ours_fused", "ours, AdamW(fused=True)", None, "before_use",
-                        "exact (per-bucket partial norms)", kernel="fused", model_dtype="model"),
+        # ours in other settings the runtime runs, for side-by-side tables (bench.model_state_sim): the user's
+        # AdamW made with foreach=False (the host step then runs torch's per-tensor loop), and a model kept in
+        # the compute dtype (pure bf16: not the baselines' math)
+        OffloadSchedule("ours_loop", "ours, AdamW(foreach=False)", None, "before_use",
+                        "exact (per-bucket partial norms)", kernel="for-loop", model_dtype="model"),
         OffloadSchedule("ours_pure", "ours, model in bf16 (pure)", None, "before_use",
                         "exact (per-bucket partial norms)", model_dtype="weight"),
     )
@@ -385,19 +388,21 @@ def state_format(optimizer: Optional[OptimizerFn], dtype: Optional[torch.dtype])
 
 
 def host_kernel(optimizer: Optional[OptimizerFn]) -> str:
-    """The kernel the runtime's host step runs for the user's optimizer (Note [What the runtime runs]): the one
-    the user named (``fused=True``, ``foreach=True``, or ``False`` for both: the per-tensor loop), else
-    ``RUNTIME_DEFAULT_KERNEL``."""
+    """The kernel the runtime's host step runs for the user's optimizer, as swap/runtime/model_state/host_optim.py
+    chooses it (Note [What the runtime runs]): fused where the user left torch's default (``RUNTIME_DEFAULT_KERNEL``)
+    or asked for it, else the user's own: ``foreach=True`` the foreach kernel, any other choice (``foreach=False``,
+    ``fused=False``, ``differentiable=True``) or a class without a fused CPU kernel the per-tensor loop."""
     if optimizer is None:
         return RUNTIME_DEFAULT_KERNEL
-    group = optimizer([torch.nn.Parameter(torch.empty(1, device="meta"))]).param_groups[0]
+    opt = optimizer([torch.nn.Parameter(torch.empty(1, device="meta"))])
+    group = opt.param_groups[0]
     if group.get("fused"):
         return "fused"
     if group.get("foreach"):
         return "foreach"
-    if group.get("fused") is False and group.get("foreach") is False:
-        return "for-loop"
-    return RUNTIME_DEFAULT_KERNEL
+    chose = group.get("foreach") is not None or group.get("fused") is not None or group.get("differentiable")
+    fused_class = isinstance(opt, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD))
+    return "for-loop" if chose or not fused_class else RUNTIME_DEFAULT_KERNEL
 
 
 def forecast_model(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], Any], loss_fn: Any, *,
