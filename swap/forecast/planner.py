@@ -302,9 +302,11 @@ def plan(
         model_state: plan parameters, gradients and optimizer state under the budget too, at ``batch``: "auto"
             (placements chosen: resident, host master or streamed), "offload" (every bucket streamed) or
             "resident" (as today), side by side with other systems' offload schedules
-            (``swap.forecast.offload``); the result's ``model_state``. None: model state stays on the device.
+            (``swap.forecast.offload``); the result's ``model_state``. None: model state stays on the device,
+            unless nothing fits so (Note [Model-state offload unasked]).
         host: the host profile for ``model_state`` (``swap.devices.HOST_PROFILES``: "desktop-ddr5-2ch",
             "server-ddr5-8ch", or a file bench/host_profile.py wrote); giving one implies model_state="auto".
+            None: where no batch fits, model-state offload is forecast on ``swap.devices.default_host``'s profile.
         tf32: which fp32 operators run on TF32 tensor cores (Note [Peaks by precision and kind] in
             swap/devices.py): "auto" (PyTorch's flags as they are now: convolutions by default, matmuls after
             ``torch.backends.cuda.matmul.allow_tf32 = True`` or ``set_float32_matmul_precision("high")``), "on"
