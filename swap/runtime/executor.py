@@ -57,7 +57,7 @@ class Executor:
         self.engine = engine
         self.pool = pool
         self.memory = memory
-        self.budget = budget
+        self.budget = memory.budget = budget  # Note [What the over-budget count counts] (swap.runtime.memory)
         self.timer: Any = CudaStepTimer(device) if device.type == "cuda" else HostStepTimer()
         self.lock = threading.RLock()
         # Byte counts changed by callbacks; never held while waiting. Re-entrant: a weakref/GC callback (a

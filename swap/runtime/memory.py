@@ -14,13 +14,27 @@ import torch
 
 from .meter import LiveBytesMeter
 
+# Note [What the over-budget count counts]
+# The report's "steps over budget" (``overruns``) counts the windows of measured memory whose peak was above
+# the budget: each interval between two saved-tensor accesses of a profiled or planned iteration (its last one
+# through the optimizer step), each declined iteration (backward end to backward end), a report taken mid-run,
+# and what is left at exit. Every window is read through ``window_peak``, which is also the only thing that
+# raises ``peak``, so the count is above zero exactly when the report's peak is above the budget. Counted at
+# the executor's steps alone, a declined run (nothing it may move, memory grown after profiling) printed a peak
+# over the budget beside "steps over budget 0".
+
 
 class DeviceMemory:
+    """``budget``, once the executor sets it, makes ``over_budget`` count the windows read above it (Note [What
+    the over-budget count counts])."""
+
     name = "?"
     sees_inside_ops = True
 
     def __init__(self) -> None:
         self.peak = 0
+        self.budget: Optional[int] = None
+        self.over_budget = 0  # windows whose peak was above ``budget``
 
     def _window_peak(self) -> int:
         raise NotImplementedError
@@ -51,6 +65,8 @@ class DeviceMemory:
     def window_peak(self) -> int:
         p = self._window_peak()
         self.peak = max(self.peak, p)
+        if self.budget is not None and p > self.budget:
+            self.over_budget += 1
         return p
 
     def close(self) -> None:

@@ -48,7 +48,7 @@ def snapshot(policy: str, device: torch.device, budget: int, window: Optional[in
         "replans": c.replans,
         "profiling_iterations": c.profiling_iterations,
         **life.book.counts(),  # Note [Plans by input shape]
-        "overruns": c.overruns,
+        "overruns": memory.over_budget,  # Note [What the over-budget count counts] (swap.runtime.memory)
         "evictions": c.evictions,
         "declined": ex.mode == DECLINED,
         "planned_peak_bytes": ex.schedule.peak if ex.schedule is not None else None,
