@@ -73,8 +73,20 @@ class DeviceMemory:
         pass
 
 
+# Note [What the CPU budget counts]
+# On the CPU there is no allocator of the manager's device to ask, so the budget is measured as the bytes of
+# every live CPU tensor storage in the process (a LiveBytesMeter), read between operators: the training's
+# parameters, gradients, optimizer state, batches and saved tensors, and also whatever else is alive when the
+# manager is entered (``track_existing``: a model trained earlier in the script, an unused ``torch.zeros``, a
+# dataset held as tensors) or made while it runs. Those are not the training's, yet they are memory the run
+# shares, so they count; a user who does not want them counted deletes them before entering the manager (and
+# lets them be collected) or raises the budget by their size. Not counted: memory inside one operator that
+# never reaches Python (a convolution's workspace: Note [What the meter cannot see] in swap.runtime.meter),
+# NumPy arrays and other non-tensor memory, and the pinned host pool swapped tensors go to. Storages resized
+# in place (FSDP2's unsharded parameters) are counted at their new size (Note [Storages that resize]).
 class MeterMemory(DeviceMemory):
-    """CPU runs: live tensor bytes on the compute device, counted by a LiveBytesMeter."""
+    """CPU runs: live tensor bytes on the compute device, counted by a LiveBytesMeter (Note [What the CPU
+    budget counts])."""
 
     name = "live tensor bytes between operators (LiveBytesMeter)"
     sees_inside_ops = False
