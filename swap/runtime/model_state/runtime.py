@@ -18,7 +18,7 @@ import torch
 from ...schedule.model_state import ModelStatePlan, Placement
 from ..host_pool import ALIGN, HostPool, Pinner
 from ..resources import available_host_memory
-from . import clipping
+from . import clipping, scaling
 from .buckets import collect_entries, specs
 from .data_parallel import refuse_ddp
 from .gradients import GradSink
@@ -154,6 +154,7 @@ class ModelStateRuntime:
         self._restore.append(self.state_dicts.uninstall)
         clipping.route(self)
         self._restore.append(lambda: clipping.unroute(self))
+        self._restore.append(scaling.route(self.optimizer, self.grads, self.device))  # Note [Unscaling host gradients]
 
     @property
     def pinned(self) -> bool:
