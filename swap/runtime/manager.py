@@ -46,7 +46,7 @@ from .model_state.runtime import ModelStateRuntime, check_model_state
 from .notices import NOT_STARTED, Notices, never_started
 from .ranks import Ranks
 from .report import SwapReport
-from .resources import default_budget, open_resources, refuse_budget_above_memory
+from .resources import default_budget, host_block_bytes, open_resources, refuse_budget_above_memory
 from .scheduling import Scheduling
 from .signals import BudgetWarning
 from .tracer import Exclusions
@@ -109,7 +109,8 @@ class SwapManager:
             host (exact: the very optimizer, bitwise on CPU runs); "resident" keeps the state on the device (as
             without ``model=``); "auto" (the default) chooses per bucket under the budget, starting offloaded.
         bucket_bytes: parameters are moved and stepped in buckets of about this many bytes (packed in the order
-            the forward pass reads them).
+            the forward pass reads them); None (the default): the weights over 16 buckets, at most 1/32 of the
+            budget, between 64 KiB and 32 MiB (Note [Bucket size by default] in swap.runtime.model_state.defaults).
         host_memory: host bytes the offloaded model state may take; None: what the kernel reports available.
             The manager refuses at construction (``HostMemoryError``) if the state would not fit.
         group: under DDP or FSDP2, the process group whose ranks choose ``strategy="auto"``'s plan together
@@ -140,7 +141,7 @@ class SwapManager:
         model: Optional[torch.nn.Module] = None,
         optimizer: Optional[torch.optim.Optimizer] = None,
         model_state: str = "auto",
-        bucket_bytes: Size = "32MiB",
+        bucket_bytes: Size = None,
         host_memory: Size = None,
         group: Any = None,
     ) -> None:
@@ -176,9 +177,10 @@ class SwapManager:
                 raise ValueError("policy='none' turns the manager off, so it cannot place model state: pass another "
                                  "policy, or model_state='resident'")  # fmt: skip
             self.model_state = ModelStateRuntime(
-                model, optimizer, self.device, parse_size(bucket_bytes, "bucket_bytes", minimum=1),
+                model, optimizer, self.device,
+                parse_size(bucket_bytes, "bucket_bytes", minimum=1, none="from the weights and the budget"),
                 parse_size(host_memory, "host_memory", minimum=1, none="what the kernel reports available"),
-                model_state,
+                model_state, budget=self.budget,
             )  # fmt: skip
 
     @property
@@ -227,6 +229,7 @@ class SwapManager:
     def _start(self) -> None:
         """Opens the device's resources, builds the executor and installs the hooks."""
         self.memory, engine, pool = open_resources(self.device, self.arena, self.host_pool_limit)
+        pool.block_size = host_block_bytes(self.budget)  # Note [The host pool's first block]
         s = self._scheduling = Scheduling(
             self.budget, self.window, self.policy, self.swapout_threshold, self.swapin_ahead, engine, self.hooks,
             self._notices, self._joint, Ranks.of(self._group) if self._joint is not None else None,

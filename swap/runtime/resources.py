@@ -99,6 +99,16 @@ def _running_part(tb: Any, running: set[int]) -> Any:
     return tb
 
 
+# Note [The host pool's first block]
+# The activations' host pool takes host memory a block at a time (each block one registration when pinned). Its
+# blocks are a quarter of the budget, between 2 MiB and 256 MiB: what a run swaps grows with what it trains, so
+# a small run (a 6 MiB model) takes a few MiB at a time, not 256 MiB beside a host-memory prediction that never
+# counted them, and a large one still pins in few, large blocks.
+def host_block_bytes(budget: Optional[int]) -> int:
+    """Note [The host pool's first block] (None: no budget known, the largest block)."""
+    return 256 << 20 if budget is None else max(2 << 20, min(256 << 20, budget // 4))
+
+
 def open_resources(
     device: torch.device, arena: Any, host_pool_limit: Optional[int]
 ) -> tuple[DeviceMemory, Any, HostPool]:

@@ -1,4 +1,5 @@
-"""Offloaded model state under data parallelism: refused under DDP, with what to use instead.
+"""Model wrappers offloaded model state cannot run under, refused at entry with what to use instead: DDP, and a
+model compiled whole with ``torch.compile``.
 
 Note [Model state under DDP]
 DDP all-reduces gradients from its own autograd hooks, once every gradient of a bucket of its is ready. The
@@ -9,6 +10,14 @@ the all-reduce (from a DDP communication hook) is not built, so the manager refu
 FSDP2's (``swap.fsdp2``: each rank offloads its own shard by a byte budget and ``HostSteps`` runs the update on the
 host); with ``model_state='resident'`` the manager leaves parameters, gradients and optimizer state to DDP and
 manages only the activations, which DDP does not touch.
+
+Note [Model state and torch.compile]
+Weights are streamed from module forward hooks, saved-tensor hooks and the parameter guard (Note [Weight uses] in
+swap.runtime.model_state.streaming). A model compiled whole runs its forward and its backward as one graph each, so
+every weight is one use of the whole graph: streaming would have to hold the whole model, and the manager used to
+answer with an ``InfeasibleBudget`` at any budget below it. So ``model=torch.compile(m)`` is refused at entry,
+naming the two ways that run: the model uncompiled with its state managed, or compiled with
+``model_state='resident'`` (the activations are still managed).
 """
 
 from __future__ import annotations
@@ -31,3 +40,14 @@ def refuse_ddp(model: torch.nn.Module) -> None:
                 "docs/model_state.md, 'FSDP2 offload'), or keep the model state on the device with "
                 "model_state='resident' (the activations are still managed)"
             )  # fmt: skip
+
+
+def refuse_compiled(model: torch.nn.Module) -> None:
+    """Raises ``ValueError`` when ``model`` is a ``torch.compile`` wrapper (Note [Model state and torch.compile])."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise ValueError(
+            "model= is compiled whole with torch.compile: a compiled graph reads every weight at once, so the "
+            "SwapManager cannot stream its weights in buckets (it would have to hold the whole model). Pass the "
+            "uncompiled module (model=compiled._orig_mod, and run it uncompiled) to place its state under the "
+            "budget, or keep the model state on the device with model_state='resident' to train it compiled"
+        )  # fmt: skip
