@@ -12,11 +12,32 @@ copies), otherwise they are zeroed (the next one adds to zero, as torch does). W
 accumulate across steps, as in torch. The host work runs on the host-step worker, in order with the host steps
 that read the buffers (one thread, first in first out); a new copy into a buffer waits for any earlier work on it
 and for the pending host step of its bucket.
+
+Note [p.grad of an offloaded parameter]
+The loop stays plain torch's: while the manager runs, an offloaded parameter's ``grad`` attribute is its host
+gradient. Each such parameter's class is swapped (as torch swaps a lazy parameter's) for a subclass whose ``grad``
+property reads and writes the host buffer, so code that reads ``p.grad`` between backward and step (grad-norm
+logging, NaN checks, ``clip_grad_value_``, ``GradScaler``) gets the gradient, once every copy and accumulation into
+it has landed (and, for a bucket whose host step is pending, after that step, so a write never races it):
+
+- a read gives the host buffer itself, in place: on CPU runs a tensor on the parameter's device; on CUDA runs a
+  CPU tensor (``.item()``, norms and CPU scalars mix with device tensors as torch allows; ``p.grad.to(device)``
+  for a device copy). None when the parameter has no gradient this step, as in torch;
+- an in-place write (``p.grad.mul_``, ``clamp_``, ``zero_``) writes the host buffer, so the host step sees it;
+- ``p.grad = None`` forgets the gradient (the next backward starts afresh, as torch's does), and ``p.grad = t``
+  makes ``t`` the gradient (copied into the host buffer).
+
+The runtime's own reads and writes, the user's ``opt.step()`` (which must skip offloaded parameters: the host steps
+them) and ``zero_grad`` (which resets the buffers itself, without waiting for a host step) see the attribute
+torch keeps, which is None. ``type(p)`` is the subclass while the manager runs (``isinstance(p, nn.Parameter)``
+holds) and is restored at its exit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
@@ -25,6 +46,42 @@ import torch
 from ..host_pool import HostBlock, HostPool, HostPoolExhausted
 from .buckets import Entry, trains
 from .storage import Copies, grad_span, host_tensor
+
+_RAW = torch._C.TensorBase.grad  # the attribute torch keeps (Note [p.grad of an offloaded parameter])
+_sinks: dict[int, GradSink] = {}  # id(parameter) -> the sink holding its host gradient
+_classes: dict[type, type] = {}  # a parameter class -> its subclass with the routed ``grad``
+
+
+def raw_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
+    """``p.grad`` as torch keeps it (None for an offloaded parameter)."""
+    return _RAW.__get__(p)
+
+
+def set_raw_grad(p: torch.Tensor, g: Optional[torch.Tensor]) -> None:
+    _RAW.__set__(p, g)
+
+
+def _get(p: torch.Tensor) -> Optional[torch.Tensor]:
+    sink = _sinks.get(id(p))
+    if sink is None or not sink.routes(p):
+        return raw_grad(p)
+    return sink.read(p)
+
+
+def _set(p: torch.Tensor, g: Optional[torch.Tensor]) -> None:
+    sink = _sinks.get(id(p))
+    if sink is None or not sink.routes(p):
+        set_raw_grad(p, g)
+    else:
+        sink.write(p, g)
+
+
+def _routed_class(cls: type) -> type:
+    sub = _classes.get(cls)
+    if sub is None:
+        sub = _classes[cls] = type(cls.__name__, (cls,), {"grad": property(_get, _set, doc=_RAW.__doc__),
+                                                          "__module__": cls.__module__})  # fmt: skip
+    return sub
 
 
 class GradSink:
@@ -47,6 +104,9 @@ class GradSink:
         self.has: dict[int, bool] = {}  # id(p) -> the buffer holds this step's gradient so far
         self.tasks: dict[int, Future] = {}  # id(p) -> the last host work on its buffer
         self._handles: list[Any] = []
+        self._local = threading.local()  # depth of ``raw()`` on this thread
+        self.stepping = False  # the user's opt.step() runs: it must see torch's attribute
+        self._swapped: list[tuple[torch.nn.Parameter, type]] = []
 
     def allocate(self) -> None:
         for p in self.params:
@@ -60,26 +120,78 @@ class GradSink:
     def install(self) -> None:
         for p in self.params:
             self._handles.append(p.register_post_accumulate_grad_hook(self._arrived))
-            if p.grad is not None:  # made before the manager started: it moves to the host too
+            if raw_grad(p) is not None:  # made before the manager started: it moves to the host too
                 self.take(p)
+        for p in self.params:  # Note [p.grad of an offloaded parameter]
+            self._swapped.append((p, type(p)))
+            _sinks[id(p)] = self
+            p.__class__ = _routed_class(type(p))
 
     def uninstall(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for p, cls in self._swapped:
+            p.__class__ = cls
+            if _sinks.get(id(p)) is self:
+                del _sinks[id(p)]
+        self._swapped = []
+
+    # -- p.grad (Note [p.grad of an offloaded parameter]) ---------------------------------------------------
+    @contextlib.contextmanager
+    def raw(self) -> Iterator[None]:
+        """Inside, ``p.grad`` is torch's attribute on this thread."""
+        local = self._local
+        local.depth = getattr(local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            local.depth -= 1
+
+    def routes(self, p: torch.Tensor) -> bool:
+        """Whether ``p.grad`` is ``p``'s host gradient now."""
+        return id(p) in self.offloaded and not self.stepping and not getattr(self._local, "depth", 0)
+
+    def _ready(self, k: int) -> None:
+        """Every copy into ``k``'s buffer landed, and its bucket's pending host step done."""
+        self.gate(self.entry_of[k])
+        with self.lock:
+            task = self.tasks.get(k)
+        if task is not None:
+            task.result()
+
+    def read(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        k = id(p)
+        self._ready(k)
+        return self.host[k] if self.has.get(k) else None
+
+    def write(self, p: torch.Tensor, g: Optional[torch.Tensor]) -> None:
+        k = id(p)
+        if g is None:  # as zero_grad(set_to_none=True): the next copy waits for any work on the buffer
+            with self.lock:
+                self.has[k] = False
+            return
+        self._ready(k)
+        if g.shape != p.shape or g.dtype != p.dtype:
+            raise RuntimeError(f"assigned grad has shape {tuple(g.shape)} and dtype {g.dtype}, the parameter "
+                               f"{tuple(p.shape)} and {p.dtype}")  # fmt: skip
+        with self.busy(), torch.no_grad():
+            self.host[k].copy_(g)
+        self.has[k] = True
 
     # -- gradients arriving -----------------------------------------------------------------------------
     def _arrived(self, p: torch.nn.Parameter) -> None:
+        self.stepping = False  # a step that raised never reached its post-hook
         self.in_backward()
         if id(p) in self.offloaded:
             self.take(p)
 
     def take(self, p: torch.nn.Parameter) -> None:
         """Note [Gradients on the host]."""
-        g = p.grad
+        g = raw_grad(p)
         if g is None:
             return
-        p.grad = None
+        set_raw_grad(p, None)
         k = id(p)
         self.gate(self.entry_of[k])
         with self.lock, self.busy():
@@ -144,7 +256,7 @@ class GradSink:
         if g is None:
             return 0
         with torch.no_grad():
-            p.grad = g.to(device, copy=True)
+            set_raw_grad(p, g.to(device, copy=True))
         return g.numel() * g.element_size()
 
     def zero(self, params: Any, set_to_none: bool) -> None:

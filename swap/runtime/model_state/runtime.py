@@ -20,9 +20,8 @@ from ..host_pool import ALIGN, HostPool, Pinner
 from ..resources import available_host_memory
 from . import clipping, scaling
 from .buckets import collect_entries, specs
-from .data_parallel import refuse_compiled, refuse_ddp
-from .defaults import default_bucket_bytes
-from .gradients import GradSink
+from .data_parallel import refuse_ddp
+from .gradients import GradSink, set_raw_grad
 from .guard import ParamGuard
 from .host_memory import predict, refuse_over
 from .host_optim import host_worker
@@ -63,29 +62,25 @@ def check_model_state(model: Any, optimizer: Any, mode: Any) -> Optional[str]:
     if mode != "resident":
         check_optimizer(optimizer)
         refuse_ddp(model)
-        refuse_compiled(model)
     return mode
 
 
 class ModelStateRuntime:
     """Streams ``model``'s parameters that ``optimizer`` steps (every bucket ``STREAMED``, host step after
-    confirmation: the conservative plan) in buckets of about ``bucket_bytes`` (None: from the weights and
-    ``budget``, Note [Bucket size by default]), on ``device``. ``host_memory``: host bytes it may use (None: what
-    is available now). Raises ``HostMemoryError`` before allocating anything when the state would not fit."""
+    confirmation: the conservative plan) in buckets of about ``bucket_bytes``, on ``device``. ``host_memory``:
+    host bytes it may use (None: what is available now). Raises ``HostMemoryError`` before allocating anything when
+    the state would not fit."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 bucket_bytes: Optional[int], host_memory: Optional[int] = None, mode: str = "offload",
-                 budget: Optional[int] = None) -> None:  # fmt: skip
+                 bucket_bytes: int, host_memory: Optional[int] = None, mode: str = "offload") -> None:  # fmt: skip
         self.mode = mode
         self.model = model
         self.optimizer = optimizer
         self.device = device
+        self.bucket_bytes = bucket_bytes
         self.entries = collect_entries(model, optimizer, device)
         if not self.entries:
             raise ValueError("the optimizer steps none of the model's parameters: nothing to place")
-        if bucket_bytes is None:  # Note [Bucket size by default]
-            bucket_bytes = default_bucket_bytes(sum(e.nbytes for e in self.entries), budget)
-        self.bucket_bytes = bucket_bytes
         self.prediction = predict(self.entries, optimizer, bucket_bytes)
         if host_memory is not None:
             refuse_over(self.prediction, host_memory, "host_memory=")
@@ -150,6 +145,8 @@ class ModelStateRuntime:
         self._restore.append(self.grads.uninstall)
         handle = self.optimizer.register_step_pre_hook(self._step_pre_hook)
         self._restore.append(handle.remove)
+        handle = self.optimizer.register_step_post_hook(self._step_post_hook)
+        self._restore.append(handle.remove)
         for obj in (self.optimizer, self.model):
             self._wrap_zero_grad(obj)
         self.state_dicts = StateDictHooks(self.model, self.optimizer, entries, self.flush, self._host_param,
@@ -188,7 +185,8 @@ class ModelStateRuntime:
         had_own = "zero_grad" in vars(obj)
 
         def zero_grad(set_to_none: bool = True, *args: Any, **kwargs: Any) -> None:
-            original(set_to_none, *args, **kwargs)
+            with self.grads.raw():  # torch's attributes; the host buffers are reset below, without waiting
+                original(set_to_none, *args, **kwargs)
             self.grads.zero(self.grads.params, set_to_none)
 
         obj.zero_grad = zero_grad
@@ -238,6 +236,10 @@ class ModelStateRuntime:
         offloaded = [b for b, p in enumerate(s.placements) if p != Placement.RESIDENT]
         self.stepper.queue({b: [p for i in s.buckets[b] for _, p in self.entries[i].params] for b in offloaded})
         self._record()
+        self.grads.stepping = True  # the user's optimizer skips offloaded parameters (Note [p.grad of an ...])
+
+    def _step_post_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self.grads.stepping = False
 
     def propose(self, plan: ModelStatePlan) -> None:
         """Places the buckets as ``plan`` says from the next ``opt.step()`` on (Note [Changing placements])."""
@@ -357,7 +359,7 @@ class ModelStateRuntime:
                 for p in self.grads.params:
                     g = self.grads.grad(p)
                     if g is not None:
-                        p.grad = g.to(self.device, copy=True)
+                        set_raw_grad(p, g.to(self.device, copy=True))
         finally:
             for undo in reversed(self._restore):
                 undo()
@@ -365,11 +367,6 @@ class ModelStateRuntime:
             self.started = False
         self.optimizer.load_state_dict(saved)
         self.worker.shutdown(wait=True)
-        # Note [Host memory outlives its copies]
-        # The weights' copies back to the device were ordered before the compute that reads them, on the device
-        # only: the host went on. The host masters are unpinned and freed below, so the host waits for every
-        # copy first; one still queued must not read pages already unpinned or freed.
-        self.masters.engine.drain()
         self.grads.close()
         self.masters.close()
         for pool in self.pools:

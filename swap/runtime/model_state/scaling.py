@@ -16,6 +16,7 @@ the inf check is an OR, so the result does not depend on how the gradients are g
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, Callable
 
@@ -62,7 +63,11 @@ def unscale(gs: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Te
 
 def _routed(scaler: GradScaler, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
             allow_fp16: bool) -> dict[torch.device, torch.Tensor]:  # fmt: skip
-    per_device = _original[0](scaler, optimizer, inv_scale, found_inf, allow_fp16)
+    sinks = [grads for opt, grads, _ in _routes if opt is optimizer]
+    with contextlib.ExitStack() as raw:
+        for grads in sinks:  # torch's pass sees torch's attributes (Note [p.grad of an offloaded parameter])
+            raw.enter_context(grads.raw())
+        per_device = _original[0](scaler, optimizer, inv_scale, found_inf, allow_fp16)
     for opt, grads, device in list(_routes):
         if opt is optimizer:
             unscale(host_grads(optimizer, grads), inv_scale, found_inf, allow_fp16, device, per_device)
