@@ -20,7 +20,8 @@ from ..host_pool import ALIGN, HostPool, Pinner
 from ..resources import available_host_memory
 from . import clipping, scaling
 from .buckets import collect_entries, specs
-from .data_parallel import refuse_ddp
+from .data_parallel import refuse_compiled, refuse_ddp
+from .defaults import default_bucket_bytes
 from .gradients import GradSink, set_raw_grad
 from .guard import ParamGuard
 from .host_memory import predict, refuse_over
@@ -62,25 +63,29 @@ def check_model_state(model: Any, optimizer: Any, mode: Any) -> Optional[str]:
     if mode != "resident":
         check_optimizer(optimizer)
         refuse_ddp(model)
+        refuse_compiled(model)
     return mode
 
 
 class ModelStateRuntime:
     """Streams ``model``'s parameters that ``optimizer`` steps (every bucket ``STREAMED``, host step after
-    confirmation: the conservative plan) in buckets of about ``bucket_bytes``, on ``device``. ``host_memory``:
-    host bytes it may use (None: what is available now). Raises ``HostMemoryError`` before allocating anything when
-    the state would not fit."""
+    confirmation: the conservative plan) in buckets of about ``bucket_bytes`` (None: from the weights and
+    ``budget``, Note [Bucket size by default]), on ``device``. ``host_memory``: host bytes it may use (None: what
+    is available now). Raises ``HostMemoryError`` before allocating anything when the state would not fit."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 bucket_bytes: int, host_memory: Optional[int] = None, mode: str = "offload") -> None:  # fmt: skip
+                 bucket_bytes: Optional[int], host_memory: Optional[int] = None, mode: str = "offload",
+                 budget: Optional[int] = None) -> None:  # fmt: skip
         self.mode = mode
         self.model = model
         self.optimizer = optimizer
         self.device = device
-        self.bucket_bytes = bucket_bytes
         self.entries = collect_entries(model, optimizer, device)
         if not self.entries:
             raise ValueError("the optimizer steps none of the model's parameters: nothing to place")
+        if bucket_bytes is None:  # Note [Bucket size by default]
+            bucket_bytes = default_bucket_bytes(sum(e.nbytes for e in self.entries), budget)
+        self.bucket_bytes = bucket_bytes
         self.prediction = predict(self.entries, optimizer, bucket_bytes)
         if host_memory is not None:
             refuse_over(self.prediction, host_memory, "host_memory=")
@@ -367,6 +372,11 @@ class ModelStateRuntime:
             self.started = False
         self.optimizer.load_state_dict(saved)
         self.worker.shutdown(wait=True)
+        # Note [Host memory outlives its copies]
+        # The weights' copies back to the device were ordered before the compute that reads them, on the device
+        # only: the host went on. The host masters are unpinned and freed below, so the host waits for every
+        # copy first; one still queued must not read pages already unpinned or freed.
+        self.masters.engine.drain()
         self.grads.close()
         self.masters.close()
         for pool in self.pools:
