@@ -8,6 +8,7 @@ import pytest
 from ms_training import OPTIMIZERS, TiedGPT, assert_bitwise, gpt, train
 
 import swap
+from swap.runtime.model_state.gradients import raw_grad
 
 
 def offload(model, opt, **kw):
@@ -56,10 +57,12 @@ def test_offloaded_parameters_keep_shape_and_identity_inside():
     def look(step, model, opt, sched):
         p = model.head.weight
         seen["shape"], seen["nbytes"] = tuple(p.shape), p.untyped_storage().nbytes()
-        seen["grad"] = p.grad
+        seen["grad"], seen["torch_grad"] = p.grad, raw_grad(p)
         seen["same"] = opt.param_groups[0]["params"][-1] is p
 
     train(manager=offload, step_hook=look, steps=1)
     assert seen["shape"] == (256, 64) and seen["same"]
     assert seen["nbytes"] == 0  # dropped from the device between uses
-    assert seen["grad"] is None  # the gradient is on the host: the user's optimizer skips it
+    # The gradient is on the host: p.grad reads it there (Note [p.grad of an offloaded parameter]), and the
+    # attribute torch keeps, which the user's optimizer reads, is None: it skips the parameter.
+    assert seen["grad"] is not None and seen["grad"].shape == (256, 64) and seen["torch_grad"] is None
