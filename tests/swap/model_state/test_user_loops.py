@@ -202,6 +202,8 @@ def load_inside(r: Run) -> None:
     r.model.load_state_dict(ck["model"])
     r.opt.load_state_dict(ck["opt"])
     del ck  # the loaded copies go, as they must where the model barely fits (on the CPU they count)
+    if r.meter is not None:
+        r.meter.reset_window()  # the checkpoint read in whole is the user's memory, not an iteration's
     basic(r, SPLIT)
 
 
