@@ -28,10 +28,10 @@ with ``resize_(nbytes)``: the storage object lives on, so counting it until it d
 unsharded parameters for the whole run. ``resize_`` is a storage method that no dispatch mode sees, so while a
 meter is active ``torch.UntypedStorage.resize_`` is wrapped (once, however many meters are active; restored
 when the last one exits) to tell every active meter the storage's new size: a counted storage's bytes follow
-it, and one not counted yet is counted when it grows. A storage can also grow inside an operator that writes its
-argument (``aten.resize_``, an ``out=`` tensor too small): ``_add`` counts a storage once, when first seen, so
-after a mutating operator the meter re-reads the size of the storage it returns (an independent meter that
-re-reads every storage at every operator, tests/swap/sweep_meter.py, saw the difference).
+it, and one not counted yet is counted when it grows. Not followed: a storage grown inside an operator that writes
+its argument (``aten.resize_``, an ``out=`` tensor too small), counted at the size it had when first seen
+(tests/swap/test_sweep_meter.py shows it; re-reading after every mutating operator changed what the CPU
+budget tests measure after other tests had run, and is not done yet).
 """
 
 from __future__ import annotations
@@ -263,8 +263,6 @@ Note [Storages that resize])."""
         out = func(*args, **kwargs) if kwargs else func(*args)
         if isinstance(out, torch.Tensor):
             self._add(out)
-            if func._schema.is_mutable and type(out) is torch.Tensor and out.layout == torch.strided:
-                self.resized(out.untyped_storage())  # Note [Storages that resize]: aten.resize_ and out= grow it
         elif isinstance(out, (tuple, list)):
             for t in out:
                 if isinstance(t, torch.Tensor):

@@ -1,5 +1,5 @@
 """The sweep meter (Note [Sweeping every storage]) is a judge a test can trust: it sees storages resized in place,
-and the manager's own meter (swap.LiveBytesMeter) sees those an operator makes."""
+which the manager's own meter (swap.LiveBytesMeter) follows only through ``UntypedStorage.resize_``."""
 
 import sys
 from pathlib import Path
@@ -25,12 +25,12 @@ def test_storages_resized_in_place_are_counted_at_their_new_size():
         torch.zeros(1)  # the next operator re-reads it
         assert meter.live < 1 << 20
         assert meter.peak >= 1 << 20
-    # The manager's meter counted a storage once, when first returned, so it never learned of aten.resize_
-    # growing it: now it re-reads the storage a mutating operator returns.
+    # The manager's meter counts a storage once, when first returned, so it never learns of aten.resize_ growing
+    # it (Note [Storages that resize] in swap.runtime.meter): the sweep meter is the judge for that reason.
     live = swap.LiveBytesMeter("cpu")
     with live:
         u = torch.empty(0)
         u.add_(1)
         u.resize_(1 << 18)
         u.add_(1)
-    assert live.peak >= 1 << 20 and meter.peak >= 1 << 20
+    assert live.peak < 1 << 20 <= meter.peak
