@@ -154,9 +154,10 @@ class ModelStateRuntime:
         self._restore.append(handle.remove)
         for obj in (self.optimizer, self.model):
             self._wrap_zero_grad(obj)
+        self._entry_index = {id(p): e.index for e in entries for _, p in e.params}
         self.state_dicts = StateDictHooks(self.model, self.optimizer, entries, self.flush, self._host_param,
                                           self.stepper.state_of, self.stepper.set_state, self._settle,
-                                          self.grads.manages, self.busy)  # fmt: skip
+                                          self._off_device, self.busy)  # fmt: skip
         self.state_dicts.install()
         self._restore.append(self.state_dicts.uninstall)
         clipping.route(self)
@@ -216,6 +217,11 @@ class ModelStateRuntime:
 
     def _host_param(self, p: torch.nn.Parameter) -> torch.Tensor:
         return self.host_of[id(p)]
+
+    def _off_device(self, p: torch.nn.Parameter) -> bool:
+        """Whether ``p``'s host master is the truth (every placement but resident), frozen parameters included:
+        a state dict takes their value from the host (Note [Saving without fetching])."""
+        return self.masters.placement[self._entry_index[id(p)]] != Placement.RESIDENT
 
     def _settle(self, entries: list[int]) -> None:
         """Written device copies of ``entries`` go back to their masters, and the weights off the device (their

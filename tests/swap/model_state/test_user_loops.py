@@ -255,11 +255,6 @@ KERNELS = (
     "fused (Note [The host kernel]): a run with both matches neither plain kernel bitwise",
     AssertionError,
 )
-FROZEN_SAVE = (
-    "model.state_dict() under the manager gives streamed frozen weights as views of their freed 0-byte "
-    "device storage: torch.load of the saved checkpoint raises 'Trying to resize storage that is not resizable'",
-    RuntimeError,
-)
 EVAL_PLAN = (
     "with an eval pass between steps the planner counts parameters, gradients and optimizer state as not "
     "swappable at the iteration's end: InfeasibleBudget (min_budget 76% of the plain peak; without evals, fits)",
@@ -268,7 +263,6 @@ EVAL_PLAN = (
 XFAIL: dict[tuple[str, str], tuple[str, type]] = {
     **{case: KERNELS for case in [("t5", "clip_sched"), ("t5", "save_resume"), ("t5", "exception"), ("vit", "zeros"),
                                   ("vit", "evals"), ("switch", "accumulate"), ("switch", "skipped")]},
-    **{case: FROZEN_SAVE for case in [("lora", "save_resume"), ("llama_frozen", "save_resume")]},
     ("switch", "evals"): EVAL_PLAN,
 }  # fmt: skip
 
