@@ -97,7 +97,9 @@ class GradSink:
         self.lock = threading.Lock()
         # Frozen parameters have no gradient buffer (Note [Frozen parameters] in swap.runtime.model_state.buckets).
         self.params = [p for e in entries for _, p in e.params if trains(p)]
-        self.offloaded = {id(p) for p in self.params}  # whose gradients leave the device (not resident ones)
+        # Whose weights and gradients live on the host (not resident ones), frozen ones included: a state dict
+        # gives their host masters.
+        self.offloaded = {id(p) for e in entries for _, p in e.params}
         self.entry_of = {id(p): e.index for e in entries for _, p in e.params}
         self.blocks: dict[int, HostBlock] = {}
         self.host: dict[int, torch.Tensor] = {}  # id(p) -> host gradient buffer

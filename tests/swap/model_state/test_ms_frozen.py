@@ -4,6 +4,7 @@ state like the others, moved off the device whether or not the optimizer lists t
 whose frozen weights alone exceed the budget."""
 
 import functools
+import io
 
 import torch
 from ms_loops import assert_same, gpt, plain_step, run, within
@@ -93,3 +94,25 @@ def test_lora_on_a_base_larger_than_the_budget_trains():
     ms = got["manager"].report()["model_state"]
     assert ms["weights_in_bytes"] > base  # the base's weights came in, and left, every step
     assert ms["state_bytes"] + ms["host_bytes_predicted"] < 3 * base  # no gradient buffers or state for the base
+
+
+def test_a_checkpoint_of_streamed_frozen_weights_saves_and_loads():
+    """``model.state_dict()`` under the manager gives the frozen weights' host masters, not views of their dropped
+    device storage (which torch.save wrote as 0 bytes and torch.load refused to resize)."""
+    saved = {}
+
+    def save_each_step(model, opt, it, log):
+        plain_step(model, opt, it, log)
+        buf = io.BytesIO()
+        torch.save(model.state_dict(), buf)
+        buf.seek(0)
+        saved[len(saved)] = torch.load(buf)
+
+    ref = run(gpt, save_each_step, iters=3, make_opt=all_params, prepare=freeze_half)
+    plain_saved = dict(saved)
+    saved.clear()
+    got = run(gpt, save_each_step, iters=3, make_opt=all_params, prepare=freeze_half, manager=default())
+    assert_same(ref, got)
+    for step, sd in plain_saved.items():
+        for k, v in sd.items():
+            assert torch.equal(saved[step][k], v), f"step {step}: {k} differs"
