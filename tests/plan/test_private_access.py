@@ -31,6 +31,10 @@ ALLOWED = {
     "_assert_async": "a check queued on the device, with no host sync (the tiled head's label check on CUDA)",
     "_clip_grads_with_norm_": "the helper torch's clip_grad_norm_ looks up at call time: a copy of clip_grad_norm_ "
     "imported before the manager must refuse, not leave the host gradients out (Note [Exact clipping])",
+    "_unscale_grads_": "GradScaler's per-optimizer unscale pass, routed so it also unscales host gradients and "
+    "folds their inf check into the device's flag (Note [Unscaling host gradients]); it has no public hook",
+    "_amp_foreach_non_finite_check_and_unscale_": "the kernel GradScaler unscales with, so host gradients are "
+    "unscaled and checked exactly as the device's are",
     # tensors, storages, operators and autograd nodes
     "_base": "a view's base tensor (parameters are recognised through their views)",
     "_version": "a tensor's version counter: in-place writes to saved tensors are detected with it",
