@@ -3,18 +3,17 @@ them, run plainly and under ``SwapManager(model=, optimizer=)`` with the default
 test_user_loops.py. Every run records what must match plain training bitwise (losses, final parameters and
 optimizer state) and each iteration's peak as an independent meter sees it.
 
-Note [A meter that re-reads storages]
-The streamer frees and refills a parameter's device storage in place (``resize_``: Note [Device copies by
-storage resize] in swap/runtime/model_state/storage.py). ``swap.LiveBytesMeter`` follows resizes through a
-wrapper on ``UntypedStorage.resize_``, which only sees resizes made through that Python method. The meter here
-does not trust that path: before and after every operator it re-reads the size of every storage it counts, so a
-storage resized by any route (``Tensor.resize_``, ``set_``, C++) is counted at its true size at the next
-operator."""
+The budget's judge is tests/swap/sweep_meter.py's SweepMeter, which shares no code with the manager's meter and
+re-reads every live storage's size at each operator (Note [Sweeping every storage]): the streamer frees and
+refills weights by resizing their storages in place (Note [Device copies by storage resize] in
+swap/runtime/model_state/storage.py)."""
 
 from __future__ import annotations
 
 import gc
 import io
+import sys
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -22,28 +21,9 @@ import torch
 
 import swap
 
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests/swap: sweep_meter, the budget's judge
+
 SEQ, VOCAB, BATCH = 16, 1024, 2  # the weights dominate the plain peak: model state is what must move
-
-
-class StorageMeter(swap.LiveBytesMeter):
-    """A LiveBytesMeter that re-reads every counted storage's bytes at each operator (Note [A meter that
-    re-reads storages])."""
-
-    def _reread(self) -> None:
-        with self._lock:
-            for ref, (key, nbytes) in list(self._sizes.items()):
-                st = ref()
-                if st is not None:
-                    now = st.nbytes()
-                    if now != nbytes:
-                        self._grew(now - nbytes)
-                        self._sizes[ref] = (key, now)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
-        self._reread()
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        self._reread()
-        return out
 
 
 # -- models --------------------------------------------------------------------------------------------------------

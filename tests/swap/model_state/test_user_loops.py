@@ -5,8 +5,8 @@ checkpoints saved and resumed, a load inside the manager, ``zero_grad(set_to_non
 passes, a caught exception, the HF Trainer), under ``SwapManager(budget=, model=, optimizer=)`` with every other
 setting its default. Each case: bitwise plain training of the same seed after N steps, at a budget halfway
 between the weights' bytes and plain training's peak, every iteration within it by an independent meter that
-re-reads storages (Note [A meter that re-reads storages] in hf_loops.py), the profiling ones included (the
-README: "The first two iterations profile (within the budget)").
+re-reads every storage at each operator (Note [Sweeping every storage] in tests/swap/sweep_meter.py), the
+profiling ones included (the README: "The first two iterations profile (within the budget)").
 
 A case that fails because of a runtime defect is marked ``xfail(strict=True)`` with the defect, so that a fix
 flips it and the marker has to go."""
@@ -23,7 +23,6 @@ pytest.importorskip("transformers")
 
 from hf_loops import (  # noqa: E402 - after the skip
     Run,
-    StorageMeter,
     assert_same,
     build,
     checkpoint,
@@ -32,6 +31,7 @@ from hf_loops import (  # noqa: E402 - after the skip
     run,
     within,
 )
+from sweep_meter import SweepMeter  # noqa: E402 - on the path hf_loops adds
 
 import swap  # noqa: E402
 
@@ -299,7 +299,7 @@ def test_loop_trains_bitwise_within_the_budget(arch: str, loop: str) -> None:
     assert budget < max(ref.peaks)
     if arch == "switch":  # the premise: experts no token reached have no gradient, and so no AdamW state
         assert any(ref.grads_none) and len(ref.state) < len(ref.params)
-    got = run(arch, LOOPS[loop], budget=budget, meter=StorageMeter("cpu"))
+    got = run(arch, LOOPS[loop], budget=budget, meter=SweepMeter("cpu"))
     assert_same(ref, got)
     within(got, budget)
     if loop == "save_resume":  # the checkpoint saved under the manager is plain torch's, and resumes plainly
@@ -321,15 +321,3 @@ def test_plain_resume_is_the_reference() -> None:
     full = run("gpt2", basic)
     again = run("gpt2", functools.partial(resume, blob=plain_checkpoint("gpt2")))
     assert_same(full, again, losses=False)
-
-
-def test_the_meter_sees_a_storage_resized_in_place_by_any_route() -> None:
-    """The budget check's meter re-reads storages (Note [A meter that re-reads storages] in hf_loops.py): a
-    storage grown by ``Tensor.resize_`` (an operator whose output it counted already, not
-    ``UntypedStorage.resize_``) counts at its new size."""
-    with StorageMeter("cpu") as meter:
-        x = torch.empty(16)  # 64 bytes
-        x.resize_(1024)  # 4 KiB, the same storage
-        y = x + 0  # the next operator: 4 KiB more
-        assert meter.peak == 8192, meter.peak
-    del y
