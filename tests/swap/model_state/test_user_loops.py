@@ -264,6 +264,11 @@ XFAIL: dict[tuple[str, str], tuple[str, type]] = {
     **{case: KERNELS for case in [("t5", "clip_sched"), ("t5", "save_resume"), ("t5", "exception"), ("vit", "zeros"),
                                   ("vit", "evals"), ("switch", "accumulate"), ("switch", "skipped")]},
     ("switch", "evals"): EVAL_PLAN,
+    ("gpt2", "trainer"): (
+        "the HF Trainer's first planned iteration goes over the budget by the sweep meter (15454 B, 0.8 %; "
+        "issue 36 item 8)",
+        AssertionError,
+    ),
 }  # fmt: skip
 
 
