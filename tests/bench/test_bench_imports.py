@@ -35,18 +35,32 @@ def test_every_bench_module_is_found():
     assert "bench.steady_state" in MODULES and "bench.gpu.quick" in MODULES and len(MODULES) > 30
 
 
-@pytest.mark.parametrize("name", MODULES)
-def test_bench_module_and_its_project_imports_resolve(name):
-    importlib.import_module(name)
-    path = ROOT / Path(*name.split(".")).with_suffix(".py")
+def assert_project_imports_resolve(path: Path) -> None:
+    """Each import of a project package in ``path`` names a module that imports and names it has."""
+    where = path.relative_to(ROOT)
     for line, module, names in project_imports(path):
         try:
             m = importlib.import_module(module)
         except ImportError as e:
-            pytest.fail(f"{path.relative_to(ROOT)}:{line}: `{module}` does not import: {e}")
+            pytest.fail(f"{where}:{line}: `{module}` does not import: {e}")
         for n in names:
             if n != "*" and not hasattr(m, n):
                 try:  # a submodule not yet imported: `from swap.forecast import zoo`
                     importlib.import_module(f"{module}.{n}")
                 except ImportError:
-                    pytest.fail(f"{path.relative_to(ROOT)}:{line}: `{module}` has no `{n}`")
+                    pytest.fail(f"{where}:{line}: `{module}` has no `{n}`")
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_bench_module_and_its_project_imports_resolve(name):
+    importlib.import_module(name)
+    assert_project_imports_resolve(ROOT / Path(*name.split(".")).with_suffix(".py"))
+
+
+EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_every_project_import_of_an_example_resolves(name):
+    """Examples are scripts (running one trains a model), so only their imports of the project are resolved."""
+    assert_project_imports_resolve(ROOT / "examples" / name)
