@@ -32,7 +32,7 @@ PIP_INSTALL = $(PY) -m pip install -q -c $(CURDIR)/constraints.txt
 # (pyproject.toml; the editable install builds without isolation), and the CUDA header wheel only where no
 # cuda.h is found (a toolkit's, or a CUDA torch's wheels). `setup-test` adds the test tools and the packages the
 # integration tests train with (pyproject.toml's `test` and `integrations` extras, listed here because the
-# editable install takes no dependencies): about 280 MiB that a user running the demo does not need
+# editable install takes no dependencies): about 290 MiB that a user running the demo does not need
 # (docs/development.md says what each weighs and how that was measured).
 setup: $(VENV_PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP_INSTALL) $(TORCH)
@@ -42,7 +42,7 @@ setup: $(VENV_PY)
 
 setup-test: setup
 	$(PIP_INSTALL) pytest hypothesis matplotlib ruff
-	$(PIP_INSTALL) cuda-python transformers accelerate lightning diffusers
+	$(PIP_INSTALL) cuda-python transformers accelerate lightning diffusers peft
 
 $(abspath $(VENV))/bin/python:
 	$(SYSTEM_PY) -m venv $$($(SYSTEM_PY) -c "import torch" 2>/dev/null && echo --system-site-packages) $(VENV)
