@@ -97,6 +97,7 @@ class ModelStateRuntime:
         self.records: list[dict[str, Any]] = []
         self._restore: list[Callable[[], None]] = []
         self._last = self._totals(lambda: (0, 0))
+        self._user_flags: Optional[list[dict[str, Any]]] = None  # Note [One kernel on a CPU run]
         self.started = False
         self.final: Optional[dict[str, Any]] = None
         self.plan: Optional[ModelStatePlan] = None  # the plan applied (None: the conservative one, all streamed)
@@ -152,6 +153,7 @@ class ModelStateRuntime:
         self._restore.append(handle.remove)
         handle = self.optimizer.register_step_post_hook(self._step_post_hook)
         self._restore.append(handle.remove)
+        self._restore.append(self._user_flags_back)
         for obj in (self.optimizer, self.model):
             self._wrap_zero_grad(obj)
         self._entry_index = {id(p): e.index for e in entries for _, p in e.params}
@@ -248,9 +250,35 @@ class ModelStateRuntime:
         self.stepper.queue({b: [p for i in s.buckets[b] for _, p in self.entries[i].params] for b in offloaded})
         self._record()
         self.grads.stepping = True  # the user's optimizer skips offloaded parameters (Note [p.grad of an ...])
+        if self.device.type == "cpu" and len(offloaded) < len(s.placements):
+            self._one_kernel_on_cpu()
 
     def _step_post_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         self.grads.stepping = False
+        self._user_flags_back()
+
+    # Note [One kernel on a CPU run]
+    # The host step runs torch's fused kernel where the user left the default (Note [The host kernel]); resident
+    # buckets are stepped by the user's optimizer. On a CUDA run those are another device's kernels anyway, but on
+    # a CPU run both are CPU kernels of one training, and two of them (fused for offloaded buckets, the per-tensor
+    # loop for resident ones) would make a run that equals plain training with neither. So there, for the length
+    # of the user's step only, its groups carry the host's kernel flags: the whole run is then bitwise plain
+    # training with ``fused=True``, the reference Note [The host kernel] names. The user's flags are back before
+    # ``opt.step()`` returns, so state dicts, schedulers and the user's code never see the change.
+    def _one_kernel_on_cpu(self) -> None:
+        self._user_flags_back()  # a step that raised never ran the post-hook
+        overrides = self.stepper.kernel.overrides
+        if not overrides:
+            return
+        groups = self.optimizer.param_groups
+        self._user_flags = [{k: g.get(k) for k in overrides} for g in groups]
+        for g in groups:
+            g.update(overrides)
+
+    def _user_flags_back(self) -> None:
+        saved, self._user_flags = self._user_flags, None
+        for g, flags in zip(self.optimizer.param_groups, saved or ()):
+            g.update(flags)
 
     def propose(self, plan: ModelStatePlan) -> None:
         """Places the buckets as ``plan`` says from the next ``opt.step()`` on (Note [Changing placements])."""

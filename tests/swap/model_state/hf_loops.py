@@ -228,7 +228,9 @@ def assert_same(ref: Run, got: Run, losses: bool = True) -> None:
     assert not losses or got.losses == ref.losses, f"losses {got.losses} != plain {ref.losses}"
     bad = [i for i, (x, y) in enumerate(zip(ref.params, got.params)) if not same_bits(x, y)]
     assert not bad, f"{len(bad)} of {len(ref.params)} parameters differ from plain training (first: {bad[:3]})"
-    assert list(ref.state) == list(got.state), "different parameters have optimizer state"
+    # the same parameters have state; the state dict's key order (which parameter the host stepped first) is not
+    # semantics: a load gives every parameter its own state whatever the order
+    assert sorted(ref.state) == sorted(got.state), "different parameters have optimizer state"
     for i, st in ref.state.items():
         for k, v in st.items():
             w = got.state[i][k]
