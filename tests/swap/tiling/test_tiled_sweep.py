@@ -35,13 +35,20 @@ def test_a_tiled_cnn_is_within_its_budget_by_the_sweep_meter() -> None:
     budget = int(static + 0.1 * (untiled - static))
     opt.zero_grad(set_to_none=True)
     tiled = swap.tiled(model, budget=budget, extra=foreign)
+    gc.collect()
     sweep, peaks, own = SweepMeter().track_existing(), [], []
+    # Storages earlier tests of the same process keep alive that the sweep meter finds and LiveBytesMeter's walk
+    # (whose count the caller's extra is) does not: not the training's, so not held against its budget.
+    now = swap.LiveBytesMeter()
+    with now.track_existing():
+        unseen = max(0, sweep.sweep() - now.live)
     with live.track_existing(), sweep:
         for _ in range(2):
             sweep.reset_window()
             live.reset_window()
             train_step(tiled, opt, x, y)
-            peaks.append(sweep.reset_window())
+            peaks.append(sweep.reset_window() - unseen)
             own.append(live.reset_window())
-    assert max(peaks) <= budget, f"peaks by the sweep meter {peaks} over the budget {budget} (own meter: {own})"
+    assert max(peaks) <= budget, f"peaks by the sweep meter {peaks} (less {unseen} B alive before that only it " \
+        f"sees) over the budget {budget} (own meter: {own})"
     assert all(abs(a - b) <= 0.01 * a for a, b in zip(peaks, own)), (peaks, own)
