@@ -13,7 +13,7 @@ so whether a run is feasible at all depends on the measurement.
 1. Checks, each run under its own LiveBytesMeter: the manager's run bitwise equal to plain training (losses,
    parameters, buffers), every iteration within the budget, and what it reported: profiling iterations, re-plans,
    shapes seen, kept plans reused and derived from a larger shape (Note [Plans by input shape] in
-   swap.runtime.plan_book).
+   swap.runtime.activations.plan_book).
 2. Timing: rounds of the four runs interleaved (plain dynamic, managed dynamic, plain fixed, managed fixed), no
    meter, one compute thread. A ratio is the managed run's summed step times over the plain run's, over the whole
    run and over its last 20 iterations; the figure is the median over rounds.

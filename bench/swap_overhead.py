@@ -84,7 +84,7 @@ def null_memory(lib: Any) -> type:
 
 class HookTimer:
     """Times the saved-tensor hooks' pack and unpack of ``lib`` (a swap package; class-level wrappers, removed
-    by ``close``): ``SavedTensorHooks`` (swap.runtime.hooks), or in versions before it the manager's own
+    by ``close``): ``SavedTensorHooks`` (swap.runtime.activations.hooks), or in versions before it the manager's own
     ``_pack`` and ``_unpack`` (so that ``--before`` can load one)."""
 
     def __init__(self, lib: Any) -> None:

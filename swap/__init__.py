@@ -36,14 +36,16 @@ spelling, still means ``strategy="auto"`` and warns. ``swap.plan`` compares the 
 # name ``swap.annotations`` in the public namespace beside the package's own names.
 from .forecast import Plan, plan  # Note [swap.plan is a function]
 from .joint.search import STRATEGIES
-from .runtime import fsdp2  # swap.fsdp2: FSDP2 units offloaded by a budget, their host steps, clipping across ranks
-from .runtime.executor import WholeModelCompiled
-from .runtime.host_pool import PinningUnavailable
+from .runtime.activations.executor import WholeModelCompiled
+from .runtime.activations.signals import BudgetWarning
+from .runtime.machine.host_pool import PinningUnavailable
+from .runtime.machine.meter import LiveBytesMeter
 from .runtime.manager import SwapManager
-from .runtime.meter import LiveBytesMeter
+from .runtime.model_state import (
+    fsdp2,  # swap.fsdp2: FSDP2 units offloaded by a budget, their host steps, clipping across ranks
+)
 from .runtime.model_state.host_memory import HostMemoryError
 from .runtime.report import SwapReport
-from .runtime.signals import BudgetWarning
 from .schedule.scheduler import POLICIES, InfeasibleBudget, Schedule
 from .schedule.scheduler import plan as make_schedule
 from .schedule.sequence import Sequence

@@ -17,11 +17,11 @@ DEFAULT_CYCLES = 1_000_000  # about 0.5 ms at the H100's and H200's ~1.8-2 GHz
 
 
 def install(cycles: int = DEFAULT_CYCLES) -> Callable[[], None]:
-    """Delays every copy of ``swap.runtime.engines.CudaEngine`` by ``cycles`` GPU clock cycles; returns the
+    """Delays every copy of ``swap.runtime.machine.engines.CudaEngine`` by ``cycles`` GPU clock cycles; returns the
     undo. Raises RuntimeError without CUDA (the CPU engine has no streams to delay)."""
     import torch
 
-    from swap.runtime import engines
+    from swap.runtime.machine import engines
 
     if not torch.cuda.is_available():
         raise RuntimeError("late copies need CUDA: the CPU engine blocks at every wait, so there is nothing to delay")

@@ -22,7 +22,7 @@ def gbps(nbytes: int, ms: float) -> float:
 def measure(size: int, repeats: int) -> dict[str, float]:
     import torch
 
-    from swap.runtime.host_pool import HostPool
+    from swap.runtime.machine.host_pool import HostPool
 
     pool = HostPool(pinned=True, block_size=2 * size)
     try:

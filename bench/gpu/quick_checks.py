@@ -184,7 +184,7 @@ def resnet_vmalloc_swap() -> Outcome:
 
 
 def host_waits() -> Outcome:
-    """No host waits on copies in planned iterations (Note [Device-side waits] in swap/runtime/engines.py)."""
+    """No host waits on copies in planned iterations (Note [Device-side waits] in swap/runtime/machine/engines.py)."""
     per: list[tuple[str, int]] = []
     last = [0]
 

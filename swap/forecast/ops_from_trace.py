@@ -41,7 +41,7 @@ from ..joint.autograd_saves import saves_first_output
 from ..joint.ops import Op, OpTable, RegionCall, in_place_name, is_index
 from .pricing import event_seconds
 
-# What a name alone says cannot be rerun (Note [Operators that cannot be rerun] in swap.runtime.op_facts).
+# What a name alone says cannot be rerun (Note [Operators that cannot be rerun] in swap.runtime.auto.op_facts).
 HOST_SYNC = ("aten._local_scalar_dense.default", "aten.item.default")
 COLLECTIVES = ("c10d.", "_c10d_functional.", "c10d_functional.", "_dtensor.")
 ATOMIC_ON_CUDA = ("aten.index_add", "aten.scatter_add", "aten.scatter_reduce", "aten.index_put",

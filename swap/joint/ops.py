@@ -1,5 +1,5 @@
 """The operator table: what the planner knows about each forward operator, and which modules may become
-recompute regions. Pure data: the runtime's operator profiler (swap.runtime.op_profiler) builds it from a
+recompute regions. Pure data: the runtime's operator profiler (swap.runtime.auto.op_profiler) builds it from a
 profiled iteration, and a captured trace (swap.capture) can build the same from its OP events.
 
 Note [Operator table]
@@ -194,7 +194,7 @@ def check_regions(table: OpTable, paths: list[str]) -> Optional[str]:
 
 def calibrated(table: OpTable, forward_seconds: float) -> OpTable:
     """``table`` with its operators' seconds scaled so that they sum to ``forward_seconds`` (the measured
-    forward: Note [Operator profiler] in swap.runtime.op_profiler); unchanged if either sum is zero."""
+    forward: Note [Operator profiler] in swap.runtime.auto.op_profiler); unchanged if either sum is zero."""
     total = sum(op.seconds for op in table.ops)
     if total <= 0 or forward_seconds <= 0:
         return table

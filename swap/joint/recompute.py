@@ -16,7 +16,7 @@ saved operand to rebuild from.
 
 Three parts:
 
-- ``RecomputeHooks`` (runtime, in swap.runtime.recompute): wraps the swap manager's pack/unpack. An
+- ``RecomputeHooks`` (runtime, in swap.runtime.activations.recompute): wraps the swap manager's pack/unpack. An
   eligible tensor is not packed; its handle keeps the rule and the *packed input* (found by reading the
   node's saved input, which calls our unpack hook: we answer it without touching the executor). At unpack
   the input is unpacked through the executor (a use, so the plan prefetches it), the rule runs, and the

@@ -2,7 +2,7 @@
 
 Note [Recompute regions]
 A region is a module whose forward the runtime reruns under non-reentrant ``torch.utils.checkpoint``
-(swap.runtime.regions). Its ``keep`` names the operators whose outputs are still saved, and so still
+(swap.runtime.auto.regions). Its ``keep`` names the operators whose outputs are still saved, and so still
 swappable like any saved tensor; every other operator is recomputed. Full checkpointing keeps none. What the
 runtime sees of a checkpointed call:
 

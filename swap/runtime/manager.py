@@ -14,11 +14,11 @@ manager can do nothing for the budget (nothing it may move, a device it never se
 ``BudgetWarning``.
 
 The manager wires the runtime's parts together, each in its own module: the arguments (swap.runtime.arguments),
-the budget's default and the device's resources (swap.runtime.resources), the saved-tensor hooks
-(swap.runtime.hooks), the executor (swap.runtime.executor), what is done with a profile (swap.runtime.scheduling),
-the joint runtime of ``strategy="auto"`` (swap.runtime.joint), model state (swap.runtime.model_state, joined
-to the executor by its ``wiring``), notes and warnings (swap.runtime.notices) and the report's data
-(swap.runtime.snapshot).
+the budget's default and the device's resources (swap.runtime.machine.resources), the saved-tensor hooks
+(swap.runtime.activations.hooks), the executor (swap.runtime.activations.executor), what is done with a profile
+(swap.runtime.scheduling), the joint runtime of ``strategy="auto"`` (swap.runtime.auto.joint), model state
+(swap.runtime.model_state, joined to the executor by its ``wiring``), notes and warnings (swap.runtime.notices) and
+the report's data (swap.runtime.snapshot).
 """
 
 from __future__ import annotations
@@ -36,20 +36,20 @@ from ..schedule.scheduler import Schedule, validate
 from ..schedule.sequence import Sequence
 from ..units import Size, parse_size
 from . import snapshot
+from .activations.executor import Executor
+from .activations.hooks import SavedTensorHooks
+from .activations.signals import BudgetWarning
+from .activations.tracer import Exclusions
 from .arguments import check_arena, check_device, check_flag, check_steps, check_strategy, parse_window
-from .executor import Executor
-from .hooks import SavedTensorHooks
-from .joint import JointRuntime
-from .memory import DeviceMemory, vmalloc_arena
+from .auto.joint import JointRuntime
+from .auto.ranks import Ranks
+from .machine.memory import DeviceMemory, vmalloc_arena
+from .machine.resources import default_budget, host_block_bytes, open_resources, refuse_budget_above_memory
 from .model_state import wiring
 from .model_state.runtime import ModelStateRuntime, check_model_state
 from .notices import NOT_STARTED, Notices, never_started
-from .ranks import Ranks
 from .report import SwapReport
-from .resources import default_budget, host_block_bytes, open_resources, refuse_budget_above_memory
 from .scheduling import Scheduling
-from .signals import BudgetWarning
-from .tracer import Exclusions
 
 _active_lock = threading.Lock()
 _active: list[SwapManager] = []  # entered and not exited, process-wide
@@ -81,7 +81,7 @@ class SwapManager:
             On a GPU it is the allocator's allocated bytes. On the CPU it counts every live CPU tensor storage in
             the process, between operators, not only the training's: tensors made before the manager (another
             model, data, an unused ``torch.zeros``) count as soon as it is entered; delete them first or raise
-            the budget by their size (Note [What the CPU budget counts] in swap.runtime.memory).
+            the budget by their size (Note [What the CPU budget counts] in swap.runtime.machine.memory).
         window: the window policy's look-ahead in bytes, or "auto" (chosen by simulating the profiled iteration on
             the measured link bandwidth and step times).
         policy: swap only, by this policy: "window" (the look-ahead window), "fixed_distance" (TFLMS:
@@ -99,7 +99,7 @@ class SwapManager:
             swapping them (bitwise exact; fewer bytes over the link; swap.joint.recompute).
         strategy: "auto" (what runs when no policy is given): keep, swap or recompute each saved tensor,
             checkpointing modules of the model where that is faster than swapping them (Note [Applying a joint
-            plan] in swap.runtime.joint). ``policy="auto"`` still means this, with a DeprecationWarning.
+            plan] in swap.runtime.auto.joint). ``policy="auto"`` still means this, with a DeprecationWarning.
         model, optimizer: the model and the torch optimizer that steps it (both or neither): their parameters,
             gradients and optimizer state then count against the budget too (swap.runtime.model_state). The loop
             is unchanged: ``opt.step()``, an LR scheduler, gradient accumulation, ``zero_grad``,
@@ -114,7 +114,7 @@ class SwapManager:
         host_memory: host bytes the offloaded model state may take; None: what the kernel reports available.
             The manager refuses at construction (``HostMemoryError``) if the state would not fit.
         group: under DDP or FSDP2, the process group whose ranks choose ``strategy="auto"``'s plan together
-            (Note [Ranks agree on a plan] in swap.runtime.ranks): None, the default group when torch.distributed
+            (Note [Ranks agree on a plan] in swap.runtime.auto.ranks): None, the default group when torch.distributed
             is initialised with more than one rank; False, each rank plans alone. Each rank keeps its own budget.
 
     Raises ``InfeasibleBudget`` (at the first saved tensor of the iteration after the one that showed it)

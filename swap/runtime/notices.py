@@ -27,8 +27,8 @@ from typing import Any, Callable, Optional
 
 from ..schedule.sequence import Sequence
 from ..units import fmt_bytes
-from .hooks import SavedTensorHooks
-from .signals import BudgetWarning
+from .activations.hooks import SavedTensorHooks
+from .activations.signals import BudgetWarning
 
 log = logging.getLogger("swap")
 REWARN_ABOVE = 1 / 32  # Note [The figure a warning quotes]

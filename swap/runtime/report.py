@@ -10,14 +10,15 @@ class SwapReport(dict):
     iterations, swapped_out_bytes, swapped_in_bytes, demand_fetches, stall_seconds, peak_device_bytes,
     budget_bytes, window_bytes, profiling_iterations, replans (plans remade or fallen back from; profiling
     iterations apart), shapes_seen, plans_kept, plans_reused, plans_derived and plans_refined (Note [Plans by
-    input shape] in swap.runtime.plan_book), overruns (windows of measured memory above the budget, above zero
-    exactly when peak_device_bytes is: Note [What the over-budget count counts] in swap.runtime.memory),
+    input shape] in swap.runtime.activations.plan_book), overruns (windows of measured memory above the budget,
+    above zero exactly when peak_device_bytes is: Note [What the over-budget count counts] in
+    swap.runtime.machine.memory),
     min_budget_bytes, policy, memory_source and peak_measured_inside_ops (False on CPU: the peak is of live tensor bytes
-    between operators, see swap.runtime.meter), and notes. With ``strategy="auto"`` also recompute_plan,
+    between operators, see swap.runtime.machine.meter), and notes. With ``strategy="auto"`` also recompute_plan,
     recompute_seconds, simulated_step_seconds, ``modules``: per module, bytes kept on the device, swapped
     and recomputed per iteration, and the seconds spent recomputing it, ``not_recomputable``: the operators
     that cannot be recomputed (module, operator, why, count per iteration) and ``not_checkpointed``: candidate
-    modules that are never checkpointed, and why (swap.runtime.joint). With rebuilds on (``recompute=True``, or
+    modules that are never checkpointed, and why (swap.runtime.auto.joint). With rebuilds on (``recompute=True``, or
     chosen by "auto"): ``rebuilds`` run over the whole run (one per backward use of a rebuilt tensor) and
     ``rebuilt_bytes``, what they made on the device instead of moving it (Note [Recompute or swap]). With model
     state managed (``model=``, ``optimizer=``): ``model_state``, a dict of its placements and buckets, bytes moved

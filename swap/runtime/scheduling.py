@@ -13,11 +13,11 @@ from ..schedule.scheduler import Schedule
 from ..schedule.sequence import Sequence
 from ..schedule.simulator import schedule_for
 from ..units import fmt_bytes
-from .hooks import SavedTensorHooks
-from .joint import JointDecision, JointRuntime
-from .lifecycle import Profiled, Reprofile
+from .activations.hooks import SavedTensorHooks
+from .activations.lifecycle import Profiled, Reprofile
+from .auto.joint import JointDecision, JointRuntime
+from .auto.ranks import Ranks, agree
 from .notices import NO_RECOMPUTE_PLAN, Notices
-from .ranks import Ranks, agree
 
 log = logging.getLogger("swap")
 

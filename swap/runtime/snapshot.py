@@ -7,10 +7,10 @@ from typing import Any, Optional
 import torch
 
 from ..schedule.budget import min_budget
-from .executor import DECLINED, PLANNED, PROFILE, Counters, Executor
-from .joint import JointRuntime
-from .plan_book import PlanBook
-from .recompute import RecomputeHooks
+from .activations.executor import DECLINED, PLANNED, PROFILE, Counters, Executor
+from .activations.plan_book import PlanBook
+from .activations.recompute import RecomputeHooks
+from .auto.joint import JointRuntime
 from .report import SwapReport
 
 
@@ -48,7 +48,7 @@ def snapshot(policy: str, device: torch.device, budget: int, window: Optional[in
         "replans": c.replans,
         "profiling_iterations": c.profiling_iterations,
         **life.book.counts(),  # Note [Plans by input shape]
-        "overruns": memory.over_budget,  # Note [What the over-budget count counts] (swap.runtime.memory)
+        "overruns": memory.over_budget,  # Note [What the over-budget count counts] (swap.runtime.machine.memory)
         "evictions": c.evictions,
         "declined": ex.mode == DECLINED,
         "planned_peak_bytes": ex.schedule.peak if ex.schedule is not None else None,

@@ -5,7 +5,7 @@
 - ``InfeasibleBudget``: raised when the largest floor exceeds the budget; it carries ``min_budget`` (the
   largest floor), the module at that step, what is live there, and which lever would lower it.
 (``BudgetWarning``, the runtime's signal that it kept running but could not keep the budget, is in
-swap.runtime.signals.)
+swap.runtime.activations.signals.)
 
 Pure: no torch, no I/O, so the scheduler and tests use it directly.
 """
@@ -51,7 +51,7 @@ class InfeasibleBudget(ValueError):
     whose floor is the *largest*, so ``budget=e.min_budget`` is enough for every step. Retry with it inside the
     ``except`` or after it: a manager that starts while this is handled first drops the failed run's frames from
     its traceback, which would otherwise keep that run's tensors alive (Note [Retrying inside except
-    InfeasibleBudget] in swap/runtime/resources.py).
+    InfeasibleBudget] in swap/runtime/machine/resources.py).
 
     Attributes:
         budget: the budget that was asked for, in bytes.

@@ -56,7 +56,7 @@ class Sequence:
         saved_before: per step, how many tensors the iteration had saved by then, ours or not (a recorded
             run's; empty when unknown). A later iteration repeats the step only at the same count: a tensor that
             stopped being ours (under ``min_bytes`` at a smaller input) shifts it (Note [Plans by input shape]
-            in swap.runtime.plan_book).
+            in swap.runtime.activations.plan_book).
 
     Note [Clean variables]
     A clean variable is one whose host copy is its home and stays valid: a bucket of weights streamed from

@@ -1,5 +1,5 @@
 """Which FSDP2 units a rank offloads to the host, by a byte budget (Note [Model state under FSDP2] in
-swap/runtime/fsdp2.py). Pure: the runtime applies the choice, the forecast prices it."""
+swap/runtime/model_state/fsdp2.py). Pure: the runtime applies the choice, the forecast prices it."""
 
 from __future__ import annotations
 

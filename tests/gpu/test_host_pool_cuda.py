@@ -3,7 +3,7 @@ the driver through cuda-python), unpinned at close, and copies from them overlap
 
 import torch
 
-from swap.runtime.host_pool import HostPool
+from swap.runtime.machine.host_pool import HostPool
 
 from cuda_oracle import pinned_host
 

@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from swap.runtime.recompute import RecomputeHooks
+from swap.runtime.activations.recompute import RecomputeHooks
 
 
 def _grads(hooked: bool, dtype: torch.dtype, channels_last: bool) -> tuple[list[torch.Tensor], int]:

@@ -64,7 +64,7 @@ FLAT_SLACK = 8 * MiB
 def test_reserved_memory_stays_flat_over_planned_iterations(allocator):
     # Every H2D copy's destination used to be record_stream'ed: inside vmalloc.use_mem_pool torch then held
     # each freed destination until the scope ended, and reserved memory grew by the swapped-in bytes every
-    # iteration (Note [Copies without record_stream] in swap/runtime/engines.py).
+    # iteration (Note [Copies without record_stream] in swap/runtime/machine/engines.py).
     r = run(allocator, "resnet", iterations=8)
     assert r["swapped"]["grad_sha256"] == r["base"]["grad_sha256"]
     held = r["swapped"]["reserved_per_iteration"]

@@ -11,7 +11,7 @@ import torch
 import swap
 from swap.forecast import zoo as models
 from swap.joint.recompute import recipes, with_recompute
-from swap.runtime.recompute import RecomputeHooks
+from swap.runtime.activations.recompute import RecomputeHooks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "swap"))
 from training import KiB, assert_bitwise_equal, run  # noqa: E402

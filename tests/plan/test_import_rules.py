@@ -17,8 +17,8 @@ SCANNED = ("vmalloc", "swap", "bench", "examples")
 # Known breaks of a rule, each with who is to remove it; the test fails on any other.
 KNOWN = {
     # The swap runtime finds vmalloc's global arena through the extension module, which has no public
-    # name for it yet (swap/runtime/memory.py and vmalloc's exports belong to the torch-facing work).
-    ("swap.runtime.memory", "vmalloc._C"),
+    # name for it yet (swap/runtime/machine/memory.py and vmalloc's exports belong to the torch-facing work).
+    ("swap.runtime.machine.memory", "vmalloc._C"),
 }
 
 
@@ -224,3 +224,55 @@ def test_rooms_import_only_lower_rooms(graph):
     bad = upward_imports(edges)
     assert not bad, f"imports from a room to one not below it: {sorted(bad)}"
     assert len(set(LAYERS.values())) <= 6 and set(ROOMS.values()) == set(LAYERS)
+
+
+# swap/runtime's own rooms (ARCHITECTURE.md, "The rooms of swap/runtime/"), lowest first; the modules directly in
+# swap/runtime/ (the manager and its helpers) are the top. Same rule: a sub-room imports only sub-rooms below it.
+RUNTIME_LAYERS = {"machine": 0, "activations": 1, "auto": 2, "model_state": 3, "top": 4}
+
+
+def runtime_room(module: str) -> str | None:
+    """The sub-room of a module of swap.runtime; None outside swap.runtime (and for the forwarders' table)."""
+    parts = module.split(".")
+    if parts[:2] != ["swap", "runtime"] or module in ("swap.runtime", "swap.runtime._moved"):
+        return None
+    return parts[2] if len(parts) > 3 and parts[2] in RUNTIME_LAYERS else "top"
+
+
+def runtime_upward_imports(edges: dict[str, set[str]]) -> set[tuple[str, str]]:
+    bad = set()
+    for m, deps in edges.items():
+        for i in deps:
+            a, b = runtime_room(m), runtime_room(i)
+            if None not in (a, b) and a != b and RUNTIME_LAYERS[b] >= RUNTIME_LAYERS[a]:
+                bad.add((m, i))
+    return bad
+
+
+def test_the_runtime_room_check_finds_upward_imports():
+    assert runtime_upward_imports({"swap.runtime.machine.memory": {"swap.runtime.activations.tracer"}})
+    assert runtime_upward_imports({"swap.runtime.activations.executor": {"swap.runtime.manager"}})
+    assert not runtime_upward_imports({"swap.runtime.model_state.runtime": {"swap.runtime.machine.host_pool"}})
+
+
+def test_runtime_rooms_import_only_lower_rooms(graph):
+    known = {m for m in graph if m.startswith("swap.runtime")}
+    edges = {}
+    for m in known:
+        out = set()
+        for d in graph[m]:
+            while d and d not in known:
+                d = d.rpartition(".")[0]
+            if d and d != m:
+                out.add(d)
+        edges[m] = out
+    bad = runtime_upward_imports(edges)
+    assert not bad, f"imports from a sub-room of swap/runtime to one not below it: {sorted(bad)}"
+
+
+def test_nothing_imports_a_moved_module_by_its_old_name(graph):
+    # The old names forward for one release (swap/runtime/_moved.py); the project's own code uses the new ones.
+    from swap.runtime._moved import new_name
+
+    bad = sorted((m, d) for m, deps in graph.items() for d in deps if new_name(d) is not None)
+    assert not bad, f"old names of moved modules: {bad}"

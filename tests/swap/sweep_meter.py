@@ -1,7 +1,7 @@
 """SweepMeter: an independent judge of a CPU budget for tests, sharing no code with the manager's meter.
 
 Note [Sweeping every storage]
-The manager measures the CPU budget with its own LiveBytesMeter (swap.runtime.meter), which counts a storage's
+The manager measures the CPU budget with its own LiveBytesMeter (swap.runtime.machine.meter), which counts a storage's
 bytes once, when an operator first returns it, and follows in-place resizes only through the hooks it installs
 (``UntypedStorage.resize_``). A test that judged the manager with that meter would share its blind spots: a
 storage resized in place by an operator (``aten.resize_``, ``set_``) or by a path the hook misses is counted

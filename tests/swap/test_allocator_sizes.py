@@ -1,5 +1,5 @@
 """A plan counts saved tensors as the allocator does (Note [Sizes as the allocator counts them] in
-swap/runtime/memory.py). On a GPU the budget is the allocator's bytes: vmalloc rounds a large tensor up to
+swap/runtime/machine/memory.py). On a GPU the budget is the allocator's bytes: vmalloc rounds a large tensor up to
 whole chunks, torch's allocator to its block. Here a live-bytes meter that counts storages as vmalloc does
 (small ones in 512 B steps, larger ones in whole chunks) stands in for the allocator, on the CPU: it is both the
 manager's measure and the independent one."""
@@ -12,8 +12,8 @@ import training
 
 import swap
 import swap.runtime.manager as manager_module
-from swap.runtime.memory import MeterMemory, torch_block_bytes
-from swap.runtime.meter import LiveBytesMeter
+from swap.runtime.machine.memory import MeterMemory, torch_block_bytes
+from swap.runtime.machine.meter import LiveBytesMeter
 
 KiB, MiB = 1024, 1 << 20
 CHUNK = 64 * KiB

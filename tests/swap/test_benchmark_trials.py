@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swap.runtime.hooks import SavedTensorHooks
-from swap.runtime.lifecycle import DECLINED, Counters, Lifecycle, Profiled
+from swap.runtime.activations.hooks import SavedTensorHooks
+from swap.runtime.activations.lifecycle import DECLINED, Counters, Lifecycle, Profiled
 from swap.runtime.notices import Notices
 from swap.runtime.scheduling import Scheduling
 from swap.schedule.budget import InfeasibleBudget, min_budget

@@ -70,7 +70,8 @@ def bert_step(model, x, y, it):
 def test_a_retry_with_min_budget_inside_the_except_fits(wrap):
     # Users retry where they catch. The exception's traceback held the failed run's frames (its model, its
     # optimizer, the forward's activations), so the retry's manager counted them as not swappable and failed
-    # again: 1.10 MiB, then 2.34 MiB (Note [Retrying inside except InfeasibleBudget] in swap/runtime/resources.py).
+    # again: 1.10 MiB, then 2.34 MiB (Note [Retrying inside except InfeasibleBudget] in
+    # swap/runtime/machine/resources.py).
     # The same when torch_oom raises it as torch.OutOfMemoryError, for trainers that retry on that.
     def manager(budget):
         return lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB)
@@ -138,7 +139,7 @@ def test_planned_overrun_is_warned_at_once_and_replanned_once():
     # once, and the plan is remade once with what it measured. (Under-measuring one step alone can leave the
     # plan within the budget: with SDPA the GPT's largest step is not where the plan is tight.)
     budget = smallest_budget("gpt") + 256 * KiB
-    real = swap.runtime.recorder.Recorder.finish
+    real = swap.runtime.activations.recorder.Recorder.finish
 
     def under(self, *args, **kwargs):
         seq = real(self, *args, **kwargs)
@@ -146,7 +147,7 @@ def test_planned_overrun_is_warned_at_once_and_replanned_once():
             seq.nonswap = [max(0, n - 512 * KiB) for n in seq.nonswap]
         return seq
 
-    swap.runtime.recorder.Recorder.finish = under
+    swap.runtime.activations.recorder.Recorder.finish = under
     try:
         with pytest.warns(swap.BudgetWarning, match="exceeded the budget .* planned with what was measured"):
             # policy="window": the first planned iteration is the third; "auto" may profile once more first.
@@ -154,7 +155,7 @@ def test_planned_overrun_is_warned_at_once_and_replanned_once():
                       manager=lambda: swap.SwapManager(budget=budget, device="cpu", min_bytes=16 * KiB,
                                                        policy="window"))  # fmt: skip
     finally:
-        swap.runtime.recorder.Recorder.finish = real
+        swap.runtime.activations.recorder.Recorder.finish = real
     r = got["manager"].report()
     assert r["replans"] == 1  # once, never cycling
     assert_within(got["peaks"][3:], budget)  # after the re-plan

@@ -1,5 +1,5 @@
 """Batches whose shape changes (a padding collator's sequence lengths): a shape seen before, or smaller than one
-seen, runs on a kept plan without profiling (Note [Plans by input shape] in swap.runtime.plan_book), bitwise
+seen, runs on a kept plan without profiling (Note [Plans by input shape] in swap.runtime.activations.plan_book), bitwise
 equal to training without the manager and within the budget every iteration. The window policy: the joint
 strategy's choice of recompute regions depends on measured times, and a new choice profiles again.
 bench/dynamic_shapes.py measures the default strategy."""
@@ -13,7 +13,7 @@ from training import KiB, assert_bitwise_equal, assert_within, run
 
 import swap
 from swap.forecast import zoo as models
-from swap.runtime.plan_book import Entry, PlanBook
+from swap.runtime.activations.plan_book import Entry, PlanBook
 
 ROUND = [48, 64, 32, 56]  # sequence lengths, cycled
 

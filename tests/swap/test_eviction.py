@@ -1,10 +1,10 @@
-"""The allocator's OOM handler (swap.runtime.eviction): what it frees, in which order (Note [Evicting a
+"""The allocator's OOM handler (swap.runtime.activations.eviction): what it frees, in which order (Note [Evicting a
 prefetch])."""
 
 import threading
 from types import SimpleNamespace
 
-from swap.runtime.eviction import evict_lru
+from swap.runtime.activations.eviction import evict_lru
 
 
 def _executor(step, vars_):

@@ -12,7 +12,7 @@ import pytest
 import swap
 from swap.joint.regions import RecomputePlan, Region
 from swap.joint.search import Outcome, Strategy, search
-from swap.runtime.ranks import agree
+from swap.runtime.auto.ranks import agree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsdp_ranks import spawn, train  # noqa: E402
@@ -150,6 +150,6 @@ def test_a_rank_that_would_decline_still_takes_part_and_takes_the_agreed_plan():
 
 def test_group_must_be_a_process_group():
     with pytest.raises(TypeError, match="ProcessGroup"):
-        swap.runtime.ranks.Ranks.of("gloo")
-    assert swap.runtime.ranks.Ranks.of(None) is None  # not initialised: each process plans alone
-    assert swap.runtime.ranks.Ranks.of(False) is None
+        swap.runtime.auto.ranks.Ranks.of("gloo")
+    assert swap.runtime.auto.ranks.Ranks.of(None) is None  # not initialised: each process plans alone
+    assert swap.runtime.auto.ranks.Ranks.of(False) is None

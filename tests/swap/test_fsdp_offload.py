@@ -15,7 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 import swap
 from bench.ranks import spawn
 from swap.forecast import zoo
-from swap.runtime import fsdp2
+from swap.runtime.model_state import fsdp2
 from swap.schedule.model_state import Placement
 from swap.schedule.unit_offload import blocks_of, choose_offloaded
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import swap
-from swap.runtime.host_pool import HostPool, HostPoolExhausted
+from swap.runtime.machine.host_pool import HostPool, HostPoolExhausted
 
 MiB = 1 << 20
 

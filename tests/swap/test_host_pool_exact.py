@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from swap.runtime.host_pool import PAGE, HostPool, HostPoolExhausted, PinningUnavailable
+from swap.runtime.machine.host_pool import PAGE, HostPool, HostPoolExhausted, PinningUnavailable
 
 MiB = 1 << 20
 

@@ -159,7 +159,7 @@ def test_a_module_that_writes_its_input_in_place_is_not_checkpointed_and_the_rep
 
 
 def test_non_deterministic_cuda_kernels_cannot_be_rerun_unless_deterministic_algorithms_are_on():
-    from swap.runtime.op_facts import blocker
+    from swap.runtime.auto.op_facts import blocker
 
     index_add, cuda = torch.ops.aten.index_add.default, torch.device("cuda")
     was = torch.are_deterministic_algorithms_enabled()
@@ -179,7 +179,7 @@ def test_non_deterministic_cuda_kernels_cannot_be_rerun_unless_deterministic_alg
 def test_atomic_writes_on_cuda_are_not_rerun(op):
     # The 2-d NLL loss's weight sum, index_copy and scatter with duplicate indices are not deterministic on CUDA;
     # they were rerun by a checkpoint (bitwise only by chance).
-    from swap.runtime.op_facts import blocker
+    from swap.runtime.auto.op_facts import blocker
 
     packet, overload = op.split(".")
     func = getattr(getattr(torch.ops.aten, packet), overload)
@@ -278,7 +278,7 @@ def test_the_operator_profiler_leaves_the_dispatch_stack_when_profiling_ends_wit
     operator is profiled any more (a profiler left on taxed every later step ~10x on CPU)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    from swap.runtime.op_profiler import OpProfiler
+    from swap.runtime.auto.op_profiler import OpProfiler
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(4)])
@@ -337,7 +337,7 @@ def test_the_profilers_own_time_does_not_inflate_the_calibrated_prices(monkeypat
     import time
 
     from swap.joint.ops import calibrated
-    from swap.runtime import op_profiler
+    from swap.runtime.auto import op_profiler
 
     ref = run("gpt", 3, meter=swap.LiveBytesMeter("cpu"))
     budget = int(unswapped_peak(ref) * 0.7)

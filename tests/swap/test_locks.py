@@ -6,7 +6,7 @@ import threading
 import torch
 
 import swap
-from swap.runtime.host_pool import HostPool
+from swap.runtime.machine.host_pool import HostPool
 
 
 def finishes(fn, timeout: float = 10.0) -> bool:

@@ -1,4 +1,4 @@
-"""swap.runtime.memory: the device memory the runtime measures. ArenaMemory when vmalloc is torch's allocator,
+"""swap.runtime.machine.memory: the device memory the runtime measures. ArenaMemory when vmalloc is torch's allocator,
 read from the arena's single counters (host backend here; the same counters on CUDA); TorchCudaMemory with
 torch's own allocator, read from its statistics without resetting the user's peak (an allocator's statistics
 stand in for CUDA here)."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import vmalloc
-from swap.runtime.memory import ArenaMemory, TorchCudaMemory
+from swap.runtime.machine.memory import ArenaMemory, TorchCudaMemory
 
 MiB = 1 << 20
 

@@ -1,5 +1,5 @@
 """The report's over-budget count agrees with the peak it prints (Note [What the over-budget count counts] in
-swap.runtime.memory): above zero exactly when the peak is above the budget, declined runs included."""
+swap.runtime.machine.memory): above zero exactly when the peak is above the budget, declined runs included."""
 
 import gc
 import warnings

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from swap.devices import cuda_profile, profile
-from swap.runtime.op_profiler import OpProfiler
+from swap.runtime.auto.op_profiler import OpProfiler
 
 H100 = profile("h100-sxm")
 

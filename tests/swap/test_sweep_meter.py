@@ -26,7 +26,7 @@ def test_storages_resized_in_place_are_counted_at_their_new_size():
         assert meter.live < 1 << 20
         assert meter.peak >= 1 << 20
     # The manager's meter counts a storage once, when first returned, so it never learns of aten.resize_ growing
-    # it (Note [Storages that resize] in swap.runtime.meter): the sweep meter is the judge for that reason.
+    # it (Note [Storages that resize] in swap.runtime.machine.meter): the sweep meter is the judge for that reason.
     live = swap.LiveBytesMeter("cpu")
     with live:
         u = torch.empty(0)

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import swap
-from swap.runtime.engines import HostEngine
-from swap.runtime.host_pool import HostPool
-from swap.runtime.lifecycle import PLANNED, Counters
-from swap.runtime.tracer import Variable
-from swap.runtime.transfers import Transfers
+from swap.runtime.activations.lifecycle import PLANNED, Counters
+from swap.runtime.activations.tracer import Variable
+from swap.runtime.activations.transfers import Transfers
+from swap.runtime.machine.engines import HostEngine
+from swap.runtime.machine.host_pool import HostPool
 
 MiB = 1 << 20
 

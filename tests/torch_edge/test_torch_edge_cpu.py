@@ -340,7 +340,7 @@ def test_swap_uses_vmalloc_when_installed_even_before_the_arena_exists():
     out = run_python("""
         import torch, vmalloc
         from vmalloc import _C
-        from swap.runtime.memory import vmalloc_arena
+        from swap.runtime.machine.memory import vmalloc_arena
         assert _C.existing_global_arena(0) is None
         assert vmalloc_arena(torch.device("cuda", 0)) is None      # not torch's allocator: torch's stats
         vmalloc.installed = lambda: True                          # as after change_current_allocator(...)

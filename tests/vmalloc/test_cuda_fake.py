@@ -280,7 +280,7 @@ def test_fault_sweep_over_every_driver_call(mem, entry):
 def test_a_budget_in_allocation_sizes_is_what_fits_under_the_capacity(mem):
     # The H200 run's ResNet: 2.25 MiB activations under a capacity of whole 2 MiB chunks. Counted at their own
     # size, seven fit 16 MiB; each holds two chunks, so four do, and allocation_size says so (Note [Sizes as the
-    # allocator counts them] in swap/runtime/memory.py).
+    # allocator counts them] in swap/runtime/machine/memory.py).
     a = mem.own[0]
     ar = arena(capacity=8 * CHUNK)
     n = 9 * MiB // 4

@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..host_pool import HostBlock, HostPool, HostPoolExhausted
+from ..machine.host_pool import HostBlock, HostPool, HostPoolExhausted
 from .buckets import Entry, trains
 from .storage import Copies, grad_span, host_tensor
 

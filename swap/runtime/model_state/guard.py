@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..op_facts import written_args
+from ..auto.op_facts import written_args
 
 
 class ParamGuard(TorchDispatchMode):
@@ -43,7 +43,7 @@ class ParamGuard(TorchDispatchMode):
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        return True  # Note [Meter and torch.compile] in swap.runtime.meter
+        return True  # Note [Meter and torch.compile] in swap.runtime.machine.meter
 
     @contextlib.contextmanager
     def busy(self) -> Iterator[None]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ...units import fmt_bytes
-from ..host_pool import ALIGN
+from ..machine.host_pool import ALIGN
 from .buckets import Entry, group_of, stepped_state_bytes, trains
 from .storage import grad_span
 

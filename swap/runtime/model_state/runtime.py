@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from ...schedule.model_state import ModelStatePlan, Placement
-from ..host_pool import ALIGN, HostPool, Pinner
-from ..resources import available_host_memory
+from ..machine.host_pool import ALIGN, HostPool, Pinner
+from ..machine.resources import available_host_memory
 from . import clipping, scaling
 from .buckets import collect_entries, specs
 from .data_parallel import refuse_compiled, refuse_ddp

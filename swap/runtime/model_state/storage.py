@@ -6,8 +6,8 @@ are dropped, back to full size when they are fetched (then filled from the host 
 shape, dtype and identity, the optimizer's references stay valid, and every view of them (a ``weight.t()`` saved
 for backward) sees the bytes once they are back. This is FSDP's proven trick; replacing ``p.data`` instead would
 change the parameter's shape while dropped and leave saved views holding the old storage. The live-bytes meter
-follows the resizes (Note [Storages that resize] in swap.runtime.meter). A storage that cannot be resized (memory
-another library owns) is replaced once, at the start, by a resizable copy.
+follows the resizes (Note [Storages that resize] in swap.runtime.machine.meter). A storage that cannot be resized
+(memory another library owns) is replaced once, at the start, by a resizable copy.
 
 A drop is *clean*: the host master is the truth, nothing is copied back, unless something wrote the device copy
 since it was fetched (``dirty``: ``model.load_state_dict``, a user's in-place edit; the parameter guard sees the
@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...schedule.model_state import Placement
-from ..host_pool import HostBlock, HostPool
+from ..machine.host_pool import HostBlock, HostPool
 from .buckets import Entry, span_bytes
 
 

@@ -17,7 +17,7 @@ them, and the first forward's order of first uses is the order buckets are re-pa
 buckets]).
 
 While the executor plans (it profiles or follows a schedule, with gradients on), each use of a streamed bucket is a
-step of its iteration instead (``step_hook``; Note [Clean variables at run time] in swap.runtime.clean): the
+step of its iteration instead (``step_hook``; Note [Clean variables at run time] in swap.runtime.activations.clean): the
 window schedules the bucket's fetches and drops with the activations', and the streamer only carries them out, as
 the executor's ``CleanMover``. A bucket is pinned while a module whose forward pre-hook used it runs, or while the
 backward node that read it runs; a drop asked for then waits for the pin to end.
@@ -43,8 +43,8 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from ...schedule.model_state import Placement
-from ..clean import CleanVariable
-from ..tracer import backward_running, current_autograd_node
+from ..activations.clean import CleanVariable
+from ..activations.tracer import backward_running, current_autograd_node
 from .buckets import Entry, pack
 from .storage import Copies, Masters
 
@@ -302,7 +302,7 @@ class Streamer:
         self.held.discard(b)
         self._deferred.discard(b)
 
-    # -- the executor's mover (swap.runtime.clean.CleanMover) -----------------------------------------------
+    # -- the executor's mover (swap.runtime.activations.clean.CleanMover) ------------------------------------------
     def fetch(self, key: int, prefetch: bool) -> None:
         with self.lock:
             self._deferred.discard(key)
@@ -371,7 +371,8 @@ class Streamer:
         """A pass begins at the first forward use after a backward pass, or when a forward starts over without
         one (an evaluation loop repeats its first use), so a pass never grows without bound."""
         if self._in_backward and not backward_running():
-            self._backward_end()  # Note [A backward that raised] (swap.runtime.executor): no end callback came
+            # Note [A backward that raised] (swap.runtime.activations.executor): no end callback came
+            self._backward_end()
         if self._in_backward:
             return
         if self._pass_over or (not self._backward_in_pass and self.uses and used == self.uses[0]):

@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from ...schedule.model_state import Bucket, ModelStateDoesNotFit, ModelStatePlan, Placement, plan_model_state
-from ..executor import DECLINED, PLANNED, Executor
-from ..hooks import SavedTensorHooks
-from ..memory import DeviceMemory
+from ..activations.executor import DECLINED, PLANNED, Executor
+from ..activations.hooks import SavedTensorHooks
+from ..machine.memory import DeviceMemory
 from .runtime import ModelStateRuntime
 from .streaming import ParamPacked
 
@@ -55,7 +55,7 @@ def fits(executor: Executor, memory: DeviceMemory, budget: int) -> Callable[[int
 # the room errs small); ``plan_model_state`` fills it with resident buckets first (forward order: the last
 # of the backward pass, whose host step nothing could hide), then host masters. Applied at that optimizer
 # step (Note [Changing placements]); the activation plan then grows by what became resident
-# (Note [Learning from an overrun] in swap.runtime.lifecycle).
+# (Note [Learning from an overrun] in swap.runtime.activations.lifecycle).
 def placer(executor: Executor, memory: DeviceMemory, budget: int,
            note: Callable[[str], None]) -> Callable[[list[Bucket]], Optional[ModelStatePlan]]:  # fmt: skip
     """``ModelStateRuntime.decide`` for ``model_state="auto"``: None while the activations are still profiled

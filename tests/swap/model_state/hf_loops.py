@@ -168,7 +168,7 @@ class Run:
 
     def finish(self) -> None:
         """Records the results as numpy copies and lets the run's tensors go: on the CPU the budget counts every
-        live tensor storage in the process (Note [What the CPU budget counts] in swap/runtime/memory.py), so a
+        live tensor storage in the process (Note [What the CPU budget counts] in swap/runtime/machine/memory.py), so a
         cached plain run must hold none."""
         self.params = [copy(p) for p in self.model.parameters()]
         self.grads_none = [p.grad is None for p in self.model.parameters()]

@@ -10,7 +10,7 @@ from ms_training import batch, gpt, loss_of
 
 import swap
 import swap.runtime.manager as manager_module
-from swap.runtime.engines import HostEngine
+from swap.runtime.machine.engines import HostEngine
 
 
 class LateEngine(HostEngine):

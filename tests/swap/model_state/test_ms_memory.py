@@ -9,7 +9,7 @@ import pytest
 from ms_training import TiedGPT, assert_bitwise, gpt, train
 
 import swap
-from swap.runtime.host_pool import PinningUnavailable
+from swap.runtime.machine.host_pool import PinningUnavailable
 
 MODEL = functools.partial(gpt, n_layer=2, d_model=64)
 

@@ -33,8 +33,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..schedule.unit_offload import ShardPlan
-from .model_state.host_step import HostStepper, check_optimizer
+from ...schedule.unit_offload import ShardPlan
+from .host_step import HostStepper, check_optimizer
 
 
 def gate_updates(model: torch.nn.Module, plan: ShardPlan, wait: Callable[[str], None]) -> list[Any]:

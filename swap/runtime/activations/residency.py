@@ -5,7 +5,8 @@ ran, a garbage-collection callback), so the callbacks here never wait and never 
 they change byte counts under ``lock`` only (re-entrant: a callback can run on a thread that holds it).
 
 Note [A held tensor freed mid-step]
-A profiled step's ``nonswap`` is its peak less what was ours on the device when it opened (swap.runtime.recorder).
+A profiled step's ``nonswap`` is its peak less what was ours on the device when it opened
+(swap.runtime.activations.recorder).
 That is exact only if our bytes stay put until the peak. They do not when a device storage of a variable counted
 at the open dies inside the step: the forward lets go of a tensor we released (a residual input), or the node
 that used a variable runs and autograd frees it (the scan of a state-space model uses a state and frees it
@@ -25,7 +26,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Optional, Protocol
 
-from .memory import DeviceMemory
+from ..machine.memory import DeviceMemory
 from .recorder import Recorder
 from .tracer import Variable
 
@@ -48,7 +49,7 @@ class Residency:
     """The owner of the executor's variables (``Variable.owner``): their callbacks land here, and
     ``on_device_bytes`` counts this iteration's variables whose bytes some device storage holds (the forward's,
     or a copy we fetched). ``memory`` learns what a run without swapping would hold; ``retire(var)`` lets a
-    dead variable's memory go (swap.runtime.transfers)."""
+    dead variable's memory go (swap.runtime.activations.transfers)."""
 
     def __init__(self, clock: Clock, memory: DeviceMemory, lock: threading.RLock,
                  retire: Callable[[Variable], None]) -> None:  # fmt: skip
@@ -110,7 +111,7 @@ class Residency:
                 if var.alive and var.iteration == self.clock.iteration:
                     self.on_device_bytes += var.size
 
-    # -- callbacks from variables (swap.runtime.tracer) -------------------------------------------------
+    # -- callbacks from variables (swap.runtime.activations.tracer) -------------------------------------------------
     def original_died(self, var: Variable) -> None:
         clock = self.clock
         rec = clock.recorder
@@ -134,9 +135,9 @@ class Residency:
             self._set_on_device(var, False)
 
     def clean_dropped(self, var: Any) -> None:
-        """A bucket of weights (swap.runtime.clean) left the device between two steps, where the conservative plan
-        let go of it (a module returned): a planned run holds it until its planned release, so, while profiling,
-        its bytes count as held for the rest of the step (Note [A held tensor freed mid-step])."""
+        """A bucket of weights (swap.runtime.activations.clean) left the device between two steps, where the
+        conservative plan let go of it (a module returned): a planned run holds it until its planned release, so, while
+        profiling, its bytes count as held for the rest of the step (Note [A held tensor freed mid-step])."""
         self._freed_mid_step(var)
 
     def var_dead(self, var: Variable) -> None:

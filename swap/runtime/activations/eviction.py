@@ -8,7 +8,7 @@ budget an allocation can fail while the plan holds: on an H200, 6.26 MiB was fre
 (two 2 MiB chunks) was refused, fewer than two chunks of it whole. The handler then frees what the step does not
 use: first variables resident and idle, then those whose copy back is still in flight (a prefetch). A prefetch
 dropped is fetched again on demand at its use: slower, never wrong. Its copy is waited for on the compute stream
-first, like any release (Note [Releases without host waits] in swap/runtime/transfers.py).
+first, like any release (Note [Releases without host waits] in swap/runtime/activations/transfers.py).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ failure stay pinned and are unpinned at ``close()``.
 
 Note [Host pool on CPU runs]
 Blocks are wrapped as tensors with the dispatch modes switched off, so a meter counting the compute device's
-live tensors (swap.runtime.meter) does not mistake host copies for device memory.
+live tensors (swap.runtime.machine.meter) does not mistake host copies for device memory.
 """
 
 from __future__ import annotations

@@ -3,13 +3,14 @@
 Each pack and unpack is one step. In a *planned* iteration, step i issues ``release[i]`` (wait for the D2H
 copy, drop the device copy), ``swap_in[i]`` (start H2D), the access (a use waits for its H2D copy, or
 fetches on demand if the plan missed: slower, never wrong), then ``swap_out[i]`` (start D2H). A *profiling*
-iteration runs the conservative plan instead (swap.runtime.conservative) and records the sequence the
-scheduler plans with (swap.runtime.recorder).
+iteration runs the conservative plan instead (swap.runtime.activations.conservative) and records the sequence the
+scheduler plans with (swap.runtime.activations.recorder).
 
 The executor finds where iterations begin and end and takes each step; it holds the parts with one job each:
-its ``lifecycle`` (swap.runtime.lifecycle: the plan and its mode, learning from what was measured), its
-``transfers`` (swap.runtime.transfers: the copies and releases) and its ``residency`` (swap.runtime.residency:
-the variables' owner, counting which bytes are on the device from callbacks on any thread).
+its ``lifecycle`` (swap.runtime.activations.lifecycle: the plan and its mode, learning from what was measured), its
+``transfers`` (swap.runtime.activations.transfers: the copies and releases) and its ``residency``
+(swap.runtime.activations.residency: the variables' owner, counting which bytes are on the device from callbacks
+on any thread).
 
 Note [Step windows]
 A step's measured peak is the highest memory from its access to the next one. The window is restarted after
@@ -25,20 +26,20 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..schedule.scheduler import Schedule
-from ..schedule.sequence import SAVE, USE, Sequence
+from ...schedule.scheduler import Schedule
+from ...schedule.sequence import SAVE, USE, Sequence
+from ..machine.host_pool import HostPool
+from ..machine.memory import DeviceMemory
+from ..machine.timers import CudaStepTimer, HostStepTimer
 from .clean import CleanMover, CleanVariable, on_device_bytes
 from .conservative import ConservativePlan
 from .eviction import evict_lru
-from .host_pool import HostPool
 from .kept import KeptTensors
 from .lifecycle import DECLINED, FALLBACK, PLANNED, PROFILE, Counters, Lifecycle, Planner, Profiled, Warn
-from .memory import DeviceMemory
 from .plan_book import ShapeKey, shape_key
 from .recorder import Recorder, describe_step
 from .residency import Residency
 from .signals import WholeModelCompiled
-from .timers import CudaStepTimer, HostStepTimer
 from .tracer import ModulePaths, Packed, Variable, backward_running, current_autograd_node, passthrough
 from .transfers import Transfers
 
@@ -57,7 +58,7 @@ class Executor:
         self.engine = engine
         self.pool = pool
         self.memory = memory
-        self.budget = memory.budget = budget  # Note [What the over-budget count counts] (swap.runtime.memory)
+        self.budget = memory.budget = budget  # Note [What the over-budget count counts] (swap.runtime.machine.memory)
         self.timer: Any = CudaStepTimer(device) if device.type == "cuda" else HostStepTimer()
         self.lock = threading.RLock()
         # Byte counts changed by callbacks; never held while waiting. Re-entrant: a weakref/GC callback (a
@@ -112,7 +113,7 @@ class Executor:
     # -- state others read ------------------------------------------------------------------------------
     @property
     def mode(self) -> str:
-        """``PROFILE``, ``PLANNED``, ``FALLBACK`` or ``DECLINED`` (swap.runtime.lifecycle)."""
+        """``PROFILE``, ``PLANNED``, ``FALLBACK`` or ``DECLINED`` (swap.runtime.activations.lifecycle)."""
         return self.lifecycle.mode
 
     @property
@@ -265,7 +266,7 @@ class Executor:
             self.kept.note(t)
 
     def evict(self, nbytes: int) -> bool:
-        """The allocator's OOM handler (swap.runtime.eviction): True if anything was evicted."""
+        """The allocator's OOM handler (swap.runtime.activations.eviction): True if anything was evicted."""
         return evict_lru(self, nbytes)
 
     # -- steps ------------------------------------------------------------------------------------------
@@ -349,7 +350,7 @@ class Executor:
         for u in s.swap_out[i]:
             moves.swap_out(self.vars[u], i)
 
-    # -- iteration boundaries (Note [Iteration boundaries] in swap.runtime.lifecycle) ---------------------
+    # -- iteration boundaries (Note [Iteration boundaries] in swap.runtime.activations.lifecycle) ---------------------
     def _begin_iteration(self, first_size: int, key: ShapeKey) -> None:
         """The first access after a backward (of ``first_size`` bytes, shape key ``key``): judge the iteration
         that ended, choose the next one's plan and start it."""

@@ -29,7 +29,7 @@ What this module adds:
   forward to hide behind); the root (embeddings, head) goes last. The choice depends on sizes only: ranks with
   the same budget choose the same units without a collective, and ranks with different budgets may differ,
   which FSDP2 allows (an all-gather's inputs have the same shapes wherever the shard lives).
-- ``HostSteps`` (swap/runtime/fsdp2_steps.py, Note [Host steps of offloaded FSDP2 units]): the offloaded
+- ``HostSteps`` (swap/runtime/model_state/fsdp2_steps.py, Note [Host steps of offloaded FSDP2 units]): the offloaded
   units' update taken out of the user's ``opt.step()`` and run on a host worker after the step confirms, by the
   single-device model-state runtime's host step (a shadow of the user's optimizer, hyperparameters copied from
   the user's param groups at every step, its state the user's own: ``opt.state_dict()`` and DCP stay plain),
@@ -55,8 +55,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..schedule.model_state import Placement
-from ..schedule.unit_offload import ShardPlan, blocks_of, choose_offloaded, shard_of
+from ...schedule.model_state import Placement
+from ...schedule.unit_offload import ShardPlan, blocks_of, choose_offloaded, shard_of
 from .fsdp2_steps import HostSteps, gate_updates
 
 

@@ -10,7 +10,7 @@ of the two. If the first alone cannot fit the budget, no later one can: ``Infeas
 once (at the second iteration's first saved tensor), with ``min_budget`` raised by what the optimizer step
 added. After the sequence changes, one profiling iteration suffices. Plans are kept by the input's shape,
 and an iteration of a shape seen before (or smaller than one seen) reuses a kept plan without profiling
-(Note [Plans by input shape] in swap.runtime.plan_book).
+(Note [Plans by input shape] in swap.runtime.activations.plan_book).
 
 Note [Benchmark trials are not the floor]
 With ``torch.backends.cudnn.benchmark`` on, the first iteration that meets a convolution's shapes times every
@@ -44,9 +44,9 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Union
 
-from ..schedule.scheduler import InfeasibleBudget, Schedule
-from ..schedule.sequence import Sequence
-from ..units import fmt_bytes
+from ...schedule.scheduler import InfeasibleBudget, Schedule
+from ...schedule.sequence import Sequence
+from ...units import fmt_bytes
 from .plan_book import Entry, PlanBook, ShapeKey
 
 log = logging.getLogger("swap")

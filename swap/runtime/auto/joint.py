@@ -2,13 +2,13 @@
 choice to the model, and say what was done per module.
 
 Note [Applying a joint plan]
-1. The profiling iterations also run the operator profiler (swap.runtime.op_profiler): the planner's operator
+1. The profiling iterations also run the operator profiler (swap.runtime.auto.op_profiler): the planner's operator
    table, and the candidate modules with the tensors a checkpoint of them would save.
 2. After the last one, if the run fits the budget the manager declines as with any policy (no swap, no
    recompute). Otherwise the joint strategy (swap.joint.search, Note [Joint strategy]) picks a plan on the
    profiled sequence, the measured link and step times.
 3. If the plan checkpoints modules or rebuilds activations, what the model saves changes: the manager wraps
-   the modules' forward (swap.runtime.regions, paths resolved in the root module the profiler saw), turns
+   the modules' forward (swap.runtime.auto.regions, paths resolved in the root module the profiler saw), turns
    the rebuilds on, and profiles once more with the conservative plan, which keeps the budget whatever is
    saved. If the iteration that just began already entered a module it wraps, it profiles two (the first
    one is half wrapped). The swaps are then scheduled on that measured sequence with the plan's swap policy
@@ -26,16 +26,16 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..joint.ops import OpTable, calibrated
-from ..joint.regions import RecomputePlan
-from ..joint.search import Evaluator, JointResult, checkpoint, checkpoint_window, search
-from ..schedule.sequence import USE, Sequence
-from .executor import Executor
-from .hooks import SavedTensorHooks
+from ...joint.ops import OpTable, calibrated
+from ...joint.regions import RecomputePlan
+from ...joint.search import Evaluator, JointResult, checkpoint, checkpoint_window, search
+from ...schedule.sequence import USE, Sequence
+from ..activations.executor import Executor
+from ..activations.hooks import SavedTensorHooks
+from ..activations.tracer import Packed
 from .op_profiler import OpProfiler, remove_mode
 from .ranks import Ranks, agree
 from .regions import Regions
-from .tracer import Packed
 
 log = logging.getLogger("swap")
 DEFAULT_LINK = 10e9  # bytes/s: feasibility does not depend on it
@@ -91,7 +91,7 @@ class JointRuntime:
             p.stop()
             remove_mode(p)
 
-    # -- hooks (a SaveListener of swap.runtime.hooks) ---------------------------------------------------
+    # -- hooks (a SaveListener of swap.runtime.activations.hooks) ---------------------------------------------------
     def boundary(self) -> None:
         """An iteration is about to start (the manager's pack hook saw it)."""
         if self.profiler is not None and self.profiler.active:

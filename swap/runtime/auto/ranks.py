@@ -10,7 +10,7 @@ what it recomputes does not:
 - a region rerun changes the saved-tensor structure and the step's time on that rank only.
 A rerun never repeats a collective: an operator that is a collective is kept (its output handed back at the
 rerun), and a module whose forward runs one that writes its output in place (FSDP2's all-gather of a nested
-sharded module) is not checkpointed at all (Note [Operators that cannot be rerun] in swap.runtime.op_facts).
+sharded module) is not checkpointed at all (Note [Operators that cannot be rerun] in swap.runtime.auto.op_facts).
 A module that FSDP2 shards itself runs its all-gather in its forward pre-hook, outside the wrapped forward the
 checkpoint reruns; in the backward its parameters are already all-gathered by FSDP2's pre-backward hook.
 
@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..joint.search import Evaluator, JointResult, Outcome, Strategy
+from ...joint.search import Evaluator, JointResult, Outcome, Strategy
 
 
 class Ranks:

@@ -1,7 +1,7 @@
 """What an operator does besides computing its outputs: which arguments it writes, whether its outputs alias
 its inputs, whether it can be rerun. Read from the operator's schema and tags, plus the few facts schemas
-leave out. Used by the operator profiler (swap.runtime.op_profiler) and the recompute contexts
-(swap.runtime.regions).
+leave out. Used by the operator profiler (swap.runtime.auto.op_profiler) and the recompute contexts
+(swap.runtime.auto.regions).
 
 Note [Operators that cannot be rerun]
 A recompute region reruns its operators in the backward, so an operator is rerun only if doing it twice
@@ -34,7 +34,7 @@ pre-backward hook has all-gathered its parameters before any of its saved tensor
 
 Writes are a separate matter: a rerun operator that writes a tensor from outside the rerun (BatchNorm's
 running statistics, a counter buffer) writes a scratch copy of it instead (Note [Scratch copies] in
-swap.runtime.regions), and an operator that writes one of the region's inputs makes the module impossible to
+swap.runtime.auto.regions), and an operator that writes one of the region's inputs makes the module impossible to
 checkpoint at all (autograd would find the saved input modified).
 """
 
@@ -45,7 +45,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..capture.flops import operator_flops
+from ...capture.flops import operator_flops
 
 # Schemas that write arguments without saying so: (operator, argument indices written when training).
 LEGACY_WRITES: dict[str, tuple[int, ...]] = {

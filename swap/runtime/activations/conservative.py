@@ -1,5 +1,5 @@
 """The conservative plan of profiling iterations: what it holds, and what it keeps for a near use. The executor
-(swap.runtime.executor) takes each step and hands it here while it profiles.
+(swap.runtime.activations.executor) takes each step and hands it here while it profiles.
 
 Note [Budget-aware profiling]
 The conservative plan holds as little as any plan can: a variable's copy to host starts when it is saved,
@@ -35,9 +35,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ..schedule.budget import step_floors
-from ..schedule.sequence import SAVE, USE, Sequence
-from .memory import DeviceMemory
+from ...schedule.budget import step_floors
+from ...schedule.sequence import SAVE, USE, Sequence
+from ..machine.memory import DeviceMemory
 from .tracer import Variable
 from .transfers import Transfers
 

@@ -3,9 +3,9 @@ that stand in for some of them, and what was left alone and why.
 
 Autograd calls ``pack`` for every tensor it saves for backward while the hooks are installed, and ``unpack``
 when backward (or anyone reading ``grad_fn._saved_*``) needs it back. The operator profiler and the recompute
-regions (swap.runtime.op_profiler, swap.runtime.regions) are handed this object: ``manages`` says what it would
-take, ``keep`` saves a checkpoint's kept output, ``pair`` tells these hooks from a user's own, and ``busy``
-says that what runs now runs inside them (the hooks' own copies are not the model's operators).
+regions (swap.runtime.auto.op_profiler, swap.runtime.auto.regions) are handed this object: ``manages`` says
+what it would take, ``keep`` saves a checkpoint's kept output, ``pair`` tells these hooks from a user's own, and
+``busy`` says that what runs now runs inside them (the hooks' own copies are not the model's operators).
 
 With model state managed (swap.runtime.model_state), saved tensors that alias a managed parameter's storage go
 to its streamer before anything else (whatever their size: the weights behind them leave the device between
@@ -73,7 +73,7 @@ class SavedTensorHooks:
     def install(self, executor: Executor, listener: Optional[SaveListener] = None) -> None:
         """From now on autograd's saved tensors go through ``executor`` (and ``listener`` hears of them)."""
         self.executor, self.listener = executor, listener
-        # Note [Hooks and torch.compile] (swap.runtime.signals): dynamo must run the hooks, not trace them.
+        # Note [Hooks and torch.compile] (swap.runtime.activations.signals): dynamo must run the hooks, not trace them.
         self._context = torch.autograd.graph.saved_tensors_hooks(
             torch._dynamo.disable(self.pack), torch._dynamo.disable(self.unpack)
         )
@@ -163,7 +163,7 @@ class SavedTensorHooks:
         return packed
 
     def keep(self, t: torch.Tensor) -> Any:
-        """A kept operator's output in a recompute region (swap.runtime.regions): saved like any saved tensor,
+        """A kept operator's output in a recompute region (swap.runtime.auto.regions): saved like any saved tensor,
         never rebuilt (its producer's saved input lives in the checkpoint, out of our reach)."""
         self._depth += 1
         try:

@@ -1,7 +1,7 @@
 """How long the compute between two of the executor's hooks took: wall clock on the host, CUDA events on a GPU.
 
 Note [Our own time is not the model's]
-While profiling, the operator profiler (swap.runtime.op_profiler) does Python bookkeeping after every operator,
+While profiling, the operator profiler (swap.runtime.auto.op_profiler) does Python bookkeeping after every operator,
 inside the intervals these timers measure. A planned step runs without it, and the planner prices every
 operator from these intervals (on a GPU the operator table is scaled to the measured forward: ``calibrated``
 in swap.joint.ops), so the bookkeeping is handed to the timer (``exclude``) and taken out of its interval. On

@@ -22,7 +22,7 @@ A rerun operator that writes a tensor from outside the rerun would write it twic
 statistics (``native_batch_norm`` updates them in place when training), a step counter buffer. The rerun
 therefore gives such an operator a copy of every tensor it writes that the rerun did not make itself, and
 drops the copy afterwards; writes to tensors the rerun made (``relu_`` on a fresh output) go ahead as usual.
-An operator writing one of the region's inputs makes the module ineligible instead (swap.runtime.op_profiler).
+An operator writing one of the region's inputs makes the module ineligible instead (swap.runtime.auto.op_profiler).
 
 Note [Rerun timing]
 Each rerun is timed between two timer marks (CUDA events on a GPU). A region reruns every iteration, so marks
@@ -49,10 +49,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS, checkpoint
 
-from ..joint.regions import RecomputePlan, Region
-from .hooks import SavedTensorHooks
+from ...joint.regions import RecomputePlan, Region
+from ..activations.hooks import SavedTensorHooks
+from ..machine.timers import CudaStepTimer, HostStepTimer
 from .op_facts import blocker, replace_written, stateful_argument, tensors_of
-from .timers import CudaStepTimer, HostStepTimer
 
 log = logging.getLogger("swap")
 

@@ -14,7 +14,7 @@ holds every such block until the scope ends, so memory grows every iteration. Th
 instead: the caller keeps both operands alive until it has waited for the copy's ticket, on the host
 (``wait_host``) or on the compute stream (``wait_compute``), and drops its reference only then. Any later
 reuse of the memory is then ordered after the copy on the compute stream, the block's allocation stream,
-which is all the allocator needs (the executor keeps to this: swap.runtime.transfers' ``release``,
+which is all the allocator needs (the executor keeps to this: swap.runtime.activations.transfers' ``release``,
 ``ensure_resident``, ``process_dying``; ``drain`` before anything is dropped at exit).
 
 Note [Device-side waits]
@@ -26,7 +26,7 @@ touching the memory itself (reading a host block on the CPU, unpinning it) needs
 ``host_waits`` counts the waits that found a copy still running (the host really waited): 0 on the hot path.
 A copy's ``after`` ticket orders it after another copy on the device (the copy stream waits on that copy's
 event): a host block is written only after the last copy that read it is done, whichever streams they ran
-on (Note [Host block fences] in swap/runtime/transfers.py).
+on (Note [Host block fences] in swap/runtime/activations/transfers.py).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..schedule.sequence import SAVE, Sequence
+from ...schedule.sequence import SAVE, Sequence
 
 
 class Recorder:
@@ -84,7 +84,7 @@ class Recorder:
     def finish(self, sizes: list[int], modules: list[str], resolve: Any,
                clean: Optional[list[bool]] = None) -> Optional[Sequence]:  # fmt: skip
         """The sequence this iteration recorded, or None if it recorded no access. ``clean``: per variable, a
-        bucket of weights (Note [Clean variables at run time] in swap.runtime.clean)."""
+        bucket of weights (Note [Clean variables at run time] in swap.runtime.activations.clean)."""
         n = len(self.var)
         if n == 0:
             return None

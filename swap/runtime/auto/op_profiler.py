@@ -5,7 +5,7 @@ Note [Operator profiler]
 A TorchDispatchMode sees every operator below autograd. While active it records, per forward operator: its
 name, the innermost module (``ModulePaths``, read from the stack), its seconds, FLOPs (torch.utils.flop_counter's
 registry) and bytes moved, its output and input storages (numbered; a storage the executor saves becomes
-that variable), what it writes in place, and whether it can be rerun (swap.runtime.op_facts). Forward
+that variable), what it writes in place, and whether it can be rerun (swap.runtime.auto.op_facts). Forward
 pre- and post-hooks on the candidate modules (children of containers, Note [Candidate regions]) record each
 call's span and the tensors a checkpoint of it would save.
 
@@ -35,10 +35,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
-from ..devices import DeviceProfile, cuda_profile, operator_kind, with_tf32
-from ..joint.ops import Op, OpTable, RegionCall, is_index
-from .executor import Executor
-from .hooks import SavedTensorHooks
+from ...devices import DeviceProfile, cuda_profile, operator_kind, with_tf32
+from ...joint.ops import Op, OpTable, RegionCall, is_index
+from ..activations.executor import Executor
+from ..activations.hooks import SavedTensorHooks
+from ..activations.tracer import ModulePaths
 from .op_facts import (
     aliases_output,
     blocker,
@@ -50,7 +51,6 @@ from .op_facts import (
     written_args,  # fmt: skip
 )
 from .regions import innermost_hooks_are
-from .tracer import ModulePaths
 
 
 @dataclass
@@ -118,7 +118,7 @@ class OpProfiler(TorchDispatchMode):
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        return True  # Note [Meter and torch.compile] in swap.runtime.meter: compiled code must stay compiled
+        return True  # Note [Meter and torch.compile] in swap.runtime.machine.meter: compiled code must stay compiled
 
     # -- storages ---------------------------------------------------------------------------------------
     def _sid(self, t: torch.Tensor) -> int:
@@ -182,7 +182,8 @@ class OpProfiler(TorchDispatchMode):
             why, rng, ex.step, innermost_hooks_are(self.hooks.pair), self.paths.in_module, ex.backward_done,
             self.paths.compiled, unkeepable,
         ))  # fmt: skip
-        ex.timer.exclude(time.perf_counter() - t1)  # Note [Our own time is not the model's] (swap.runtime.timers)
+        # Note [Our own time is not the model's] (swap.runtime.machine.timers)
+        ex.timer.exclude(time.perf_counter() - t1)
         return out
 
     # -- candidate modules ------------------------------------------------------------------------------
@@ -194,7 +195,8 @@ class OpProfiler(TorchDispatchMode):
                 path = prefix + name
                 self.modules[path] = m
                 self._sharded[path] = sharded_inside(m)
-                # Note [Hooks and torch.compile] (swap.runtime.signals): dynamo must run the hooks, not trace them.
+                # Note [Hooks and torch.compile] (swap.runtime.activations.signals): dynamo must run the hooks,
+                # not trace them.
                 pre, post = torch._dynamo.disable(self._pre(path)), torch._dynamo.disable(self._post(path))
                 self._handles[path] = [m.register_forward_pre_hook(pre, with_kwargs=True),
                                        m.register_forward_hook(post, always_call=True)]  # fmt: skip

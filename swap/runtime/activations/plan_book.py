@@ -50,8 +50,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..schedule.scheduler import Schedule
-from ..schedule.sequence import Sequence
+from ...schedule.scheduler import Schedule
+from ...schedule.sequence import Sequence
 
 ShapeKey = tuple[str, tuple[int, ...]]  # (dtype, shape) of the iteration's first saved tensor
 MAX_PLANS = 64

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..joint.recompute import Rule, SavedThrough, producer, rebuild_of
+from ...joint.recompute import Rule, SavedThrough, producer, rebuild_of
 
 
 @dataclass

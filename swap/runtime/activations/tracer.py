@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .host_pool import HostBlock
+from ..machine.host_pool import HostBlock
 
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
 # Note [Views outside the meter]: making a view allocates nothing, and its storage is already counted, so
@@ -179,7 +179,7 @@ class Variable:
         self.id = vid
         self.nbytes = storage.nbytes()  # what a copy moves
         # What the device's allocator counts for it (default: its bytes): what it is planned and counted with
-        # (Note [Sizes as the allocator counts them] in swap/runtime/memory.py).
+        # (Note [Sizes as the allocator counts them] in swap/runtime/machine/memory.py).
         self.size = self.nbytes if size is None else size
         self.device = device
         self.owner = owner

@@ -11,7 +11,8 @@ live in the parameters' own storages, not in a copy the executor owns), and so i
 A bucket is *pinned* while something running reads it: a module whose forward pre-hook used it and whose forward
 has not returned, or the backward node running now. Its forward use therefore holds it until the module returns: the
 saves the module's operators make in between share the use's node group, so the profile's ``node_last`` keeps the
-scheduler from releasing it before (Note [Step windows]'s groups, swap.runtime.executor). A release that comes
+scheduler from releasing it before (Note [Step windows]'s groups, swap.runtime.activations.executor). A release
+that comes
 while it is pinned anyway (a plan made before the profile saw it) is carried out when the pin ends.
 """
 
@@ -45,7 +46,7 @@ class CleanMover(Protocol):
     def variables(self, first_id: int, iteration: int, owner: Any) -> list[CleanVariable]:
         """One variable per streamed bucket, numbered from ``first_id``: the first variables of an iteration (so
         a planned iteration numbers them as its profile did, and can fetch one before its first use). ``owner``
-        (swap.runtime.residency.Residency) is told when one leaves the device between steps."""
+        (swap.runtime.activations.residency.Residency) is told when one leaves the device between steps."""
 
 
 class CleanVariable:

@@ -10,8 +10,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..schedule.budget import InfeasibleBudget, refuse_over_memory
-from ..units import size_arg
+from ...schedule.budget import InfeasibleBudget, refuse_over_memory
+from ...units import size_arg
 from .engines import CudaEngine, HostEngine
 from .host_pool import HostPool
 from .memory import ArenaMemory, DeviceMemory, MeterMemory, TorchCudaMemory

@@ -81,7 +81,7 @@ class DeviceMemory:
 # dataset held as tensors) or made while it runs. Those are not the training's, yet they are memory the run
 # shares, so they count; a user who does not want them counted deletes them before entering the manager (and
 # lets them be collected) or raises the budget by their size. Not counted: memory inside one operator that
-# never reaches Python (a convolution's workspace: Note [What the meter cannot see] in swap.runtime.meter),
+# never reaches Python (a convolution's workspace: Note [What the meter cannot see] in swap.runtime.machine.meter),
 # NumPy arrays and other non-tensor memory, and the pinned host pool swapped tensors go to. Storages resized
 # in place (FSDP2's unsharded parameters) are counted at their new size (Note [Storages that resize]).
 class MeterMemory(DeviceMemory):
@@ -235,7 +235,7 @@ def vmalloc_arena(device: torch.device) -> Optional[Any]:
     manager as its OOM handler (Note [MemPool mode routes every thread] in vmalloc/torch_allocator.py). Nothing
     evicts or recovers there: an allocation the pool cannot serve is torch's OutOfMemoryError at once (Note
     [What a pool scope costs]), so the plan alone keeps the budget; the copy engine calls no record_stream,
-    so the scope holds no freed copy back (Note [Copies without record_stream] in swap/runtime/engines.py).
+    so the scope holds no freed copy back (Note [Copies without record_stream] in swap/runtime/machine/engines.py).
     """
     if device.type != "cuda":
         return None

@@ -11,7 +11,7 @@ shape ever seen, all page-locked.
 
 Note [Host block fences]
 A host block's ``fence`` is the ticket of the last copy that read or wrote it. Every copy that uses the
-block waits for that ticket on the device (``after``: Note [Device-side waits] in swap/runtime/engines.py)
+block waits for that ticket on the device (``after``: Note [Device-side waits] in swap/runtime/machine/engines.py)
 and becomes the new fence, so a block reused for another variable is not overwritten while a copy to the
 device still reads it, whatever streams the model runs on. A block goes back to the pool only once its
 fence is done: the pool may hand it to anyone.
@@ -32,14 +32,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..machine.host_pool import HostBlock, HostPool
 from .clean import CleanVariable
-from .host_pool import HostBlock, HostPool
 from .lifecycle import Counters
 from .tracer import Variable
 
 
 class Transfers:
-    """Copies and releases over ``engine`` (swap.runtime.engines), host copies in ``pool``.
+    """Copies and releases over ``engine`` (swap.runtime.machine.engines), host copies in ``pool``.
 
     ``counts`` is the executor's lock for byte counts that callbacks change (never held while waiting);
     ``on_copy(var)`` is called before device memory is made for a copy of ``var`` coming back; ``log(i, action,
