@@ -6,16 +6,12 @@ fetches on demand if the plan missed: slower, never wrong), then ``swap_out[i]``
 iteration runs the conservative plan instead (swap.runtime.activations.conservative) and records the sequence the
 scheduler plans with (swap.runtime.activations.recorder).
 
-The executor finds where iterations begin and end and takes each step; it holds the parts with one job each:
-its ``lifecycle`` (swap.runtime.activations.lifecycle: the plan and its mode, learning from what was measured), its
-``transfers`` (swap.runtime.activations.transfers: the copies and releases) and its ``residency``
-(swap.runtime.activations.residency: the variables' owner, counting which bytes are on the device from callbacks
-on any thread).
-
-Note [Step windows]
-A step's measured peak is the highest memory from its access to the next one. The window is restarted after
-the access's releases, not before them: the memory they free belonged to the step before (it was counted
-there), and counting it again would inflate the step, its plan, and ``min_budget``.
+The executor finds where iterations begin and end (a saved tensor or a weight use after a backward, autograd's
+final callback, a backward that raised); its ``steps`` (swap.runtime.activations.steps) take each step inside one.
+It holds the other parts with one job each: its ``lifecycle`` (swap.runtime.activations.lifecycle: the plan and
+its mode, learning from what was measured), its ``transfers`` (swap.runtime.activations.transfers: the copies and
+releases) and its ``residency`` (swap.runtime.activations.residency: the variables' owner, counting which bytes
+are on the device from callbacks on any thread).
 """
 
 from __future__ import annotations
@@ -31,16 +27,17 @@ from ...schedule.sequence import SAVE, USE, Sequence
 from ..machine.host_pool import HostPool
 from ..machine.memory import DeviceMemory
 from ..machine.timers import CudaStepTimer, HostStepTimer
-from .clean import CleanMover, CleanVariable, on_device_bytes
+from .clean import CleanMover, CleanVariable
 from .conservative import ConservativePlan
 from .eviction import evict_lru
 from .kept import KeptTensors
 from .lifecycle import DECLINED, FALLBACK, PLANNED, PROFILE, Counters, Lifecycle, Planner, Profiled, Warn
 from .plan_book import ShapeKey, shape_key
-from .recorder import Recorder, describe_step
+from .recorder import Recorder
 from .residency import Residency
 from .signals import WholeModelCompiled
-from .tracer import ModulePaths, Packed, Variable, backward_running, current_autograd_node, passthrough
+from .steps import StepTaker
+from .tracer import ModulePaths, Packed, Variable, backward_running, passthrough
 from .transfers import Transfers
 
 log = logging.getLogger("swap")
@@ -74,9 +71,10 @@ class Executor:
             lambda: device.type == "cuda" and torch.backends.cudnn.benchmark,  # Note [Benchmark trials are not ...]
         )  # fmt: skip
         # The variables' owner: their callbacks land there.
+        self.steps = StepTaker(self)
         self.residency = Residency(self, memory, self._acct, lambda var: self.transfers.retire(var))
         self.transfers = Transfers(device, engine, pool, self.counters, self._acct, self.residency.copy_coming,
-                                   self._log)  # fmt: skip
+                                   self.steps.log)  # fmt: skip
         self.closed, self.iteration = False, 0
         self.modules = ModulePaths()
         self.kept = KeptTensors(self._acct)  # profiling: saved tensors kept on the device (min_bytes, exclude)
@@ -85,27 +83,21 @@ class Executor:
         # Told before a use of clean weights begins an iteration (a saved tensor's beginning is told by the
         # saved-tensor hooks): the operator profiler cuts its iterations there (Note [Operator profiler]).
         self.on_boundary: Optional[Callable[[], None]] = None
-        self._span: Optional[tuple[int, CleanVariable]] = None  # the forward weight use whose module runs
         self._backward_done = True  # so the first saved tensor starts iteration 1
         self._in_backward = False
         self._iteration_counted = True
-        self._in_hook = False
-        self._last_node: Any = None
-        self._node_groups = 0
-        self.actions: list[tuple[int, str, int]] = []  # what this iteration issued, in order
         self.last_actions: list[tuple[int, str, int]] = []  # ... and the last completed iteration's
         self.recorder: Optional[Recorder] = None
-        self.conservative = ConservativePlan(self.transfers, memory, budget, self._log)  # profiling's own plan
+        self.conservative = ConservativePlan(self.transfers, memory, budget, self.steps.log)  # profiling's own plan
         self._reset_iteration()
 
     def _reset_iteration(self) -> None:
-        self.step = self.saves = 0  # saves: tensors saved this iteration, ours or not
+        self.saves = 0  # tensors saved this iteration, ours or not
+        self.steps.reset()
         self.vars: list[Variable] = []
         self.by_storage: dict[int, Variable] = {}
         self.conservative.forget()
         self.residency.reset()
-        self.actions = []
-        self._matching = True  # profiling: so far this iteration repeats the previous profile
         # Profiling: saves inside some module / inside a compiled function outside any module (Note [Hooks
         # and torch.compile]).
         self._saved_in_module = self._saved_in_compiled_function = False
@@ -136,13 +128,23 @@ class Executor:
         return self._backward_done
 
     @property
+    def step(self) -> int:
+        """The next step's index in this iteration."""
+        return self.steps.i
+
+    @property
     def in_hook(self) -> bool:
         """A step is being taken (callbacks that run inside it belong to the step before)."""
-        return self._in_hook
+        return self.steps.in_hook
+
+    @property
+    def actions(self) -> list[tuple[int, str, int]]:
+        """What this iteration issued, in order: (step, action, variable)."""
+        return self.steps.actions
 
     def now(self) -> int:
         """The step whose interval it is now (for callbacks from variables)."""
-        return self.step - 1 if self._in_hook else self.step
+        return self.steps.now()
 
     @property
     def between_iterations(self) -> bool:
@@ -182,7 +184,7 @@ class Executor:
                         self._saved_in_module = True
             var.note_version(t)
             packed = Packed(var, t)
-            self._step(var, SAVE, storage)
+            self.steps.take(var, SAVE, storage)
             return packed
 
     def observe(self, t: torch.Tensor) -> None:
@@ -208,7 +210,7 @@ class Executor:
         when the executor takes no step for it (declined, closed, no grad: the caller moves the weights itself)."""
         with self.lock:
             running = backward_running()  # a forward without grad (evaluation) is no iteration's:
-            if self.closed or self._in_hook or self.mode == DECLINED or not (running or torch.is_grad_enabled()):
+            if self.closed or self.steps.in_hook or self.mode == DECLINED or not (running or torch.is_grad_enabled()):
                 return False
             if self._in_backward and not running:
                 self._backward_end()  # Note [A backward that raised]
@@ -226,9 +228,9 @@ class Executor:
             if self.recorder is not None and not var.module:
                 var.module = module
             if not running:  # Note [Clean variables at run time]: its module's saves join the use's group
-                self._node_groups += 1
-                self._span = (self._node_groups, var)
-            self._step(var, USE, None)
+                self.steps.node_groups += 1
+                self.steps.span = (self.steps.node_groups, var)
+            self.steps.take(var, USE, None)
             return True
 
     def unpack(self, p: Any) -> torch.Tensor:
@@ -246,7 +248,7 @@ class Executor:
             if self._saved_in_compiled_function and not self._saved_in_module and self.recorder is not None:
                 raise WholeModelCompiled()  # a compiled step: the model's forward ran inside the compiled function
             self._queue_end_of_backward()
-            self._step(var, USE, None)
+            self.steps.take(var, USE, None)
             return p.view_on(var.dev)
 
     # Note [A backward that raised]
@@ -269,99 +271,18 @@ class Executor:
         """The allocator's OOM handler (swap.runtime.activations.eviction): True if anything was evicted."""
         return evict_lru(self, nbytes)
 
-    # -- steps ------------------------------------------------------------------------------------------
-    def _log(self, i: int, action: str, var: Variable) -> None:
-        self.actions.append((i, action, var.id))
-
-    def _step(self, var: Variable, kind: str, storage: Optional[torch.UntypedStorage]) -> None:
-        i = self.step
-        self.step += 1
-        self._in_hook = True
-        try:
-            var.last_access = i
-            self.transfers.process_dying()
-            if i > 0:
-                self._close_step(self.memory.window_peak())
-            life = self.lifecycle
-            if life.mode == PLANNED and not self._matches(var, kind, i):
-                self._diverged(var, kind, i)
-            if life.mode == PLANNED:
-                self._planned_step(var, kind, storage, i)
-            else:
-                prev = life.previous if self._matching and life.mode == PROFILE else None
-                grown = max(0, self.recorder.base - prev.base) if prev is not None and self.recorder else 0
-                self.conservative.step(var, kind, storage, i, self.vars, prev, grown)
-            rec = self.recorder
-            if rec is not None:
-                prev = life.previous
-                if self._matching and prev is not None:
-                    self._matching = i < len(prev) and prev.var[i] == var.id and prev.kind[i] == kind
-                counted = self.residency.on_device_bytes + on_device_bytes(self.clean.values(), self.iteration)
-                rec.open_step(var.id, kind, counted, self.memory.current(), self.kept.bytes,
-                              self._node_group(kind), self.saves)  # fmt: skip
-                self.timer.start()
-        finally:
-            self._in_hook = False
-
-    def _node_group(self, kind: str) -> int:
-        """Profiling: consecutive uses by one backward node share a group (the node holds what it unpacked)."""
-        node = current_autograd_node() if kind == USE else None
-        span = self._span
-        if node is None and span is not None and span[1].pinned():  # Note [Clean variables at run time]
-            return span[0]
-        if node is None:
-            self._last_node = None
-            return -1
-        if node is not self._last_node:
-            self._last_node = node  # kept alive, so the next node cannot reuse its id
-            self._node_groups += 1
-        return self._node_groups
-
-    def _matches(self, var: Variable, kind: str, i: int) -> bool:
-        seq, n, life = self.lifecycle.sequence, var.size, self.lifecycle  # Note [Plans by input shape]: bounds
-        return (i < len(seq) and seq.var[i] == var.id and seq.kind[i] == kind
-                and (seq.sizes[var.id] == n or life.bounds and seq.sizes[var.id] > n)
-                and (not seq.saved_before or seq.saved_before[i] == self.saves))  # fmt: skip
-
-    def _diverged(self, var: Variable, kind: str, i: int) -> None:
-        seq = self.lifecycle.sequence
-        expected = f"{seq.kind[i]} of {seq.sizes[seq.var[i]]} bytes" if i < len(seq) else "the end of the iteration"
-        log.info("swap: step %d is a %s of %d bytes, the plan expected %s: re-profiling", i, kind, var.nbytes, expected)
-        self.lifecycle.diverged()
-        self.conservative.held = [v for v in self.vars if v is not var and v.dev is not None and v.alive]
-
-    def _restart_window(self) -> None:
-        self.conservative.restart_window()
-
-    def _planned_step(self, var: Variable, kind: str, storage: Optional[torch.UntypedStorage], i: int) -> None:
-        s, moves = self.lifecycle.schedule, self.transfers
-        for u in s.release[i]:
-            moves.release(self.vars[u], i)
-        if s.release[i]:
-            self._restart_window()
-        for u in s.swap_in[i]:
-            moves.swap_in(self.vars[u], i)
-        if kind == SAVE:
-            if var.dev is None:
-                var.attach(storage)
-        else:
-            moves.ensure_resident(var, i)
-        self._log(i, "access", var)
-        for u in s.swap_out[i]:
-            moves.swap_out(self.vars[u], i)
-
     # -- iteration boundaries (Note [Iteration boundaries] in swap.runtime.activations.lifecycle) ---------------------
     def _begin_iteration(self, first_size: int, key: ShapeKey) -> None:
         """The first access after a backward (of ``first_size`` bytes, shape key ``key``): judge the iteration
         that ended, choose the next one's plan and start it."""
         peak, shadow = self.memory.window_peak(), self.memory.shadow_window_peak()
         if self.iteration > 0 and self.step > 0:
-            self._close_step(peak, tail=True)
+            self.steps.close(peak, tail=True)
         self._release_leftovers()
         self.transfers.new_iteration()
         life = self.lifecycle
         old_vars, rec, ended, steps = self.vars, self.recorder, life.mode, self.step
-        self.last_actions = self.actions
+        self.last_actions = self.steps.actions
         self._backward_done, self._iteration_counted = False, False
         self.iteration += 1
         self.recorder = None
@@ -390,7 +311,7 @@ class Executor:
         with self.lock:
             self._in_backward = False
             self._backward_done = True
-            self._last_node = None  # the node (and the graph behind it) must not outlive the backward
+            self.steps.last_node = None  # the node (and the graph behind it) must not outlive the backward
             if not self._iteration_counted:
                 self.counters.iterations += 1
                 self._iteration_counted = True
@@ -412,28 +333,6 @@ class Executor:
                 self.transfers.release(v)
         self.conservative.forget()
 
-    def _close_step(self, peak: int, tail: bool = False) -> None:
-        """The interval after the previous access ended with ``peak`` the highest memory in it (``tail``: the
-        iteration's last interval, through the optimizer step)."""
-        i = self.step - 2 if self._in_hook else self.step - 1  # the step whose interval this was
-        rec = self.recorder
-        if rec is not None:
-            rec.close_step(peak, self.memory.held_window_peak(), self.timer.stop())
-        if peak <= self.budget:
-            return
-        self.counters.overruns += 1
-        life = self.lifecycle
-        if rec is not None:
-            rec.overruns.append((i, peak))
-            life.profile_overrun(self.iteration, peak, self._where(i, tail, rec))
-        elif life.mode == PLANNED and i < len(life.sequence):
-            life.planned_overrun(self.iteration, i, peak, self._where(i, tail))
-
-    def _where(self, i: int, tail: bool, rec: Optional[Recorder] = None) -> str:
-        seq = self.lifecycle.sequence
-        var_ids, kinds = (rec.var, rec.kind) if rec is not None else (seq.var, seq.kind)
-        return describe_step(i, tail, var_ids, kinds, [v.module for v in self.vars], seq)
-
     def close(self) -> None:
         with self.lock:
             try:
@@ -445,11 +344,11 @@ class Executor:
                 self.transfers.process_dying()
             finally:
                 self.conservative.forget()
-                self._last_node = None
+                self.steps.last_node = self.steps.span = None
                 self.closed = True
                 self.transfers.close()
                 # Our references go; autograd's handles keep what a late unpack may still need.
-                self.vars, self.by_storage, self.clean, self.clean_mover, self._span = [], {}, {}, None, None
+                self.vars, self.by_storage, self.clean, self.clean_mover = [], {}, {}, None
 
 
 __all__ = ["Counters", "Executor", "Profiled", "WholeModelCompiled", "PROFILE", "PLANNED", "FALLBACK", "DECLINED"]
