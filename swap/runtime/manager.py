@@ -46,6 +46,7 @@ from .auto.ranks import Ranks
 from .machine.memory import DeviceMemory, vmalloc_arena
 from .machine.resources import default_budget, host_block_bytes, open_resources, refuse_budget_above_memory
 from .model_state import wiring
+from .model_state.precision import check_compute_dtype
 from .model_state.runtime import ModelStateRuntime, check_model_state
 from .notices import NOT_STARTED, Notices, never_started
 from .report import SwapReport
@@ -113,6 +114,12 @@ class SwapManager:
             budget, between 64 KiB and 32 MiB (Note [Bucket size by default] in swap.runtime.model_state.defaults).
         host_memory: host bytes the offloaded model state may take; None: what the kernel reports available.
             The manager refuses at construction (``HostMemoryError``) if the state would not fit.
+        compute_dtype: with ``model=`` (``model_state="auto"`` or ``"offload"``) and an fp32 model, mixed precision:
+            fp32 master weights, gradients and optimizer state on the host, the device computing with copies in
+            this dtype (torch.bfloat16 or torch.float16), cast on the host so the link carries half the bytes;
+            the model's floating-point inputs are cast to it. After the manager the parameters are the fp32
+            masters. None (the default): the parameters' own dtype (Note [Mixed precision] in
+            swap.runtime.model_state.precision).
         group: under DDP or FSDP2, the process group whose ranks choose ``strategy="auto"``'s plan together
             (Note [Ranks agree on a plan] in swap.runtime.auto.ranks): None, the default group when torch.distributed
             is initialised with more than one rank; False, each rank plans alone. Each rank keeps its own budget.
@@ -143,6 +150,7 @@ class SwapManager:
         model_state: str = "auto",
         bucket_bytes: Size = None,
         host_memory: Size = None,
+        compute_dtype: Optional[torch.dtype] = None,
         group: Any = None,
     ) -> None:
         policy = self.policy = check_strategy(strategy, policy)  # "auto" or a policy
@@ -172,7 +180,9 @@ class SwapManager:
         self._final: Optional[dict[str, Any]] = None
         self._group = group
         self.model_state: Optional[ModelStateRuntime] = None
-        if check_model_state(model, optimizer, model_state) in ("auto", "offload"):
+        mode = check_model_state(model, optimizer, model_state)
+        compute_dtype = check_compute_dtype(compute_dtype, mode)
+        if mode in ("auto", "offload"):
             if policy == "none":
                 raise ValueError("policy='none' turns the manager off, so it cannot place model state: pass another "
                                  "policy, or model_state='resident'")  # fmt: skip
@@ -180,7 +190,7 @@ class SwapManager:
                 model, optimizer, self.device,
                 parse_size(bucket_bytes, "bucket_bytes", minimum=1, none="from the weights and the budget"),
                 parse_size(host_memory, "host_memory", minimum=1, none="what the kernel reports available"),
-                model_state, budget=self.budget,
+                model_state, budget=self.budget, compute_dtype=compute_dtype,
             )  # fmt: skip
 
     @property

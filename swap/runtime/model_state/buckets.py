@@ -24,13 +24,19 @@ from ...schedule.model_state import Bucket
 class Entry:
     """One device storage holding managed parameters: ``params`` (name, parameter) in registration order."""
 
-    __slots__ = ("index", "storage", "key", "nbytes", "params")
+    __slots__ = ("index", "storage", "key", "nbytes", "master_nbytes", "dtype", "master_dtype", "params")
 
-    def __init__(self, index: int, storage: torch.UntypedStorage, params: list[tuple[str, torch.nn.Parameter]]) -> None:
+    def __init__(self, index: int, storage: torch.UntypedStorage, params: list[tuple[str, torch.nn.Parameter]],
+                 compute_dtype: Optional[torch.dtype] = None) -> None:  # fmt: skip
         self.index = index
         self.storage = storage
         self.key = storage._cdata  # the storage's identity across its Python wrappers
-        self.nbytes = storage.nbytes()
+        # Bytes of the host master (the storage as the model holds it), and of the device copy: the same, or the
+        # master's elements in ``compute_dtype`` (Note [Mixed precision] in swap.runtime.model_state.precision).
+        self.master_dtype = params[0][1].dtype
+        self.dtype = compute_dtype or self.master_dtype
+        self.master_nbytes = storage.nbytes()
+        self.nbytes = self.master_nbytes // self.master_dtype.itemsize * self.dtype.itemsize
         self.params = params
 
     def __repr__(self) -> str:
@@ -50,10 +56,12 @@ def trains(p: torch.nn.Parameter) -> bool:
     return p.requires_grad
 
 
-def collect_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> list[Entry]:
+def collect_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                    compute_dtype: Optional[torch.dtype] = None) -> list[Entry]:  # fmt: skip
     """The entries of the parameters ``optimizer`` steps and of the frozen ones (Note [Frozen parameters]), in
-    ``model``'s registration order. Raises ``ValueError`` for an optimizer holding parameters the model does not
-    own, or parameters it steps that the runtime cannot move (frozen ones it cannot move stay where they are)."""
+    ``model``'s registration order; ``compute_dtype``: their device copies' dtype (None: the parameters'). Raises
+    ``ValueError`` for an optimizer holding parameters the model does not own, or parameters it steps that the
+    runtime cannot move (frozen ones it cannot move stay where they are)."""
     names = {id(p): n for n, p in model.named_parameters()}
     stepped: dict[int, torch.nn.Parameter] = {}
     foreign = []
@@ -79,8 +87,9 @@ def collect_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer, de
         st = p.untyped_storage()
         e = by_storage.get(st._cdata)
         if e is None:
-            e = by_storage[st._cdata] = Entry(len(entries), st, [])
+            e = by_storage[st._cdata] = Entry(len(entries), st, [(name, p)], compute_dtype)
             entries.append(e)
+            continue
         e.params.append((name, p))
     return entries
 
@@ -127,10 +136,12 @@ def span_bytes(t: torch.Tensor) -> int:
     return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
-def state_bytes(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter, group: dict[str, Any]) -> int:
+def state_bytes(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter, group: dict[str, Any],
+                dtype: Optional[torch.dtype] = None) -> int:  # fmt: skip
     """Bytes of optimizer state ``p`` will have once stepped by ``optimizer`` (its class and ``group``'s flags):
-    Adam/AdamW two moments (three with amsgrad) and a step counter, SGD a momentum buffer when momentum is on."""
-    n = span_bytes(p)
+    Adam/AdamW two moments (three with amsgrad) and a step counter, SGD a momentum buffer when momentum is on;
+    ``dtype``: its master's (None: ``p``'s)."""
+    n = span_bytes(p) // p.element_size() * (dtype or p.dtype).itemsize
     if isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
         scalar = torch.tensor(0.0, dtype=_scalar_dtype()).element_size()
         return (3 if group.get("amsgrad") else 2) * n + scalar
@@ -148,13 +159,14 @@ def group_of(optimizer: torch.optim.Optimizer) -> dict[int, int]:
     return {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
 
 
-def stepped_state_bytes(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter, groups: dict[int, int]) -> int:
+def stepped_state_bytes(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter, groups: dict[int, int],
+                        dtype: Optional[torch.dtype] = None) -> int:  # fmt: skip
     """``state_bytes`` of ``p`` if ``optimizer`` steps it (``groups``: ``group_of(optimizer)``), else 0: a frozen
     parameter, or one the optimizer does not list, has no state (Note [Frozen parameters])."""
     g = groups.get(id(p))
     if g is None or not trains(p):
         return 0
-    return state_bytes(optimizer, p, optimizer.param_groups[g])
+    return state_bytes(optimizer, p, optimizer.param_groups[g], dtype)
 
 
 def specs(entries: list[Entry], buckets: list[list[int]], optimizer: Optional[torch.optim.Optimizer]) -> list[Bucket]:
@@ -162,10 +174,13 @@ def specs(entries: list[Entry], buckets: list[list[int]], optimizer: Optional[to
     groups = group_of(optimizer) if optimizer is not None else {}
     out = []
     for b, members in enumerate(buckets):
-        params = [(n, p) for i in members for n, p in entries[i].params]
+        # Gradients in the device copy's dtype, state in the master's (Note [Mixed precision]).
+        params = [(n, p, entries[i]) for i in members for n, p in entries[i].params]
         weight = sum(entries[i].nbytes for i in members)
-        grad = sum(span_bytes(p) for _, p in params if trains(p))
-        state = sum(stepped_state_bytes(optimizer, p, groups) for _, p in params if optimizer is not None)
-        out.append(Bucket(b, tuple(n for n, _ in params), sum(p.numel() for _, p in params), weight, weight, grad,
-                          state))  # fmt: skip
+        master = sum(entries[i].master_nbytes for i in members)
+        grad = sum(span_bytes(p) // p.element_size() * e.dtype.itemsize for _, p, e in params if trains(p))
+        state = sum(stepped_state_bytes(optimizer, p, groups, e.master_dtype) for _, p, e in params
+                    if optimizer is not None)  # fmt: skip
+        out.append(Bucket(b, tuple(n for n, _, _ in params), sum(p.numel() for _, p, _ in params), weight, master,
+                          grad, state))  # fmt: skip
     return out

@@ -108,9 +108,12 @@ class GradSink:
         self._handles: list[Any] = []
         self._local = threading.local()  # depth of ``raw()`` on this thread
         self.stepping = False  # the user's opt.step() runs: it must see torch's attribute
+        self.compute_dtype: Optional[torch.dtype] = None  # Note [Mixed precision]: the gradients arriving
         self._swapped: list[tuple[torch.nn.Parameter, type]] = []
 
     def allocate(self) -> None:
+        """A host gradient buffer for every parameter, in its master's dtype (fp32 under Note [Mixed precision]:
+        called while the parameters still have it)."""
         for p in self.params:
             self.blocks[id(p)] = block = self.pool.alloc(grad_span(p))
             self.host[id(p)] = host_tensor(block.view, p, 0)
@@ -174,9 +177,10 @@ class GradSink:
                 self.has[k] = False
             return
         self._ready(k)
-        if g.shape != p.shape or g.dtype != p.dtype:
-            raise RuntimeError(f"assigned grad has shape {tuple(g.shape)} and dtype {g.dtype}, the parameter "
-                               f"{tuple(p.shape)} and {p.dtype}")  # fmt: skip
+        host = self.host[k]  # the master's dtype (Note [Mixed precision]), which is the parameter's otherwise
+        if g.shape != p.shape or g.dtype != host.dtype:
+            raise RuntimeError(f"assigned grad has shape {tuple(g.shape)} and dtype {g.dtype}, the parameter's "
+                               f"gradient {tuple(p.shape)} and {host.dtype}")  # fmt: skip
         with self.busy(), torch.no_grad():
             self.host[k].copy_(g)
         self.has[k] = True
@@ -199,11 +203,14 @@ class GradSink:
         with self.lock, self.busy():
             host = self.host[k]
             earlier = self.tasks.get(k)
-            if self.has[k]:
-                block = self._staging_block(grad_span(p))
-                staged = host_tensor(block.view, p, 0)
+            if self.has[k] or g.dtype != host.dtype:  # accumulated, or upcast (Note [Mixed precision])
+                block = self._staging_block(grad_span(p, g.dtype))
+                staged = host_tensor(block.view, p, 0, g.dtype)
                 ticket = self.engine.d2h(staged, g)
-                self.tasks[k] = self.worker.submit(self._add, ticket, g, host, staged, block)
+                if not self.has[k] and earlier is not None:
+                    earlier.result()  # nothing else may be writing the buffer
+                self.tasks[k] = self.worker.submit(self._add, ticket, g, host, staged, block, self.has[k])
+                self.has[k] = True
             else:
                 if earlier is not None:
                     earlier.result()  # nothing else may be writing the buffer
@@ -226,10 +233,16 @@ class GradSink:
         self.engine.wait_host(ticket)
         del g  # the device memory goes only once the copy has read it (Note [Copies without record_stream])
 
-    def _add(self, ticket: Any, g: torch.Tensor, host: torch.Tensor, staged: torch.Tensor, block: HostBlock) -> None:
+    def _add(self, ticket: Any, g: torch.Tensor, host: torch.Tensor, staged: torch.Tensor, block: HostBlock,
+             accumulate: bool = True) -> None:  # fmt: skip
+        """``host += staged`` (``accumulate``) or ``host = staged``, in ``host``'s dtype (an fp32 buffer upcasts a
+        compute-dtype gradient exactly, then adds in fp32), once the copy into ``staged`` has landed."""
         self.engine.wait_host(ticket)
         del g
-        host.add_(staged)
+        if accumulate:
+            host.add_(staged)
+        else:
+            host.copy_(staged)
         self.staging.free(block)
 
     # -- reading and resetting ------------------------------------------------------------------------------

@@ -10,12 +10,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Callable, Optional
 
 import torch
 
-from ...schedule.model_state import ModelStatePlan, Placement
+from ...schedule.model_state import ModelStatePlan, Placement, UpdateSite
 from ..machine.host_pool import ALIGN, HostPool, Pinner
 from ..machine.resources import available_host_memory
 from . import clipping, scaling
@@ -27,6 +27,7 @@ from .guard import ParamGuard
 from .host_memory import predict, refuse_over
 from .host_optim import host_worker
 from .host_step import HostStepper, check_optimizer
+from .precision import cast_forward_inputs, check_masters, precision_name
 from .state_dicts import StateDictHooks, host_state_value
 from .storage import Copies, Masters
 from .streaming import Streamer
@@ -71,18 +72,24 @@ class ModelStateRuntime:
     """Streams ``model``'s parameters that ``optimizer`` steps (every bucket ``STREAMED``, host step after
     confirmation: the conservative plan) in buckets of about ``bucket_bytes`` (None: from the weights and
     ``budget``, Note [Bucket size by default]), on ``device``. ``host_memory``: host bytes it may use (None: what
-    is available now). Raises ``HostMemoryError`` before allocating anything when the state would not fit."""
+    is available now). ``compute_dtype``: fp32 masters on the host, device copies in this dtype (Note [Mixed
+    precision] in swap.runtime.model_state.precision; None: the parameters' own dtype). Raises
+    ``HostMemoryError`` before allocating anything when the state would not fit."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
                  bucket_bytes: Optional[int], host_memory: Optional[int] = None, mode: str = "offload",
-                 budget: Optional[int] = None) -> None:  # fmt: skip
+                 budget: Optional[int] = None, compute_dtype: Optional[torch.dtype] = None) -> None:  # fmt: skip
         self.mode = mode
         self.model = model
         self.optimizer = optimizer
         self.device = device
-        self.entries = collect_entries(model, optimizer, device)
+        self.compute_dtype = compute_dtype
+        self.entries = collect_entries(model, optimizer, device, compute_dtype)
         if not self.entries:
             raise ValueError("the optimizer steps none of the model's parameters: nothing to place")
+        if compute_dtype is not None:
+            check_masters(self.entries, compute_dtype)
+        self.precision = precision_name(self.entries, compute_dtype)
         if bucket_bytes is None:  # Note [Bucket size by default]
             bucket_bytes = default_bucket_bytes(sum(e.nbytes for e in self.entries), budget)
         self.bucket_bytes = bucket_bytes
@@ -117,16 +124,20 @@ class ModelStateRuntime:
         pinned = self.pinned
         pred = self.prediction
         # Exact sizes, one block each (Note [Host memory before allocating]); staging may not grow past its own.
-        pools = [HostPool(pinned, limit=n if limited else None, block_size=max(n, ALIGN), pinner=self.pinner,
+        # Under mixed precision the compute copies and the staging are what the link reads and writes: only they
+        # are pinned.
+        sizes = ((pred.masters, False, not pred.mixed), (pred.grads, False, not pred.mixed), (pred.staging, True, True),
+                 (pred.copies, False, True))  # fmt: skip
+        pools = [HostPool(pinned and pin, limit=n if limited else None, block_size=max(n, ALIGN), pinner=self.pinner,
                           device=self.device)
-                 for n, limited in ((pred.masters, False), (pred.grads, False), (pred.staging, True))]  # fmt: skip
+                 for n, limited, pin in sizes]  # fmt: skip
         self.pools = pools
         self.activation_bytes = activation_bytes
         self.worker, self.host_threads = host_worker(self.device)  # Note [Host threads]
         entries, copies = self.entries, self.copies
         self.guard = ParamGuard({}, self._dropped, self._demand, self._wrote)
         self._own_work = own_work
-        self.masters = Masters(entries, pools[0], engine, self.device, self.busy, copies)
+        self.masters = Masters(entries, pools[0], engine, self.device, self.busy, copies, compute=pools[3])
         self.masters.allocate()
         self.grads = GradSink(entries, pools[1], pools[2], engine, self.worker,
                               lambda i: self.stepper.wait(self.streamer.bucket_of[i]),
@@ -136,6 +147,7 @@ class ModelStateRuntime:
         self.host_of = host_of
         self.stepper = HostStepper(self.optimizer, host_of, self.grads, self.worker, fast=True)
         self._absorb_optimizer_state()
+        self.masters.to_compute()  # Note [Mixed precision]: host buffers are shaped, the device copies change dtype
         self.streamer = Streamer(entries, self.masters, self.bucket_bytes, self.stepper.wait, self.stepper.updated,
                                  fits, copies, backward_ended=self.grads.settle,
                                  before_repack=self.stepper.flush)  # fmt: skip
@@ -164,7 +176,10 @@ class ModelStateRuntime:
         self._restore.append(self.state_dicts.uninstall)
         clipping.route(self)
         self._restore.append(lambda: clipping.unroute(self))
+        self.grads.compute_dtype = self.compute_dtype
         self._restore.append(scaling.route(self.optimizer, self.grads, self.device))  # Note [Unscaling host gradients]
+        if self.compute_dtype is not None:
+            self._restore.append(cast_forward_inputs(self.model, self.compute_dtype).remove)
 
     @property
     def pinned(self) -> bool:
@@ -298,6 +313,12 @@ class ModelStateRuntime:
     def _apply(self, plan: ModelStatePlan) -> None:
         s = self.streamer
         self._proposed = None
+        if self.compute_dtype is not None and Placement.RESIDENT in plan.placements:  # Note [Mixed precision]
+            note = (f"{plan.placements.count(Placement.RESIDENT)} bucket(s) the plan made resident are host masters: "
+                    "under compute_dtype the host steps the fp32 masters")  # fmt: skip
+            placements = [Placement.HOST_MASTER if p == Placement.RESIDENT else p for p in plan.placements]
+            sites = [UpdateSite.HOST] * len(placements)
+            plan = replace(plan, placements=placements, update_sites=sites, notes=[*plan.notes, note])
         for b, placement in enumerate(plan.placements):
             old = s.placements[b]
             if placement == old or old == Placement.RESIDENT:
@@ -392,7 +413,10 @@ class ModelStateRuntime:
             self.grads.settle()
             saved = self.optimizer.state_dict()  # with the host state (Note [State dicts of offloaded model state])
             for e in self.entries:
-                self.masters.make_resident(e)
+                if self.masters.mixed(e):
+                    self.masters.to_master(e)  # Note [Mixed precision]: the parameters are the fp32 masters again
+                else:
+                    self.masters.make_resident(e)
             self.streamer.held.clear()
             with torch.no_grad():
                 for p in self.grads.params:
@@ -429,6 +453,7 @@ class ModelStateRuntime:
         pred = self.prediction
         data: dict[str, Any] = {
             "mode": self.mode,
+            "precision": self.precision,  # Note [Mixed precision]
             "host_bytes_predicted": pred.total,
             "pinned_bytes_predicted": pred.pinned if self.pinned else 0,
             "state_bytes_predicted": pred.state,

@@ -64,6 +64,10 @@ def unscale(gs: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Te
 def _routed(scaler: GradScaler, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
             allow_fp16: bool) -> dict[torch.device, torch.Tensor]:  # fmt: skip
     sinks = [grads for opt, grads, _ in _routes if opt is optimizer]
+    if any(grads.compute_dtype == torch.bfloat16 for grads in sinks):
+        raise ValueError("GradScaler with compute_dtype=torch.bfloat16: bf16 has fp32's exponent range, so loss "
+                         "scaling only costs time; drop the GradScaler (loss.backward(), opt.step()), or use "
+                         "compute_dtype=torch.float16, whose range needs it")  # fmt: skip
     with contextlib.ExitStack() as raw:
         for grads in sinks:  # torch's pass sees torch's attributes (Note [p.grad of an offloaded parameter])
             raw.enter_context(grads.raw())

@@ -30,16 +30,26 @@ from ..machine.host_pool import HostBlock, HostPool
 from .buckets import Entry, span_bytes
 
 
-def host_tensor(block_view: torch.Tensor, like: torch.Tensor, storage_offset: int) -> torch.Tensor:
-    """A host tensor with ``like``'s dtype, size and strides, starting ``storage_offset`` elements into the host
-    block ``block_view`` (a uint8 view from the host pool, aligned for every dtype). Made with Python dispatch off:
-    host memory is not the device's (Note [Host pool on CPU runs])."""
-    size = like.element_size()
+def host_tensor(block_view: torch.Tensor, like: torch.Tensor, storage_offset: int,
+                dtype: Optional[torch.dtype] = None) -> torch.Tensor:  # fmt: skip
+    """A host tensor with ``like``'s size and strides and its dtype (or ``dtype``), starting ``storage_offset``
+    elements into the host block ``block_view`` (a uint8 view from the host pool, aligned for every dtype). Made
+    with Python dispatch off: host memory is not the device's (Note [Host pool on CPU runs])."""
+    dtype = dtype or like.dtype
+    size = dtype.itemsize
     with _disable_current_modes():
-        return torch.empty(0, dtype=like.dtype).set_(
+        return torch.empty(0, dtype=dtype).set_(
             block_view.untyped_storage(), block_view.storage_offset() // size + storage_offset, like.size(),
             like.stride(),
         )  # fmt: skip
+
+
+def flat(block_view: torch.Tensor, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+    """The first ``nbytes`` of host block ``block_view`` as a 1-D tensor of ``dtype`` (dispatch off)."""
+    with _disable_current_modes():
+        return torch.empty(0, dtype=dtype).set_(block_view.untyped_storage(),
+                                                block_view.storage_offset() // dtype.itemsize,
+                                                (nbytes // dtype.itemsize,))  # fmt: skip
 
 
 class Copies:
@@ -57,13 +67,18 @@ class Copies:
 class Masters:
     """The host master of every entry (from ``pool``) and the state of its device copy: ``current`` (it holds the
     weights now), ``allocated`` (it has its bytes), fetched with ``engine``, ``dirty``; ``placement`` per entry.
-    ``busy()`` is a context in which the parameter guard lets our own operators through. Thread-safe: the
+    ``busy()`` is a context in which the parameter guard lets our own operators through. ``compute``: the pool of
+    the masters' copies in the compute dtype, for entries whose device copy has another dtype than the master
+    (Note [Mixed precision] in swap.runtime.model_state.precision; None: no such entry). Thread-safe: the
     fetches and drops of a backward pass may run on autograd's device threads."""
 
     def __init__(self, entries: list[Entry], pool: HostPool, engine: Any, device: torch.device,
-                 busy: Callable[[], Any], copies: Copies) -> None:  # fmt: skip
+                 busy: Callable[[], Any], copies: Copies, compute: Optional[HostPool] = None) -> None:  # fmt: skip
         self.entries = entries
         self.pool = pool
+        self.compute = compute
+        self.cast: list[Optional[HostBlock]] = [None] * len(entries)  # the compute-dtype copy, per mixed entry
+        self._cast_h2d: list[Any] = [None] * len(entries)  # the last copy that read it
         self.engine = engine
         self.device = device
         self.busy = busy
@@ -81,11 +96,63 @@ class Masters:
     def allocate(self) -> None:
         """A host master for every entry, filled from its device copy (which stays resident)."""
         for e in self.entries:
-            self._ensure_resizable(e)
-            self.blocks[e.index] = block = self.pool.alloc(e.nbytes)
+            if not self.mixed(e):
+                self._ensure_resizable(e)
+            self.blocks[e.index] = block = self.pool.alloc(e.master_nbytes)
             with _disable_current_modes():
                 self._flat[e.index] = torch.empty(0, dtype=torch.uint8, device=self.device).set_(e.storage)
             self.engine.wait_host(self.engine.d2h(block.view, self._flat[e.index]))
+            if self.mixed(e):
+                self.cast[e.index] = self.compute.alloc(e.nbytes)
+
+    def mixed(self, e: Entry) -> bool:
+        """Whether ``e``'s device copy has another dtype than its master (Note [Mixed precision])."""
+        return e.dtype != e.master_dtype
+
+    def to_compute(self) -> None:
+        """Every mixed entry's parameters become views of a device storage of the compute dtype, holding the
+        masters cast (Note [Mixed precision]); their master-dtype device storage is let go. After ``allocate``,
+        once the host buffers were shaped from the parameters as the user made them."""
+        for e in self.entries:
+            if self.mixed(e):
+                self._retype(e, e.dtype, e.nbytes, self.cast[e.index])
+
+    def to_master(self, e: Entry) -> None:
+        """``e``'s parameters back in their master dtype on the device, holding the masters (the manager exits)."""
+        self.ready(e)
+        self._retype(e, e.master_dtype, e.master_nbytes, self.blocks[e.index])
+        self.current[e.index] = self.allocated[e.index] = True
+        self.placement[e.index] = Placement.RESIDENT
+
+    def _retype(self, e: Entry, dtype: torch.dtype, nbytes: int, source: HostBlock) -> None:
+        """``e``'s parameters re-pointed at a fresh device storage of ``dtype`` (``nbytes``), filled with the
+        master cast to ``dtype``, made through ``source`` (the host block holding it in that dtype)."""
+        i = e.index
+        with torch.no_grad():
+            if source is self.cast[i]:
+                self._cast_master(e)
+            fresh = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            with self.busy():
+                self.engine.wait_host(self.engine.h2d(fresh, source.view))
+            st = fresh.untyped_storage()
+            for _, p in e.params:
+                p.data = torch.empty(0, dtype=dtype, device=self.device).set_(st, p.storage_offset(), p.size(),
+                                                                              p.stride())  # fmt: skip
+        e.storage, e.key = st, st._cdata
+        with _disable_current_modes():
+            self._flat[i] = torch.empty(0, dtype=torch.uint8, device=self.device).set_(st)
+
+    def _cast_master(self, e: Entry) -> None:
+        """The master of mixed entry ``e`` cast into its compute-dtype copy, on this thread, once the last copy
+        that read that copy is done (the next H2D reads it)."""
+        i = e.index
+        ticket = self._cast_h2d[i]
+        if ticket is not None:
+            self.engine.wait_host(ticket)
+            self._cast_h2d[i] = None
+        with torch._C._DisableTorchDispatch(), torch.no_grad():  # host memory: unseen by a meter (as copies are)
+            dst = flat(self.cast[i].view, e.dtype, e.nbytes)
+            dst.copy_(flat(self.blocks[i].view, e.master_dtype, e.master_nbytes))
 
     def _ensure_resizable(self, e: Entry) -> None:
         if e.storage.resizable():
@@ -100,8 +167,8 @@ class Masters:
         e.storage, e.key = st, st._cdata
 
     def host_param(self, e: Entry, p: torch.nn.Parameter) -> torch.Tensor:
-        """The host master of parameter ``p`` of entry ``e``: the same geometry on the host."""
-        return host_tensor(self.blocks[e.index].view, p, p.storage_offset())
+        """The host master of parameter ``p`` of entry ``e``: the same geometry on the host, in the master dtype."""
+        return host_tensor(self.blocks[e.index].view, p, p.storage_offset(), e.master_dtype)
 
     def host_bytes(self) -> int:
         return sum(b.size for b in self.blocks if b is not None)
@@ -117,8 +184,14 @@ class Masters:
                 e.storage.resize_(e.nbytes)
                 self.allocated[i] = True
             self.current[i] = True
+            source = self.blocks[i].view
+            if self.mixed(e):  # Note [Mixed precision]: cast on the host, the link carries the compute dtype
+                self._cast_master(e)
+                source = self.cast[i].view
             with self.busy():
-                self.h2d[i] = self.engine.h2d(self._flat[i], self.blocks[i].view)
+                self.h2d[i] = ticket = self.engine.h2d(self._flat[i], source)
+            if self.mixed(e):
+                self._cast_h2d[i] = ticket
             self.copies.weights_in += e.nbytes
             return True
 
@@ -149,11 +222,22 @@ class Masters:
             self.current[i] = False
 
     def write_back(self, e: Entry) -> None:
-        """The device copy was written: the host master takes its bytes."""
+        """The device copy was written: the host master takes its bytes (upcast from the compute dtype for a mixed
+        entry: Note [Mixed precision])."""
         i = e.index
         self.ready(e)
-        with self.busy():
-            self.engine.wait_host(self.engine.d2h(self.blocks[i].view, self._flat[i]))
+        if not self.mixed(e):
+            with self.busy():
+                self.engine.wait_host(self.engine.d2h(self.blocks[i].view, self._flat[i]))
+        else:
+            if self._cast_h2d[i] is not None:
+                self.engine.wait_host(self._cast_h2d[i])
+                self._cast_h2d[i] = None
+            with self.busy():
+                self.engine.wait_host(self.engine.d2h(self.cast[i].view, self._flat[i]))
+            with torch._C._DisableTorchDispatch(), torch.no_grad():
+                flat(self.blocks[i].view, e.master_dtype, e.master_nbytes).copy_(flat(self.cast[i].view, e.dtype,
+                                                                                      e.nbytes))  # fmt: skip
         self.copies.weights_out += e.nbytes
         self.dirty[i] = False
 
@@ -177,8 +261,13 @@ class Masters:
             if block is not None:
                 self.pool.free(block)
                 self.blocks[i] = None
+        for i, block in enumerate(self.cast):
+            if block is not None:
+                self.compute.free(block)
+                self.cast[i] = None
 
 
-def grad_span(p: torch.nn.Parameter) -> int:
-    """Bytes of a host gradient buffer for ``p`` (its size and strides)."""
-    return max(span_bytes(p), p.element_size())
+def grad_span(p: torch.nn.Parameter, dtype: Optional[torch.dtype] = None) -> int:
+    """Bytes of a host gradient buffer for ``p`` (its size and strides) in its dtype (or ``dtype``)."""
+    itemsize = (dtype or p.dtype).itemsize
+    return max(span_bytes(p) // p.element_size() * itemsize, itemsize)
