@@ -55,11 +55,13 @@ def check_compute_dtype(compute_dtype: Any, mode: Optional[str]) -> Optional[tor
                          "torch.float16 (fp32 compute needs no compute_dtype: leave it None)")  # fmt: skip
     if mode is None:
         raise ValueError("compute_dtype= casts the model's weights for compute and keeps fp32 masters on the host, "
-                         "which needs model= and optimizer=: pass both, or use torch.autocast for activations only")  # fmt: skip
+                         "which needs model= and optimizer=: pass both, or use torch.autocast alone"
+                         )  # fmt: skip
     if mode == "resident":
         raise ValueError("compute_dtype= keeps fp32 masters and optimizer state on the host, and "
                          "model_state='resident' keeps the model state on the device as it is: use "
-                         "model_state='auto' or 'offload' with compute_dtype, or torch.autocast with 'resident'")  # fmt: skip
+                         "model_state='auto' or 'offload' with compute_dtype, or torch.autocast with 'resident'"
+                         )  # fmt: skip
     return compute_dtype
 
 
