@@ -9,7 +9,10 @@ a run saved with the manager resumes without it and the other way round:
   weight comes to the device for it (Note [Saving without fetching]).
 - ``model.load_state_dict()``: torch copies each value into its parameter; the parameter guard fetches a dropped
   one first and marks the write dirty (Note [Parameter guard]); a load post-hook on each owning module then copies
-  the written weights back to their masters and drops them, one module at a time.
+  the written weights back to their masters and drops them, one module at a time. Where the master has another
+  dtype than the parameter (Note [Mixed precision] in swap.runtime.model_state.precision) the parameter holds the
+  value rounded to the compute dtype, so a load pre-hook keeps the values and the post-hook then writes them into
+  the masters as torch would into an fp32 parameter (``copy_``), exactly.
 - ``opt.state_dict()``: a post-hook adds the host state of each offloaded parameter under the index torch gives it
   (its position over the param groups), in index order.
 - ``opt.load_state_dict()``: a pre-hook takes the offloaded parameters' entries out (so torch puts nothing on the
@@ -85,6 +88,7 @@ class StateDictHooks:
         self.managed = {id(p): p for e in entries for _, p in e.params}
         self.entry_of = {id(p): e.index for e in entries for _, p in e.params}
         self._stash: dict[int, dict[str, Any]] = {}
+        self._loading: dict[int, torch.Tensor] = {}  # id(p) -> the value being loaded into a mixed parameter
         self._handles: list[Any] = []
 
     def install(self) -> None:
@@ -93,7 +97,8 @@ class StateDictHooks:
             if own:
                 self._handles.append(module.register_state_dict_post_hook(self._module_saved(own)))
                 entries = sorted({self.entry_of[id(p)] for _, p in own})
-                self._handles.append(module.register_load_state_dict_post_hook(self._module_loaded(entries)))
+                self._handles.append(module.register_load_state_dict_pre_hook(self._module_loading(own)))
+                self._handles.append(module.register_load_state_dict_post_hook(self._module_loaded(entries, own)))
         opt = self.optimizer
         self._handles.append(opt.register_state_dict_post_hook(self._optimizer_saved))
         self._handles.append(opt.register_load_state_dict_pre_hook(self._optimizer_loading))
@@ -135,9 +140,24 @@ class StateDictHooks:
 
         return hook
 
-    def _module_loaded(self, entries: list[int]) -> Callable[..., None]:
+    def _module_loading(self, own: list[tuple[str, torch.nn.Parameter]]) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+            for name, p in own:
+                value = state_dict.get(prefix + name)
+                if isinstance(value, torch.Tensor) and value.shape == p.shape and self.offloaded(p):
+                    if self.host_param(p).dtype != p.dtype:  # a mixed parameter: its master takes the value
+                        self._loading[id(p)] = value
+
+        return hook
+
+    def _module_loaded(self, entries: list[int], own: list[tuple[str, torch.nn.Parameter]]) -> Callable[..., None]:
         def hook(module: torch.nn.Module, incompatible_keys: Any) -> None:
             self.settle(entries)
+            with _disable_current_modes(), torch.no_grad():
+                for _, p in own:
+                    value = self._loading.pop(id(p), None)
+                    if value is not None:
+                        self.host_param(p).copy_(value.detach())
 
         return hook
 

@@ -278,3 +278,31 @@ def test_grad_scaler_with_bf16_is_refused():
         scaler.scale(loss_of(model, x, y)).backward()
         with pytest.raises(ValueError, match="drop the GradScaler"):
             scaler.step(opt)
+
+
+def test_load_state_dict_inside_writes_the_fp32_masters_exactly():
+    """A checkpoint loaded inside the manager reaches the fp32 masters as torch loads fp32 parameters, not rounded
+    through the bf16 compute copies (the values below are not bf16-representable)."""
+    torch.manual_seed(0)
+    model = gpt()
+    opt = adamw(model)
+    torch.manual_seed(1)
+    names = [n for n, _ in model.named_parameters()]
+    target = {n: p.detach().clone() for n, p in gpt().named_parameters()}
+    assert any(not torch.equal(v, v.to(BF16).float()) for v in target.values())
+    with swap.SwapManager(budget="1GiB", device="cpu", model=model, optimizer=opt, model_state="offload",
+                          bucket_bytes="32KiB", compute_dtype=BF16):  # fmt: skip
+        x, y = batch(model, 0)
+        loss_of(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        model.load_state_dict(target, strict=False)
+        inside = {n: array(v) for n, v in model.state_dict().items() if n in target}
+        loss = loss_of(model, x, y)  # the compute copies were refreshed from the loaded masters
+    after = dict(model.named_parameters())
+    for n in names:
+        assert inside[n].tobytes() == array(target[n]).tobytes(), n
+        assert array(after[n]).tobytes() == array(target[n]).tobytes(), n
+    torch.manual_seed(1)
+    check = gpt().to(BF16)
+    assert loss.item() == loss_of(check, x, y).item()
