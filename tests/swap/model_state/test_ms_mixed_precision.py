@@ -2,8 +2,9 @@
 swap/runtime/model_state/precision.py) is bitwise a reference loop written here as FSDP2's
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` runs one rank: fp32 masters, bf16 copies for the
 forward and backward, each backward's bf16 gradient upcast and accumulated in fp32, clipping over the fp32
-gradients, an fp32 AdamW step with the host's kernel. Streamed and host-master placements (a plan's resident
-buckets become host masters), every iteration within the budget as the independent SweepMeter sees it."""
+gradients, an fp32 AdamW step with the host's kernel; the reference is itself FSDP2's result, bitwise, on one gloo
+rank. Streamed and host-master placements (a plan's resident buckets become host masters), every iteration within
+the budget as the independent SweepMeter sees it."""
 
 import copy
 import functools
@@ -91,6 +92,41 @@ def reference(compute=BF16, steps=STEPS, accum=ACCUM):
 @functools.cache
 def oracle():
     return reference()
+
+
+def test_the_reference_is_fsdp2_mixed_precision_on_one_rank():
+    """The oracle is FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: fully_shard on one gloo
+    rank, in this process, gives the same losses, clip norms, parameters and gradients to the bit."""
+    dist = pytest.importorskip("torch.distributed")
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed, not initialised already")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = gpt()
+        fsdp.fully_shard(model, mp_policy=fsdp.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32))
+        opt = torch.optim.AdamW(groups(model), lr=3e-3, weight_decay=0.1, fused=True)  # the host's kernel
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7)
+        losses, norms = [], []
+        for step in range(STEPS):
+            opt.zero_grad()
+            for micro in range(ACCUM):
+                x, y = batch(model, step * 100 + micro)
+                loss = loss_of(model, x, y)
+                (loss / ACCUM).backward()
+                losses.append(loss.item())
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).full_tensor().item())
+            opt.step()
+            sched.step()
+        params = [array(p.full_tensor()) for p in model.parameters()]
+        grads = [array(p.grad.full_tensor()) for p in model.parameters()]
+    finally:
+        dist.destroy_process_group()
+    ref = oracle()
+    assert losses == ref["losses"] and norms == ref["norms"]
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(params, ref["params"]))
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(grads, ref["grads"]))
 
 
 @functools.cache
