@@ -6,6 +6,7 @@ gradients, an fp32 AdamW step with the host's kernel; the reference is itself FS
 rank. Streamed and host-master placements (a plan's resident buckets become host masters), every iteration within
 the budget as the independent SweepMeter sees it."""
 
+import contextlib
 import copy
 import functools
 import sys
@@ -57,36 +58,53 @@ def adamw(model):
     return torch.optim.AdamW(groups(model), lr=3e-3, weight_decay=0.1)
 
 
-def reference(compute=BF16, steps=STEPS, accum=ACCUM):
-    """The oracle: fp32 masters (the model, stepped by AdamW with the host's kernel), a compute copy cast from them
-    before each micro-batch, its gradients upcast and added to the masters' in fp32, clipping on the masters."""
+def run(compute=BF16, build=gpt, manager=None, scaler=False, steps=STEPS, accum=ACCUM):
+    """The loop, with ``manager(model, opt)`` (a SwapManager) or, without one, the oracle: fp32 masters (the model,
+    stepped by AdamW with the host's kernel), a compute copy cast from them before each micro-batch, its
+    gradients upcast and added to the masters' in fp32, clipping on the masters; ``scaler``: a GradScaler."""
     torch.manual_seed(0)
-    model = gpt()
-    opt = host_kernel(adamw(model))
+    model = build()
+    opt = adamw(model)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7)
-    shadow = copy.deepcopy(model).to(compute)
-    pairs = list(zip(model.parameters(), shadow.parameters()))
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0**12) if scaler else None
+    shadow, pairs = None, []
+    if manager is None:
+        host_kernel(opt)
+        shadow = copy.deepcopy(model).to(compute)
+        pairs = list(zip(model.parameters(), shadow.parameters()))
     losses, norms = [], []
-    for step in range(steps):
-        opt.zero_grad()
-        for micro in range(accum):
-            with torch.no_grad():
+    with manager(model, opt) if manager is not None else contextlib.nullcontext():
+        for step in range(steps):
+            opt.zero_grad()
+            for micro in range(accum):
+                with torch.no_grad():
+                    for master, c in pairs:
+                        c.copy_(master)
+                x, y = batch(model, step * 100 + micro)
+                loss = loss_of(shadow if shadow is not None else model, x, y)
+                part = loss / accum
+                (sc.scale(part) if sc is not None else part).backward()
+                losses.append(loss.item())
                 for master, c in pairs:
-                    c.copy_(master)
-            x, y = batch(model, step * 100 + micro)
-            loss = loss_of(shadow, x, y)
-            (loss / accum).backward()
-            losses.append(loss.item())
-            for master, c in pairs:
-                if c.grad is not None:
-                    g = c.grad.float()
-                    master.grad = g if master.grad is None else master.grad.add_(g)
-                    c.grad = None
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item())
-        opt.step()
-        sched.step()
+                    if c.grad is not None:
+                        g = c.grad.float()
+                        master.grad = g if master.grad is None else master.grad.add_(g)
+                        c.grad = None
+            if sc is not None:
+                sc.unscale_(opt)
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item())
+            if sc is not None:
+                sc.step(opt)
+                sc.update()
+            else:
+                opt.step()
+            sched.step()
     return {"losses": losses, "norms": norms, "params": [array(p) for p in model.parameters()],
             "grads": [array(p.grad) for p in model.parameters()], "state": state_arrays(opt.state_dict())}  # fmt: skip
+
+
+def reference():
+    return run()
 
 
 @functools.cache
@@ -342,3 +360,30 @@ def test_load_state_dict_inside_writes_the_fp32_masters_exactly():
     torch.manual_seed(1)
     check = gpt().to(BF16)
     assert loss.item() == loss_of(check, x, y).item()
+
+
+def offload(compute_dtype):
+    def make(model, opt):
+        return swap.SwapManager(budget="1GiB", device="cpu", model=model, optimizer=opt, model_state="offload",
+                                bucket_bytes="32KiB", compute_dtype=compute_dtype)  # fmt: skip
+
+    return make
+
+
+def frozen_first_block():
+    """A fine-tune with the first block frozen (its fp32 weights still streamed in bf16, with no gradient)."""
+    model = gpt()
+    for p in model.blocks[0].parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def test_frozen_layers_are_bitwise_the_reference():
+    got = run(build=frozen_first_block, manager=offload(BF16))
+    assert_bitwise(run(build=frozen_first_block), got)
+    assert sum(g is None for g in got["grads"]) == len(list(frozen_first_block().blocks[0].parameters()))
+
+
+def test_fp16_compute_with_a_grad_scaler_is_bitwise_the_reference():
+    """fp16 compute needs loss scaling; the scaler unscales and checks the fp32 host gradients."""
+    assert_bitwise(run(torch.float16, scaler=True), run(torch.float16, manager=offload(torch.float16), scaler=True))
