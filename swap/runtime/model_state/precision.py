@@ -23,9 +23,10 @@ The user keeps the model in fp32 and names ``compute_dtype`` (bf16 or fp16) once
 This is FSDP2's ``MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)`` on one rank with
 ``fully_shard`` on the root module (its reduce-scatter upcasts each backward's gradient and adds it to the fp32
 sharded gradient); tests/swap/model_state/test_ms_mixed_precision.py holds the runtime to a reference loop written
-that way, bitwise on CPU, and the loop to FSDP2 itself (``fully_shard`` on one gloo rank), bitwise. Only placements that step on the host can keep an fp32 master apart from the compute
-copy: a bucket the plan would make ``RESIDENT`` (stepped by the user's optimizer on the device, where the
-parameter is the compute copy) is kept a ``HOST_MASTER`` instead, and ``model_state="resident"`` is refused.
+that way, bitwise on CPU, and the loop to FSDP2 itself (``fully_shard`` on one gloo rank), bitwise. Only
+placements that step on the host can keep an fp32 master apart from the compute copy: a bucket the plan would make
+``RESIDENT`` (stepped by the user's optimizer on the device, where the parameter is the compute copy) is kept a
+``HOST_MASTER`` instead, and ``model_state="resident"`` is refused.
 A model already in half precision trains as today (pure bf16 or fp16: the optimizer steps what the parameters
 are); the report's ``precision`` says which format ran.
 """
