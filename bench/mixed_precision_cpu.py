@@ -2,7 +2,7 @@
 ``SwapManager(model=, optimizer=, compute_dtype=torch.bfloat16)`` on a GPT-style model whose fp32 weights,
 gradients and AdamW state alone exceed the budget (30 % of plain fp32 training's peak).
 
-    python -m bench.mixed_precision_cpu            # about four minutes on 2 shared cores
+    python -m bench.mixed_precision_cpu            # about five minutes on 2 shared cores
     python -m bench.mixed_precision_cpu --quick    # a smaller model, fewer steps: a smoke run
 
 The loop is bench.model_state_cpu's (AdamW with two param groups, StepLR, 2 micro-batches a step,
