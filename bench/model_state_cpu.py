@@ -82,7 +82,11 @@ def fused_steps(opt: torch.optim.Optimizer) -> None:
     (Note [The host kernel] in swap/runtime/model_state/host_optim.py); its param groups keep fused=None."""
 
     def hook(value: Optional[bool]) -> Any:
-        return lambda o, args, kwargs: [g.update(fused=value) for g in o.param_groups]
+        def set_fused(o: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            for g in o.param_groups:  # a pre-hook returns None or new (args, kwargs): nothing else (torch 2.13)
+                g.update(fused=value)
+
+        return set_fused
 
     opt.register_step_pre_hook(hook(True))
     opt.register_step_post_hook(hook(None))
