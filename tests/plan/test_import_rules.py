@@ -210,18 +210,22 @@ def test_every_swap_module_is_in_a_room(graph):
     assert not homeless, f"not in any room of ROOMS (ARCHITECTURE.md says where each kind of code goes): {homeless}"
 
 
-def test_rooms_import_only_lower_rooms(graph):
-    known = {m for m in graph if top(m) == "swap"}
+def module_edges(graph: dict[str, set[str]], known: set[str]) -> dict[str, set[str]]:
+    """Each module of ``known`` -> the modules of ``known`` it imports."""
     edges = {}
-    for m, deps in graph.items():
+    for m in known:
         out = set()
-        for d in deps:  # ``from swap.x import name`` names swap.x.name; the module is its longest known prefix
+        for d in graph[m]:  # ``from swap.x import name`` names swap.x.name; the module is its longest known prefix
             while d and d not in known:
                 d = d.rpartition(".")[0]
             if d and d != m:
                 out.add(d)
         edges[m] = out
-    bad = upward_imports(edges)
+    return edges
+
+
+def test_rooms_import_only_lower_rooms(graph):
+    bad = upward_imports(module_edges(graph, {m for m in graph if top(m) == "swap"}))
     assert not bad, f"imports from a room to one not below it: {sorted(bad)}"
     assert len(set(LAYERS.values())) <= 6 and set(ROOMS.values()) == set(LAYERS)
 
@@ -256,17 +260,7 @@ def test_the_runtime_room_check_finds_upward_imports():
 
 
 def test_runtime_rooms_import_only_lower_rooms(graph):
-    known = {m for m in graph if m.startswith("swap.runtime")}
-    edges = {}
-    for m in known:
-        out = set()
-        for d in graph[m]:
-            while d and d not in known:
-                d = d.rpartition(".")[0]
-            if d and d != m:
-                out.add(d)
-        edges[m] = out
-    bad = runtime_upward_imports(edges)
+    bad = runtime_upward_imports(module_edges(graph, {m for m in graph if m.startswith("swap.runtime")}))
     assert not bad, f"imports from a sub-room of swap/runtime to one not below it: {sorted(bad)}"
 
 
