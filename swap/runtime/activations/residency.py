@@ -134,11 +134,25 @@ class Residency:
         if var.original() is None:
             self._set_on_device(var, False)
 
+    def clean_fetched(self, var: Any) -> None:
+        """A bucket of weights (swap.runtime.activations.clean) came to the device without a step of ours (its
+        mover's own fetch: a forward without gradients, an evaluation between iterations)."""
+        with self.lock:
+            self._fetched_in[var.id] = self.clock.now()
+
     def clean_dropped(self, var: Any) -> None:
         """A bucket of weights (swap.runtime.activations.clean) left the device between two steps, where the
-        conservative plan let go of it (a module returned): a planned run holds it until its planned release, so, while
-        profiling, its bytes count as held for the rest of the step (Note [A held tensor freed mid-step])."""
-        self._freed_mid_step(var)
+        conservative plan let go of it (a module returned): a planned run holds it until its planned release, so,
+        while profiling, its bytes count as held for the rest of the step (Note [A held tensor freed mid-step]).
+        Not a bucket that came back inside this very step without a step of ours (``clean_fetched``): counted at
+        no step's open, it is held by no plan either. An evaluation pass after the optimizer step fetches and
+        drops every bucket in the iteration's last interval; counting each drop as held added up every bucket the
+        evaluation read, as if all were live at once (a Switch MoE with eval passes was refused, its tail planned
+        at 1.42 MiB where 0.45 MiB was ever live)."""
+        with self.lock:
+            fetched_now = self._fetched_in.get(var.id) == self.clock.now()
+        if not fetched_now:
+            self._freed_mid_step(var)
 
     def var_dead(self, var: Variable) -> None:
         """Autograd released every handle of ``var``: its memory goes (now, or once its copies are done)."""

@@ -15,10 +15,21 @@ While a manager with offloaded model state runs, ``torch.nn.utils.clip_grad_norm
 before the manager started cannot be routed; it would compute the norm without the host gradients, so the helper
 every such call makes next (``clip_grad._clip_grads_with_norm_``, looked up at call time) refuses when it is
 handed managed parameters: an error instead of a silently wrong norm.
+
+Note [Host operators unseen]
+The host buffers are host memory, never the device's (Note [Host pool on CPU runs] in swap.runtime.host_pool):
+the operators the runtime runs on them on the caller's thread (the host gradients' norms and their scaling here,
+their unscaling in ``scaling``) run with the Python dispatch modes off, as the copies and the host step do, so no
+meter of the device counts a host buffer. On a CUDA run they are CPU tensors that a CUDA meter ignores anyway; on
+a CPU run both are CPU storages, and a meter that counts every storage an operator reads (tests/swap/sweep_meter.py)
+counted every host gradient buffer from the first clip on as device memory: the HF Trainer's clipping put a GPT-2
+run 15 KB over its budget and a T5 one 304 KB, with no more device memory in use. Only the host norms (a scalar
+each) reach the device's operators, as on a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterable
 from typing import Any, Callable, Optional, Protocol
@@ -26,6 +37,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 import torch.nn.utils.clip_grad as clip_grad
 from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
+from torch.utils._python_dispatch import _disable_current_modes
 
 _FOREACH_NORM = torch.ops.aten._foreach_norm.Scalar
 _FOREACH_MUL = torch.ops.aten._foreach_mul_.Tensor
@@ -40,28 +52,35 @@ def _use_foreach(tensors: list[torch.Tensor], device: torch.device, foreach: Opt
     return False
 
 
+def host_ops(on_host: bool) -> Any:
+    """A context for operators on host buffers (``on_host``): the dispatch modes off (Note [Host operators unseen])."""
+    return _disable_current_modes() if on_host else contextlib.nullcontext()
+
+
 def total_norm(grads: list[torch.Tensor], norm_type: float, error_if_nonfinite: bool, foreach: Optional[bool],
-               device: torch.device) -> torch.Tensor:  # fmt: skip
-    """The global norm of ``grads`` (in the caller's order, each on the device or the host), as plain torch computes
-    it with every gradient on ``device`` (Note [Exact clipping])."""
+               device: torch.device, host: Optional[list[bool]] = None) -> torch.Tensor:  # fmt: skip
+    """The global norm of ``grads`` (in the caller's order, each on the device or the host: ``host[i]``, default
+    none), as plain torch computes it with every gradient on ``device`` (Note [Exact clipping])."""
     norm_type = float(norm_type)
     if not grads:
         return torch.tensor(0.0)
+    on_host = host or [False] * len(grads)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, g in enumerate(grads):
         by_dtype.setdefault(g.dtype, []).append(i)
     norms: list[torch.Tensor] = []
     for members in by_dtype.values():
-        by_place: dict[torch.device, list[int]] = {}
+        by_place: dict[tuple[torch.device, bool], list[int]] = {}
         for i in members:
-            by_place.setdefault(grads[i].device, []).append(i)
+            by_place.setdefault((grads[i].device, on_host[i]), []).append(i)
         found: dict[int, torch.Tensor] = {}
-        for place, idx in by_place.items():
+        for (place, hosted), idx in by_place.items():
             ts = [grads[i] for i in idx]
-            if _use_foreach(ts, place, foreach):
-                ns = list(_FOREACH_NORM(ts, norm_type))
-            else:
-                ns = [torch.linalg.vector_norm(t, norm_type) for t in ts]
+            with host_ops(hosted):  # per-tensor norms: the same bits however the tensors are grouped
+                if _use_foreach(ts, place, foreach):
+                    ns = list(_FOREACH_NORM(ts, norm_type))
+                else:
+                    ns = [torch.linalg.vector_norm(t, norm_type) for t in ts]
             found.update(zip(idx, ns))
         norms.extend(found[i].to(device) for i in members)
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
@@ -75,7 +94,8 @@ def total_norm(grads: list[torch.Tensor], norm_type: float, error_if_nonfinite: 
 
 
 def scale_host(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor, foreach: Optional[bool]) -> None:
-    """Host gradients times ``min(max_norm / (total + 1e-6), 1)``, as ``clip_grads_with_norm_`` scales device ones."""
+    """Host gradients times ``min(max_norm / (total + 1e-6), 1)``, as ``clip_grads_with_norm_`` scales device ones
+    (on the host, unseen: Note [Host operators unseen])."""
     if not grads:
         return
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
@@ -85,11 +105,12 @@ def scale_host(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor, 
     for group in by_dtype.values():
         place = group[0].device
         c = coef.to(place)
-        if _use_foreach(group, place, foreach):
-            _FOREACH_MUL(group, c)
-        else:
-            for g in group:
-                g.mul_(c)
+        with host_ops(True):
+            if _use_foreach(group, place, foreach):
+                _FOREACH_MUL(group, c)
+            else:
+                for g in group:
+                    g.mul_(c)
 
 
 class Clipper(Protocol):

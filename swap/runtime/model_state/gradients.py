@@ -42,6 +42,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..machine.host_pool import HostBlock, HostPool, HostPoolExhausted
 from .buckets import Entry, trains
@@ -181,7 +182,7 @@ class GradSink:
         if g.shape != p.shape or g.dtype != host.dtype:
             raise RuntimeError(f"assigned grad has shape {tuple(g.shape)} and dtype {g.dtype}, the parameter's "
                                f"gradient {tuple(p.shape)} and {host.dtype}")  # fmt: skip
-        with self.busy(), torch.no_grad():
+        with self.busy(), torch.no_grad(), _disable_current_modes():  # Note [Host operators unseen] (clipping)
             self.host[k].copy_(g)
         self.has[k] = True
 

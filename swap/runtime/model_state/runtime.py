@@ -388,13 +388,15 @@ class ModelStateRuntime:
         """Note [Exact clipping]."""
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         self.grads.settle()
-        grads = []
+        grads, host = [], []
         for p in params:
-            g = self.grads.grad(p) if self.grads.manages(p) else p.grad
+            managed = self.grads.manages(p)
+            g = self.grads.grad(p) if managed else p.grad
             if g is not None:
                 grads.append(g)
+                host.append(managed)
         with torch.no_grad():
-            total = clipping.total_norm(grads, norm_type, error_if_nonfinite, foreach, self.device)
+            total = clipping.total_norm(grads, norm_type, error_if_nonfinite, foreach, self.device, host)
             managed, others = clipping.managed_split(params, self.grads.manages)
             torch.nn.utils.clip_grads_with_norm_(others, max_norm, total, foreach)
             clipping.scale_host([g for p in managed if (g := self.grads.grad(p)) is not None], max_norm, total,

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 from torch.amp.grad_scaler import GradScaler
+from torch.utils._python_dispatch import _disable_current_modes
 
 _lock = threading.Lock()
 _routes: list[tuple[torch.optim.Optimizer, Any, torch.device]] = []  # (optimizer, its GradSink, the device)
@@ -50,11 +51,12 @@ def unscale(gs: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Te
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in gs:
         by_dtype.setdefault(g.dtype, []).append(g)
-    with torch.no_grad():
+    with torch.no_grad(), _disable_current_modes():  # host buffers (Note [Host operators unseen] in clipping)
         found = torch.zeros((), dtype=torch.float32, device=gs[0].device)
         inv = inv_scale.to(gs[0].device)
         for group in by_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
+    with torch.no_grad():
         flag = per_device.get(device)
         if flag is None:
             flag = per_device[device] = found_inf if found_inf.device == device else found_inf.to(device, copy=True)

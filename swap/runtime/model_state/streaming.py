@@ -283,7 +283,7 @@ class Streamer:
                 self._first_seen.add(i)
                 self.first_use.append(i)
 
-    def fetch_bucket(self, b: int) -> None:
+    def fetch_bucket(self, b: int, by_executor: bool = False) -> None:
         placement = self.placements[b]
         if placement == Placement.RESIDENT:
             return
@@ -291,6 +291,8 @@ class Streamer:
             self.gate(b)
             if placement == Placement.STREAMED:
                 self.held.add(b)
+                if not by_executor and (var := self._vars.get(b)) is not None:
+                    var.owner.clean_fetched(var)  # a fetch that is no step of the executor's
         for i in self.buckets[b]:
             self.masters.fetch(self.entries[i])
 
@@ -307,7 +309,7 @@ class Streamer:
         with self.lock:
             self._deferred.discard(key)
             if not (prefetch and not self.updated(key)):  # a prefetch never waits for a host update
-                self.fetch_bucket(key)
+                self.fetch_bucket(key, by_executor=True)
 
     def ready(self, key: int) -> float:
         before = self.copies.stall_seconds
