@@ -296,9 +296,13 @@ class Streamer:
         for i in self.buckets[b]:
             self.masters.fetch(self.entries[i])
 
-    def drop_bucket(self, b: int, by_executor: bool = False) -> None:
-        if b in self.held and not by_executor and (var := self._vars.get(b)) is not None:
-            var.owner.clean_dropped(var)  # Note [Clean variables at run time]: a drop between the executor's steps
+    def drop_bucket(self, b: int, early: bool = True) -> None:
+        """``b`` off the device. ``early``: a drop the executor did not ask for, where a planned run may hold the
+        bucket longer (a module returned; a use that needs other buckets): the executor is told (Note [Clean
+        variables at run time]). Not early: the executor's own release, and the drops every run makes at the same
+        point (a backward pass's end, an optimizer step), which no plan holds past."""
+        if b in self.held and early and (var := self._vars.get(b)) is not None:
+            var.owner.clean_dropped(var)
         for i in self.buckets[b]:
             self.masters.drop(self.entries[i])
         self.held.discard(b)
@@ -322,7 +326,7 @@ class Streamer:
             if self.pinned(key):
                 self._deferred.add(key)
             else:
-                self.drop_bucket(key, by_executor=True)
+                self.drop_bucket(key, early=False)
 
     def on_device(self, key: int) -> bool:
         if key not in self._vars:  # made before a re-pack: Note [Variables across a re-pack]
@@ -352,11 +356,11 @@ class Streamer:
         marked stale too (their masters are about to change)."""
         with self.lock:
             for b in list(self.held):
-                self.drop_bucket(b)
+                self.drop_bucket(b, early=False)
             if stale:
                 for b, placement in enumerate(self.placements):
                     if placement == Placement.HOST_MASTER:
-                        self.drop_bucket(b)
+                        self.drop_bucket(b, early=False)
 
     def _prefetch(self, step: int, used: tuple[int, ...]) -> None:
         wanted = self.prefetcher.ahead(step, used)
