@@ -17,7 +17,7 @@ every such call makes next (``clip_grad._clip_grads_with_norm_``, looked up at c
 handed managed parameters: an error instead of a silently wrong norm.
 
 Note [Host operators unseen]
-The host buffers are host memory, never the device's (Note [Host pool on CPU runs] in swap.runtime.host_pool):
+The host buffers are host memory, never the device's (Note [Host pool on CPU runs] in swap.runtime.machine.host_pool):
 the operators the runtime runs on them on the caller's thread (the host gradients' norms and their scaling here,
 their unscaling in ``scaling``) run with the Python dispatch modes off, as the copies and the host step do, so no
 meter of the device counts a host buffer. On a CUDA run they are CPU tensors that a CUDA meter ignores anyway; on

@@ -5,7 +5,8 @@ suite uses (halfway between the weights and plain training's peak), with the def
 - Clipping and loss scaling run the runtime's own operators on the host gradient buffers (Note [Host operators
   unseen] in swap/runtime/model_state/clipping.py): no meter of the device may see those buffers.
 - An evaluation between optimizer steps fetches and drops every bucket in the iteration's last interval (Note [A
-  held tensor freed mid-step] in swap/runtime/activations/residency.py): the profile must not count each drop as held."""
+  held tensor freed mid-step] in swap/runtime/activations/residency.py): the profile must not count each drop as
+  held."""
 
 from __future__ import annotations
 
