@@ -148,12 +148,22 @@ class CudaEngine:
     """Copies on a D2H and an H2D stream of ``device``; completion is a CUDA event. Both operands of a copy
     must stay referenced until its ticket was waited for (Note [Copies without record_stream])."""
 
+    # Note [Timings folded as they go]
+    # Each copy keeps its two timing events until ``measure`` folds them into the bandwidth estimates. The
+    # executor measures at every backward pass's end, but a loop without one (evaluation, generation under a
+    # manager with model state, whose weight fetches are copies) never does, and the list grew by one entry
+    # per copy for the whole loop. So a copy that finds FOLD_AT entries or more folds the finished ones first;
+    # the next fold waits until the list has doubled, so a long run of unfinished copies costs amortised O(1)
+    # queries per copy.
+    FOLD_AT = 256
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.d2h_stream = torch.cuda.Stream(device)
         self.h2d_stream = torch.cuda.Stream(device)
         self.d2h_bw, self.h2d_bw = _Bandwidth(), _Bandwidth()
         self._timed: list[tuple[_Bandwidth, int, torch.cuda.Event, torch.cuda.Event]] = []
+        self._fold_at = self.FOLD_AT
         self.host_waits = 0  # wait_host calls that blocked (Note [Device-side waits])
 
     def _copy(self, stream: torch.cuda.Stream, bw: _Bandwidth, dst: torch.Tensor, src: torch.Tensor,
@@ -172,6 +182,9 @@ class CudaEngine:
         # [Copies without record_stream]).
         nbytes = src.numel() * src.element_size()
         self._timed.append((bw, nbytes, start, done))
+        if len(self._timed) >= self._fold_at:  # Note [Timings folded as they go]
+            self.measure()
+            self._fold_at = max(self.FOLD_AT, 2 * len(self._timed))
         return Ticket(done, nbytes)
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Optional[Ticket] = None) -> Ticket:

@@ -30,10 +30,12 @@ live tensors (swap.runtime.machine.meter) does not mistake host copies for devic
 from __future__ import annotations
 
 import bisect
+import ctypes
+import functools
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 import torch
@@ -69,8 +71,18 @@ class TorchHostRegistrar:
         torch.cuda.init()  # raises, saying why, where CUDA is unavailable
         self.cudart = torch.cuda.cudart()
 
+    # Note [A failed call leaves no error behind]
+    # The CUDA runtime records a failed call's error as the calling thread's *last error* until something reads
+    # it, and torch's launch check after every kernel (``C10_CUDA_KERNEL_LAUNCH_CHECK``: ``cudaGetLastError``)
+    # reads it: a refused ``cudaHostRegister`` (a sandbox that forbids page-locking, a locked-memory limit) made
+    # the next kernel launched on that thread raise "CUDA error: ..." for a call it never made, so Note
+    # [Pageable fallback] crashed the run it was written to keep alive (the staging pool pins lazily, on
+    # autograd's thread, inside backward). A failed call here reads the error back at once, which clears it.
+    # torch's binding of the runtime has no ``cudaGetLastError``; it is looked up in the runtime library the
+    # process loaded (the one whose per-thread error the call set).
     def _check(self, err: Any, what: str) -> None:
         if int(err) != 0:
+            clear_last_error(self.cudart)
             raise RuntimeError(f"swap host pool: {what} failed: {self.cudart.cudaGetErrorString(err)} ({int(err)})")
 
     def pin(self, addr: int, nbytes: int) -> None:
@@ -78,6 +90,30 @@ class TorchHostRegistrar:
 
     def unpin(self, addr: int) -> None:
         self._check(self.cudart.cudaHostUnregister(addr), "cudaHostUnregister")
+
+
+def clear_last_error(cudart: Any) -> None:
+    """Reads (and so clears) this thread's last CUDA runtime error (Note [A failed call leaves no error
+    behind]): through ``cudart`` if it has ``cudaGetLastError``, else through the runtime library loaded."""
+    get = getattr(cudart, "cudaGetLastError", None) or _loaded_get_last_error()
+    if get is not None:
+        get()
+
+
+@functools.cache
+def _loaded_get_last_error() -> Optional[Callable[[], int]]:
+    """``cudaGetLastError`` of the CUDA runtime library this process loaded (None: none found)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libcudart" in line.rsplit("/", 1)[-1]})
+    except OSError:
+        paths = []
+    for path in paths:
+        try:
+            return ctypes.CDLL(path).cudaGetLastError
+        except (OSError, AttributeError):
+            continue
+    return None
 
 
 @dataclass
