@@ -143,8 +143,9 @@ def test_offloaded_units_step_on_the_host_bitwise_clip_with_one_group_gate_the_g
         assert r["steps"] == r["plain_steps"], rank  # losses and total norms, clipping with our all-reduce
         assert r["plain_steps"][0][1] > 0.5  # the norm is over the bound: the clip scaled the gradients
         assert r["same"], rank  # parameters after three AdamW steps
-        # Each offloaded unit's gate ran once per forward, before FSDP2 all-gathered that unit.
-        assert r["seen"][:6] == [("blocks.1", 0), ("blocks.2", 0)] * 3  # (then the step after the checkpoint)
+        # Each offloaded unit's gate ran before FSDP2 first all-gathered that unit in each iteration (and again
+        # before every later unshard: Note [Every unshard gated]).
+        assert first_gates(r["seen"])[:6] == [("blocks.1", 0), ("blocks.2", 0)] * 3  # (then the step after the save)
         assert r["loaded"] and r["after"][0] == r["after"][1] and r["after_same"], rank
         # The offloaded units' update ran on the host worker after opt.step() returned, each waited for by its
         # unit's gate; the optimizer state (host steps' included) is plain FSDP2's, bitwise.
@@ -152,6 +153,39 @@ def test_offloaded_units_step_on_the_host_bitwise_clip_with_one_group_gate_the_g
         assert sorted(r["report"]["host_step_seconds"]) == [1, 2, 3]
         assert r["state_same"], rank
         assert r["with_manager"] and r["swapped_out"] > 0, rank
+
+
+def first_gates(seen: list) -> list:
+    """The gate calls that came before any all-gather of their unit in the iteration (counts restart each one)."""
+    return [s for s in seen if s[1] == 0]
+
+
+def _prefetch_worker(rank: int, tmp: str) -> dict:
+    """Offloaded units with explicit forward prefetch: each unit's all-gather is issued from the unit before's
+    pre-forward, and the update gate must still come first."""
+    plain, _, _, plain_steps, _, _ = _train(False, torch.nn.utils.clip_grad_norm_, rank, iterations=2)
+    counts: collections.Counter = collections.Counter()
+    seen: list = []
+    model, plan = _sharded(True, counts)
+    model.blocks[0].set_modules_to_forward_prefetch([model.blocks[1]])
+    model.blocks[1].set_modules_to_forward_prefetch([model.blocks[2]])
+    fsdp2.gate_updates(model, plan, lambda path: seen.append((path, counts[path])))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    steps = []
+    with fsdp2.HostSteps(model, plan, opt):
+        for it in range(2):
+            counts.clear()
+            steps.append(_step(model, opt, rank, it, fsdp2.clip_grad_norm_))
+            sched.step()
+    same = all(torch.equal(a, b) for a, b in zip(_shards(plain), _shards(model)))
+    return {"seen": seen, "same": same and steps == plain_steps}
+
+
+def test_forward_prefetch_of_an_offloaded_unit_waits_for_its_host_update(tmp_path):
+    for rank, r in enumerate(spawn(_prefetch_worker, tmp_path)):
+        assert first_gates(r["seen"]) == [("blocks.1", 0), ("blocks.2", 0)] * 2, r["seen"]
+        assert r["same"], rank
 
 
 def fsdp2_offload_policy(offload: bool):

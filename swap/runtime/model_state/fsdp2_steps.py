@@ -13,8 +13,9 @@ optimizer]) runs here unchanged, on what FSDP2's offload already put on the host
   the user's optimizer steps only the resident units; the step post-hook gives the gradients back, as plain
   training leaves them;
 - the host steps are queued in forward order (the order of ``ShardPlan.placements``) on one worker;
-  ``gate_updates`` makes each offloaded unit's forward pre-hook, which runs before FSDP2 all-gathers it, wait
-  for that unit's update (update-before-use), so the host step hides behind the forward of the units before;
+  ``gate_updates`` makes every unshard of an offloaded unit (its pre-forward's, a forward prefetch's, a user's
+  ``unshard()``: Note [Every unshard gated]) wait for that unit's update (update-before-use), so the host step
+  hides behind the forward of the units before;
 - optimizer state stays in the user's optimizer: each offloaded parameter's state dict is one object shared
   by the user's ``opt.state`` and the shadow's (linked on the main thread once the host step made it, and
   again after ``opt.load_state_dict``), so ``opt.state_dict()``, ``get_state_dict`` and DCP see plain FSDP2
@@ -38,17 +39,53 @@ from .host_step import HostStepper, check_optimizer
 
 
 def gate_updates(model: torch.nn.Module, plan: ShardPlan, wait: Callable[[str], None]) -> list[Any]:
-    """Before FSDP2 all-gathers an offloaded unit in the forward, ``wait(path)`` (the host update of that unit
-    must be done: Note [Model state under FSDP2]). Returns the hook handles (``.remove()`` them)."""
+    """Before FSDP2 all-gathers an offloaded unit, ``wait(path)`` (the host update of that unit must be done: Note
+    [Model state under FSDP2], Note [Every unshard gated]). Returns handles (``.remove()`` them)."""
     modules = dict(model.named_modules())
-    handles = []
+    handles: list[Any] = []
     for path in plan.offloaded:
+        group = _param_group(modules[path])
+        if group is not None:
+            handles.append(_GatedUnshard(group, lambda path=path: wait(path)))
+            continue
 
-        def pre(module: torch.nn.Module, args: Any, path: str = path) -> None:
+        def pre(module: torch.nn.Module, args: Any, path: str = path) -> None:  # a unit not sharded (yet)
             wait(path)
 
         handles.append(modules[path].register_forward_pre_hook(pre, prepend=True))
     return handles
+
+
+# Note [Every unshard gated]
+# A unit's forward pre-hook is not the only place FSDP2 copies its host shard to the device and all-gathers it:
+# with explicit forward prefetch (``set_modules_to_forward_prefetch``) unit i's pre-forward unshards unit i+1, and
+# a user's ``module.unshard()`` does it whenever it is called. A gate on unit i+1's own pre-hook then ran after
+# the copy had read the shard, which the host step might still be writing (torn weights). Every one of those
+# paths ends in the unit's ``FSDPParamGroup.unshard`` (its own pre-forward, ``_prefetch_unshard``,
+# ``FSDPModule.unshard``, the backward's), so that is what is gated: an instance attribute over the method,
+# waiting for the unit's update, then unsharding. Outside the span from ``opt.step()`` to the unit's next use
+# nothing is pending and the wait returns at once.
+def _param_group(module: torch.nn.Module) -> Any:
+    """``module``'s FSDP2 parameter group (None: not a FSDP2 unit, or one without parameters)."""
+    state = getattr(module, "_get_fsdp_state", None)
+    return None if state is None else getattr(state(), "_fsdp_param_group", None)
+
+
+class _GatedUnshard:
+    """``group.unshard`` waits for ``wait()`` first (Note [Every unshard gated]) until ``remove()``."""
+
+    def __init__(self, group: Any, wait: Callable[[], None]) -> None:
+        self.group = group
+        original = group.unshard
+
+        def unshard(*args: Any, **kwargs: Any) -> Any:
+            wait()
+            return original(*args, **kwargs)
+
+        group.unshard = unshard
+
+    def remove(self) -> None:
+        vars(self.group).pop("unshard", None)
 
 
 def unit_parameters(model: torch.nn.Module, plan: ShardPlan) -> dict[str, list[torch.nn.Parameter]]:
