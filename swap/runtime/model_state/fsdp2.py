@@ -35,8 +35,8 @@ What this module adds:
   the user's param groups at every step, its state the user's own: ``opt.state_dict()`` and DCP stay plain),
   in forward order; ``gate_updates`` makes every unshard of an offloaded unit (its own pre-forward's, a forward
   prefetch's: Note [Every unshard gated]) wait for the unit's pending update, so the host step hides behind the
-  forward of the units before it. Without ``HostSteps`` the user's ``opt.step()`` steps the host shards itself, synchronously, as
-  FSDP2 does.
+  forward of the units before it. Without ``HostSteps`` the user's ``opt.step()`` steps the host shards itself,
+  synchronously, as FSDP2 does.
 - ``clip_grad_norm_``: clipping by the global norm across ranks when the gradient shards live on two devices
   (the host for offloaded units, the GPU for the rest) and the process group is NCCL only, where
   ``torch.nn.utils.clip_grad_norm_`` fails (its DTensor all-reduce runs on host tensors). Per-tensor norms of
