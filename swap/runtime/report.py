@@ -9,7 +9,8 @@ class SwapReport(dict):
     """``sm.report()``: keys include status ("not started", "profiling", "planned", "declined", ...),
     iterations, swapped_out_bytes, swapped_in_bytes, demand_fetches, stall_seconds, peak_device_bytes,
     budget_bytes, window_bytes, profiling_iterations, replans (plans remade or fallen back from; profiling
-    iterations apart), shapes_seen, plans_kept, plans_reused, plans_derived and plans_refined (Note [Plans by
+    iterations apart), plan_events (``(iteration, "profile" | "replan" | "refine")`` from iteration 0: where
+    that work fell), shapes_seen, plans_kept, plans_reused, plans_derived and plans_refined (Note [Plans by
     input shape] in swap.runtime.activations.plan_book), overruns (windows of measured memory above the budget,
     above zero exactly when peak_device_bytes is: Note [What the over-budget count counts] in
     swap.runtime.machine.memory),

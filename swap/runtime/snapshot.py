@@ -47,6 +47,7 @@ def snapshot(policy: str, device: torch.device, budget: int, window: Optional[in
         "peak_device_bytes": memory.peak if c.iterations or ex.iteration else None,
         "replans": c.replans,
         "profiling_iterations": c.profiling_iterations,
+        "plan_events": list(c.plan_events),
         **life.book.counts(),  # Note [Plans by input shape]
         "overruns": memory.over_budget,  # Note [What the over-budget count counts] (swap.runtime.machine.memory)
         "evictions": c.evictions,

@@ -189,13 +189,33 @@ class Executor:
 
     def observe(self, t: torch.Tensor) -> None:
         """A saved tensor the manager leaves alone: it still marks where iterations begin."""
+        self._boundary(t)
+        self.saves += 1
+
+    def _boundary(self, t: torch.Tensor) -> None:
+        """If ``t`` is the first saved tensor after a backward pass, the next iteration begins with it."""
         if self._in_backward and not backward_running():
             self._backward_end()  # Note [A backward that raised]
         if self._backward_done and not self._in_backward:
             with self.lock:
                 if self._backward_done and not self._in_backward and not self.closed and not self._stays_declined(t):
                     self._begin_iteration(self.memory.allocation_bytes(t.untyped_storage().nbytes()), shape_key(t))
-        self.saves += 1
+
+    def expects(self, t: torch.Tensor) -> bool:
+        """Whether the plan being followed has a save of ``t``'s variable (a new one, or the one of ``t``'s storage)
+        at this point of the iteration, where ``t``, under ``min_bytes``, is saved (Note [A plan's variables, whatever their size] in swap.runtime.plan_book):
+        the caller then packs it (``t`` may begin the iteration: it is judged on the plan chosen then)."""
+        self._boundary(t)
+        with self.lock:
+            life, i = self.lifecycle, self.step
+            seq = life.sequence
+            if life.mode != PLANNED or self.closed or i >= len(seq) or not seq.saved_before:
+                return False
+            storage = t.untyped_storage()
+            var = self.by_storage.get(storage.data_ptr())
+            known = var is not None and var.alive and var.storage_ref() is storage  # saved before: that variable
+            return (seq.kind[i] == SAVE and seq.var[i] == (var.id if known else len(self.vars))
+                    and seq.saved_before[i] == self.saves + 1)  # fmt: skip
 
     def _stays_declined(self, t: torch.Tensor) -> bool:
         """A declined run's iteration begins at ``t``: with the shape key of the last one, it only marks the

@@ -119,12 +119,13 @@ class SavedTensorHooks:
         return self.recompute
 
     # -- which tensors ---------------------------------------------------------------------------------
-    def skip_reason(self, t: torch.Tensor) -> Optional[str]:
-        """Why a saved tensor stays where it is (None: the executor takes it). Cheapest checks first."""
+    def skip_reason(self, t: torch.Tensor, min_bytes: Optional[int] = None) -> Optional[str]:
+        """Why a saved tensor stays where it is (None: the executor takes it), with ``min_bytes`` (None: the
+        manager's). Cheapest checks first."""
         if not t.is_cpu if self._cpu else t.device != self.device:
             return "device"
         n = t.untyped_storage().nbytes()
-        if n < self.min_bytes or n == 0:
+        if n < (self.min_bytes if min_bytes is None else min_bytes) or n == 0:
             return "min_bytes" if n else "other"
         if is_parameter_like(t):
             return "parameter"
@@ -192,6 +193,8 @@ class SavedTensorHooks:
         if ex.mode == DECLINED and recompute is None and not ex.between_iterations:
             return ex.pack(t)  # at a boundary, the next iteration may have a plan (Note [Plans by input shape])
         reason = self.skip_reason(t)
+        if reason == "min_bytes" and ex.expects(t):  # Note [A plan's variables, whatever their size]
+            reason = self.skip_reason(t, min_bytes=1)
         if reason is None:
             if rebuild and recompute is not None and (rebuilt := recompute.pack(t)) is not None:
                 return rebuilt

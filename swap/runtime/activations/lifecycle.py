@@ -67,6 +67,13 @@ class Counters:
         self.profiling_iterations = 0  # iterations profiled (apart from re-plans, which profile nothing)
         self.evictions = 0
         self.overruns = 0  # steps measured above the budget
+        # (iteration, "profile" | "replan" | "refine"), iterations from 0: where the planning work fell (a
+        # profile: the iteration profiled; a re-plan or a derived plan's refinement: the iteration it was for)
+        self.plan_events: list[tuple[int, str]] = []
+
+    def event(self, kind: str, ended: bool = False) -> None:
+        """Planning work of ``kind`` for the iteration running now (``ended``: the one that just ended)."""
+        self.plan_events.append((max(0, self.iterations - ended), kind))
 
 
 @dataclass(frozen=True)
@@ -140,6 +147,7 @@ class Lifecycle:
     def diverged(self) -> None:
         """A planned step differs from the plan: the conservative plan until the iteration ends."""
         self.counters.replans += 1
+        self.counters.event("replan")
         self.book.reject(self.key, self.bounds)
         self.mode = FALLBACK
 
@@ -190,6 +198,7 @@ class Lifecycle:
         self.previous = seq
         self.profiles_left -= 1
         self.counters.profiling_iterations += 1
+        self.counters.event("profile", ended=True)
         final = self.profiles_left <= 0
         growth = max(0, first_live - profiled_first_live)
         try:
@@ -220,6 +229,7 @@ class Lifecycle:
         if steps != len(seq):  # ended early: the sequence changed
             log.info("swap: the iteration ended after %d steps, the plan has %d: re-profiling", steps, len(seq))
             self.counters.replans += 1
+            self.counters.event("replan", ended=True)
             self.book.reject(self.key, self.bounds)
             self.reprofile()
             return
@@ -250,6 +260,7 @@ class Lifecycle:
     def replan(self, seq: Sequence, why: str) -> None:
         """Plans ``seq`` again because of ``why`` (a re-plan); ``why`` empty: a derived plan's own sizes."""
         self.counters.replans += bool(why)
+        self.counters.event("replan" if why else "refine")
         log.info("swap: re-planning: %s", why or "a larger shape's plan, on this shape's sizes")
         try:
             self.schedule = self.replanner(seq)

@@ -26,7 +26,10 @@ an iteration's start the lifecycle looks its key up:
    memory the larger shape measured. Those bounds are why derivation stops at ``DERIVE_RATIO``: a plan from a
    much larger shape counts that shape's working memory at every step, so an input a quarter the size swaps
    as if it were large, though it may fit unswapped; such a shape is profiled on its own once, and then
-   serves the shapes below it;
+   serves the shapes below it. A run *declined* at a larger key (it fit the budget unswapped) serves every
+   smaller key, whatever the ratio: with no plan there are no bounds to overstate, and a smaller input of the
+   same structure needs no more memory (were it to need more, the declined run's check at each backward,
+   ``Lifecycle.declined_backward``, warns and profiles it);
 3. else the iteration is profiled (one profiling iteration: the optimizer's state already exists) and its
    plan kept under its key.
 
@@ -34,6 +37,19 @@ A larger key's plan, not the nearest smaller one scaled up, because only the fir
 how each variable grows: derivation from a scaled trace (Note [Linear traces] in swap.capture.scaling) needs
 two profiles of every structure and a length the runtime does not see. The cost is speed, not memory: a
 smaller input under a larger one's plan may swap more than it must. Measured in bench/dynamic_shapes.py.
+
+Note [A plan's variables, whatever their size]
+``min_bytes`` decides what a *profile* records as ours; it must not decide whether a later iteration matches
+the plan. A saved tensor's size shrinks with the input, so a tensor of the larger shape's plan can fall under
+``min_bytes`` at a smaller one (GPT-2's attention scores, quadratic in the length, cross 1 MiB between lengths
+88 and 96 at batch 8): it would then stay put, every later step of the plan would be shifted by one, and the
+derived plan would diverge at that step (a fallback, a re-plan and a profile, at each length that crosses). So
+a saved tensor under ``min_bytes`` that the followed plan expects at this point of the iteration (a save of a
+new variable or of the one whose storage it shares, after as many saved tensors, ours or not:
+``Executor.expects``) is taken as the plan's variable,
+and moved as the plan says. Only ``min_bytes`` yields: a tensor skipped for another reason (a parameter,
+``exclude``, expanded, another device) still stays put, and the plan diverges as before. A plan profiled at
+its own shape never expects a tensor it did not record, so nothing under ``min_bytes`` is taken there.
 
 The key is read from the first saved tensor because the saved-tensor hooks see nothing earlier; a model whose
 first saved tensor does not depend on the input's shape (a weight bucket streamed by model state) gets one
@@ -110,7 +126,8 @@ class PlanBook:
         if key in self.own_profile:
             return None, None
         near = _elements(key) * DERIVE_RATIO
-        larger = [k for k, e in self.entries.items() if _covers(k, key) and _elements(e.source or k) <= near]
+        larger = [k for k, e in self.entries.items()
+                  if _covers(k, key) and (e.schedule is None or _elements(e.source or k) <= near)]
         if not larger:
             return None, None
         best = min(larger, key=_elements)
