@@ -202,9 +202,9 @@ class Executor:
                     self._begin_iteration(self.memory.allocation_bytes(t.untyped_storage().nbytes()), shape_key(t))
 
     def expects(self, t: torch.Tensor) -> bool:
-        """Whether the plan being followed has a save of ``t``'s variable (a new one, or the one of ``t``'s storage)
-        at this point of the iteration, where ``t``, under ``min_bytes``, is saved (Note [A plan's variables, whatever their size] in swap.runtime.plan_book):
-        the caller then packs it (``t`` may begin the iteration: it is judged on the plan chosen then)."""
+        """Whether the plan being followed saves ``t``'s variable (a new one, or the one of its storage) here,
+        where ``t``, under ``min_bytes``, is saved: the caller then packs it (Note [A plan's variables, whatever
+        their size] in swap.runtime.plan_book). ``t`` may begin the iteration: it is judged on that one's plan."""
         self._boundary(t)
         with self.lock:
             life, i = self.lifecycle, self.step
