@@ -46,9 +46,10 @@ the plan. A saved tensor's size shrinks with the input, so a tensor of the large
 derived plan would diverge at that step (a fallback, a re-plan and a profile, at each length that crosses). So
 a saved tensor under ``min_bytes`` that the followed plan expects at this point of the iteration (a save of a
 new variable or of the one whose storage it shares, after as many saved tensors, ours or not:
-``Executor.expects``) is taken as the plan's variable, and moved as the plan says. Only ``min_bytes`` yields: a tensor skipped for another reason (a parameter,
-``exclude``, expanded, another device) still stays put, and the plan diverges as before. A plan profiled at
-its own shape never expects a tensor it did not record, so nothing under ``min_bytes`` is taken there.
+``Executor.expects``) is taken as the plan's variable, and moved as the plan says. Only ``min_bytes`` yields:
+a tensor skipped for another reason (a parameter, ``exclude``, expanded, another device) still stays put, and
+the plan diverges as before. A plan profiled at its own shape never expects a tensor it did not record, so
+nothing under ``min_bytes`` is taken there.
 
 The key is read from the first saved tensor because the saved-tensor hooks see nothing earlier; a model whose
 first saved tensor does not depend on the input's shape (a weight bucket streamed by model state) gets one
