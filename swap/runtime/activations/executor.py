@@ -204,7 +204,8 @@ class Executor:
     def expects(self, t: torch.Tensor) -> bool:
         """Whether the plan being followed saves ``t``'s variable (a new one, or the one of its storage) here,
         where ``t``, under ``min_bytes``, is saved: the caller then packs it (Note [A plan's variables, whatever
-        their size] in swap.runtime.plan_book). ``t`` may begin the iteration: it is judged on that one's plan."""
+        their size] in swap.runtime.activations.plan_book). ``t`` may begin the iteration: it is judged on that
+        one's plan."""
         self._boundary(t)
         with self.lock:
             life, i = self.lifecycle, self.step
