@@ -86,7 +86,8 @@ Allocator::Allocator(const Config& config, std::unique_ptr<Backend> backend)
       // (capacity <= kMaxCapacity = 2^50, so this cannot overflow.)
       va_(*backend_, 4 * capacity_chunks_ * chunk_),
       max_block_chunks_(block_chunks(config_, *backend_)),
-      trace_(config.history) {
+      trace_(config.history),
+      learner_(chunk_) {
   config_.capacity = capacity_chunks_ * chunk_;
 }
 
@@ -134,6 +135,7 @@ Allocator::~Allocator() {
   // Live allocations' chunks are released too: whoever still holds them is past caring (process exit). A
   // block is released even if one of its mappings could not be unmapped (its memory then goes with that
   // mapping, as the driver documents).
+  plan_unmap_all();
   for (const auto& [addr, m] : mappings_) attempt([&] { backend_->unmap(addr, m.n * chunk_); });
   for (const auto& [id, b] : blocks_) attempt([&] { backend_->release_chunk(b.handle, b.nchunks * chunk_); });
 }
@@ -196,6 +198,11 @@ std::uintptr_t Allocator::malloc(std::size_t nbytes, Stream stream, bool call_oo
             device_full_ = false;
             if (std::uintptr_t p = try_malloc_unmapping(nbytes, stream)) return p;
           }
+          if (plan_ && plan_idle_chunks_ > 0) {  // the step plan's idle chunks (Note [Step plan])
+            plan_retire();
+            if (!plan_)
+              if (std::uintptr_t p = try_malloc_unmapping(nbytes, stream)) return p;
+          }
           if (call_oom_handler && !t_oom_handler_suppressed) handler = oom_handler_;
         }
       }
@@ -256,12 +263,15 @@ std::uintptr_t Allocator::try_malloc(std::size_t nbytes, Stream stream, bool cac
   calling_stream_ = stream;
   const bool small = nbytes <= small_max_, mid = !small && nbytes <= mid_max_;
   const std::size_t size = allocation_size(nbytes);
-  const std::uintptr_t p = small || mid ? malloc_in_slab(size, stream, cached_only, mid)
-                                        : malloc_large(size / chunk_, stream, cached_only);
+  std::int32_t slot = -1;
+  std::uintptr_t p = plan_ ? plan_malloc(size, stream, cached_only, &slot) : 0;  // Note [Step plan]
+  if (!p) {
+    p = small || mid ? malloc_in_slab(size, stream, cached_only, mid) : malloc_large(size / chunk_, stream, cached_only);
+  }
   if (!p) return 0;
   high_water_chunks_ = std::max(high_water_chunks_, chunks_in_use());
   slack_peak_chunks_ = std::max(slack_peak_chunks_, slack_chunks());
-  live_.emplace(p, Allocation{nbytes, size, stream, small || mid, {}});
+  Allocation& a = live_.emplace(p, Allocation{nbytes, size, stream, small || mid, {}, slot}).first->second;
   stats_.requested_bytes.increase(static_cast<std::int64_t>(nbytes));
   stats_.allocated_bytes.increase(static_cast<std::int64_t>(size));
   stats_.active_bytes.increase(static_cast<std::int64_t>(size));
@@ -269,6 +279,7 @@ std::uintptr_t Allocator::try_malloc(std::size_t nbytes, Stream stream, bool cac
   stats_.active.increase(1);
   ++stats_.num_alloc;
   trace_.record(TraceEntry::kAlloc, p, size, stream);
+  plan_learn(a, !small && !mid);  // Note [Step plan]
   return p;
 }
 
@@ -322,7 +333,7 @@ std::size_t Allocator::slack_chunks() const {
 // Chunks held that no request can have now: in allocated or pending ranges, in slabs with a block in use,
 // or quarantined.
 std::size_t Allocator::chunks_in_use() const {
-  return num_chunks_ - pool_.size() - cached_chunks_ - empty_slab_chunks_;
+  return num_chunks_ - pool_.size() - cached_chunks_ - empty_slab_chunks_ - plan_idle_chunks_;
 }
 
 std::uintptr_t Allocator::malloc_large(std::size_t k, Stream stream, bool cached_only) {

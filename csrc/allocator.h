@@ -42,6 +42,7 @@
 #include "config.h"
 #include "detail/slice_pool.h"
 #include "detail/stats.h"
+#include "detail/step_plan.h"
 #include "detail/trace.h"
 #include "detail/va_space.h"
 
@@ -182,6 +183,8 @@ class VMALLOC_API Allocator {
     Stream stream;
     bool in_slab;                       // a block of a slab (small or mid-size), else a range of its own
     std::vector<Stream> other_streams;  // from record_stream
+    std::int32_t slot = -1;             // the step plan's slot it was served from (Note [Step plan]), else -1
+    std::uint64_t step_index = detail::StepLearner::kNone;  // its index in the learner's sequence
   };
   struct PendingFree {  // freed; reusable once `events` (other streams' work) complete, or capture ends
     std::uintptr_t addr;
@@ -202,6 +205,41 @@ class VMALLOC_API Allocator {
     std::uint32_t reservation;
   };
   using SizeSet = std::set<std::pair<std::size_t, std::uintptr_t>>;  // (size, address): best fit
+  // Note [Step plan] (allocator_plan.cpp)
+  struct PlanColor {  // one physical chunk of the plan, once it has one
+    detail::BlockId block = 0;
+    std::uint32_t slice = 0;
+    bool held = false;      // has its chunk (taken out of the pool)
+    std::int32_t user = -1;  // the slot using it now, or -1
+  };
+  struct PlanMapping {  // one backend mapping of a slot: slices [first, first + n) of a block
+    std::uintptr_t addr;
+    detail::BlockId block;
+    std::uint32_t first;
+    std::uint32_t n;
+  };
+  struct PlanSlot {  // the address one malloc of the period gets, with its colors' chunks mapped there
+    std::size_t nchunks = 0;
+    Stream stream = 0;
+    std::vector<std::uint32_t> colors;
+    std::uintptr_t addr = 0;  // 0 until first served
+    std::uint32_t reservation = 0;
+    std::vector<PlanMapping> maps;
+    bool busy = false;  // served, and not yet freed (pending frees included)
+  };
+  struct Plan {
+    std::vector<detail::StepToken> tokens;  // the period's mallocs, from phase 0
+    std::vector<std::int32_t> slot_of;      // per phase: its slot, or -1 (the usual path)
+    std::vector<PlanSlot> slots;
+    std::vector<PlanColor> colors;
+    std::size_t cursor = 0;       // the phase of the next malloc
+    std::size_t peak_chunks = 0;  // the most planned chunks live at once: the least any layout needs
+    std::size_t since_match = 0;  // mallocs since one matched its phase's token
+    std::uint64_t hits = 0;       // mallocs served from a slot
+    std::size_t busy_slots = 0;
+    bool retiring = false;  // abandoned: serves nothing, torn down once no slot is busy
+    std::unordered_map<Stream, std::uint64_t> last_free;  // per stream: free_seq of its slots' last free
+  };
 
   std::uintptr_t try_malloc(std::size_t nbytes, Stream stream, bool cached_only);
   std::uintptr_t try_malloc_unmapping(std::size_t nbytes, Stream stream);  // Note [Out of mappings]
@@ -254,6 +292,15 @@ class VMALLOC_API Allocator {
   std::size_t growable_chunks(std::size_t need) const;  // Note [Reuse before growth]
   std::size_t chunks_in_use() const;
   std::size_t slack_chunks() const;  // Note [Slack reported apart]
+  // allocator_plan.cpp (Note [Step plan])
+  std::uintptr_t plan_malloc(std::size_t size, Stream stream, bool cached_only, std::int32_t* slot);
+  bool plan_populate(PlanSlot& s);
+  void plan_release(const Allocation& a, std::uint64_t seq);
+  void plan_learn(Allocation& a, bool large);
+  void plan_retire() noexcept;
+  void plan_teardown();
+  bool plan_unmap(const PlanMapping& m, std::uint32_t reservation) noexcept;
+  void plan_unmap_all() noexcept;
   std::string oom_message(std::size_t nbytes) const;
   std::string capture_message(std::size_t nbytes, Stream stream) const;
 
@@ -303,6 +350,12 @@ class VMALLOC_API Allocator {
   detail::Stats stats_;
   detail::TraceRing trace_;
   std::shared_ptr<OomHandler> oom_handler_;
+  // Note [Step plan]
+  detail::StepLearner learner_;
+  std::unique_ptr<Plan> plan_;
+  std::unordered_map<std::uintptr_t, std::int32_t> plan_live_;  // served slot addresses (live or pending) -> slot
+  std::size_t plan_held_chunks_ = 0;  // chunks the plan holds
+  std::size_t plan_idle_chunks_ = 0;  // of those, chunks no busy slot uses
 };
 
 }  // namespace vmalloc

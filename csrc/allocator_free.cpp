@@ -63,6 +63,7 @@ void Allocator::free(std::uintptr_t addr) {
   }
   const std::uint64_t seq = ++free_seq_;
   if (!defer) add_fence(a.stream, seq, fence_event);
+  if (a.step_index != detail::StepLearner::kNone) learner_.on_free(a.step_index);  // Note [Step plan]
   Allocation freed = std::move(a);
   live_.erase(it);
   trace_.record(TraceEntry::kFreeRequested, addr, freed.size, freed.stream);
@@ -71,7 +72,7 @@ void Allocator::free(std::uintptr_t addr) {
   stats_.allocation.decrease(1);
   ++stats_.num_free;
   if (defer || !events.empty()) {
-    if (!freed.in_slab) ranges_.at(addr).kind = Kind::kPending;
+    if (!freed.in_slab && freed.slot < 0) ranges_.at(addr).kind = Kind::kPending;
     if (defer) {
       ++stats_.num_deferred_frees;
       deferred_.push_back(PendingFree{addr, std::move(freed), {}});
@@ -98,6 +99,7 @@ void Allocator::shrink_if_over_capacity() noexcept {
 
 void Allocator::complete_free(std::uintptr_t addr, const Allocation& a, std::uint64_t seq) {
   if (a.in_slab) free_in_slab(addr, seq);
+  else if (a.slot >= 0) plan_release(a, seq);
   else cache_range(addr, seq);
   stats_.active_bytes.decrease(static_cast<std::int64_t>(a.size));
   stats_.active.decrease(1);

@@ -111,6 +111,17 @@ std::vector<std::pair<std::string, std::int64_t>> Allocator::stats() const {
   out.emplace_back("num_pending_frees", stats_.num_pending_frees);
   out.emplace_back("num_deferred_frees", stats_.num_deferred_frees);
   out.emplace_back("num_capture_errors", stats_.num_capture_errors);
+  // Note [Step plan]: plans made and abandoned, mallocs served from a slot, slots that could not serve; the
+  // chunks the plan holds (counted in reserved_bytes) and those of them no allocation uses now; its period.
+  out.emplace_back("num_plans", stats_.num_plans);
+  out.emplace_back("num_plans_abandoned", stats_.num_plans_abandoned);
+  out.emplace_back("num_plan_hits", stats_.num_plan_hits);
+  out.emplace_back("num_plan_misses", stats_.num_plan_misses);
+  out.emplace_back("plan_chunks", static_cast<std::int64_t>(plan_held_chunks_));
+  out.emplace_back("plan_idle_chunks", static_cast<std::int64_t>(plan_idle_chunks_));
+  out.emplace_back("plan_period", static_cast<std::int64_t>(plan_ ? plan_->tokens.size() : 0));
+  out.emplace_back("plan_colors", static_cast<std::int64_t>(plan_ ? plan_->colors.size() : 0));
+  out.emplace_back("plan_peak_chunks", static_cast<std::int64_t>(plan_ ? plan_->peak_chunks : 0));
   out.emplace_back("num_backend_errors", stats_.num_backend_errors);
   out.emplace_back("num_quarantined_chunks", static_cast<std::int64_t>(quarantined_chunks_));
   out.emplace_back("num_stuck_mappings", static_cast<std::int64_t>(stuck_.size()));
@@ -193,6 +204,14 @@ std::vector<SegmentInfo> Allocator::segments() const {
     }
     out.push_back(std::move(s));
   }
+  for (const auto& [addr, slot] : plan_live_) {  // Note [Step plan]: slots in use, each its own segment
+    const PlanSlot& ps = plan_->slots[slot];
+    SegmentInfo s{addr, ps.nchunks * chunk_, ps.stream, false, {}};
+    bool is_pending = false;
+    const std::size_t req = requested(addr, is_pending);
+    s.blocks.push_back({addr, s.size, req, !is_pending, is_pending});
+    out.push_back(std::move(s));
+  }
   return out;
 }
 
@@ -209,6 +228,15 @@ bool Allocator::owns(std::uintptr_t addr) const {
 bool Allocator::is_live(std::uintptr_t addr, std::size_t nbytes) const {
   std::lock_guard<std::mutex> lock(mu_);
   if (addr + nbytes < addr) return false;
+  if (plan_) {  // Note [Step plan]: a slot's address may lie anywhere in the address space
+    for (const auto& [at, slot] : plan_live_) {
+      const std::size_t size = plan_->slots[slot].nchunks * chunk_;
+      if (addr >= at && addr - at < size) {
+        auto a = live_.find(at);
+        return a != live_.end() && addr + nbytes <= at + a->second.requested;
+      }
+    }
+  }
   auto r = ranges_.upper_bound(addr);
   if (r == ranges_.begin()) return false;
   --r;
@@ -238,7 +266,12 @@ void Allocator::check_invariants() const {
   for (const auto& p : deferred_) require(pending.emplace(p.addr, &p.a).second, "a block is pending twice");
   std::int64_t requested = 0, allocated = 0, active_bytes = 0;
   auto check_block = [&](std::uintptr_t addr, const Allocation& a, Kind large_kind) {
-    if (a.in_slab) {
+    if (a.slot >= 0) {
+      require(plan_ && static_cast<std::size_t>(a.slot) < plan_->slots.size(), "a planned allocation without a plan");
+      const PlanSlot& s = plan_->slots[a.slot];
+      require(s.busy && s.addr == addr && s.nchunks * chunk_ == a.size && plan_live_.count(addr) == 1,
+              "a planned allocation without its slot");
+    } else if (a.in_slab) {
       auto b = small_.find(addr);
       require(b != small_.end() && !b->second.free && b->second.size == a.size, "slab allocation without its block");
     } else {
@@ -377,10 +410,37 @@ void Allocator::check_invariants() const {
   }
   require(block_chunks == num_chunks_, "chunks held != the blocks' chunks");
   require(quarantined == quarantined_chunks_, "quarantined chunk count != recount");
-  require(static_cast<std::int64_t>(mapped * chunk_) == stats_.mapped_bytes.current, "mapped_bytes != recount");
   require(static_cast<std::int64_t>(slabs * chunk_) == stats_.slab_bytes.current, "slab_bytes != recount");
   require(static_cast<std::int64_t>(ranges_.size()) == stats_.segment.current, "segment count != recount");
-  require(num_chunks_ == pool_.size() + mapped + quarantined_chunks_, "chunks held != pool + mapped + quarantined");
+  // Note [Step plan]: the plan's chunks are in no range and not in the pool; a busy slot's colors are its own.
+  std::size_t plan_held = 0, plan_idle = 0, plan_mapped = 0;
+  if (plan_) {
+    std::set<std::pair<detail::BlockId, std::uint32_t>> plan_slices;
+    for (const PlanColor& c : plan_->colors) {
+      if (!c.held) continue;
+      ++plan_held;
+      if (c.user < 0) ++plan_idle;
+      require(plan_slices.insert({c.block, c.slice}).second, "two colors of the plan hold one chunk");
+      require(live_slices.count({c.block, c.slice}) == 0 && !pool_.contains(c.block, c.slice),
+              "a chunk of the plan is also in a range or in the pool");
+    }
+    std::size_t busy = 0;
+    for (std::size_t id = 0; id < plan_->slots.size(); ++id) {
+      const PlanSlot& s = plan_->slots[id];
+      if (!s.busy) continue;
+      ++busy;
+      plan_mapped += s.nchunks;
+      for (std::uint32_t c : s.colors)
+        require(plan_->colors[c].held && plan_->colors[c].user == static_cast<std::int32_t>(id),
+                "a busy slot's color is not its own");
+    }
+    require(busy == plan_->busy_slots && busy == plan_live_.size(), "busy slots != recount");
+  }
+  require(plan_held == plan_held_chunks_ && plan_idle == plan_idle_chunks_, "the plan's chunk counts != recount");
+  require(num_chunks_ == pool_.size() + mapped + quarantined_chunks_ + plan_held,
+          "chunks held != pool + mapped + quarantined + plan");
+  require(static_cast<std::int64_t>((mapped + plan_mapped) * chunk_) == stats_.mapped_bytes.current,
+          "mapped_bytes != recount");
   require(static_cast<std::int64_t>(num_chunks_ * chunk_) == stats_.reserved_bytes.current, "reserved_bytes != recount");
   require(!over_capacity_with_cache() || shrink_blocked_,
           "reserved bytes exceed the capacity while cached memory could be released");

@@ -26,6 +26,7 @@ void Allocator::empty_cache() {
     }
   };
   attempt([&] { settle_frees(/*wait=*/true); });
+  plan_retire();  // its idle chunks are cached memory too (Note [Step plan])
   if (quiet()) {  // a capture is announced: no waiting and no unmapping; wholly free blocks can go
     attempt([&] { release_free_blocks(SIZE_MAX); });
     shrink_blocked_ = over_capacity_with_cache();
@@ -88,6 +89,7 @@ std::exception_ptr Allocator::shrink_to_capacity() {
   shrink_blocked_ = true;  // until this completes
   std::exception_ptr unmap_failure;
   if (!quiet() && (!stuck_.empty() || quarantined_chunks_ > 0)) retry_quarantine();
+  if (excess() > 0) plan_retire();  // Note [Step plan]
   release_free_blocks(excess());
   if (excess() > 0 && !quiet()) {
     trim_slabs();

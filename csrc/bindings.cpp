@@ -105,6 +105,7 @@ py::dict config_dict(const Config& c) {
   d["eager_growth"] = c.eager_growth;
   d["growth_slack"] = c.growth_slack;
   d["mid_chunks"] = c.mid_chunks;
+  d["step_plan"] = c.step_plan;
   return d;
 }
 
@@ -186,9 +187,10 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const std::string& backend, const py::object& capacity, const py::object& chunk_size,
                        const py::object& small_max, int device, const py::object& history, bool eager_growth,
                        int devices, const py::object& block_size, const py::object& growth_slack,
-                       const py::object& mid_chunks, bool test_backend) {
-             const Config c = make_config(backend, capacity, chunk_size, small_max, device, history, eager_growth,
-                                          devices, block_size, growth_slack, mid_chunks);
+                       const py::object& mid_chunks, bool step_plan, bool test_backend) {
+             Config c = make_config(backend, capacity, chunk_size, small_max, device, history, eager_growth, devices,
+                                    block_size, growth_slack, mid_chunks);
+             c.step_plan = step_plan;
              if (!test_backend) return std::make_shared<Allocator>(c);
              vmalloc::check_device(c, device);
              return std::make_shared<Allocator>(c,
@@ -197,7 +199,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("backend") = "cuda", py::arg("capacity") = py::none(), py::arg("chunk_size") = "2MiB",
            py::arg("small_max") = "1MiB", py::arg("device") = 0, py::arg("history") = 0,
            py::arg("eager_growth") = false, py::arg("devices") = 1, py::arg("block_size") = 0,
-           py::arg("growth_slack") = py::none(), py::arg("mid_chunks") = py::none(), py::arg("_test_backend") = false)
+           py::arg("growth_slack") = py::none(), py::arg("mid_chunks") = py::none(), py::arg("step_plan") = true,
+           py::arg("_test_backend") = false)
       .def(
           "malloc",
           [](Allocator& a, const py::object& nbytes, vmalloc::Stream stream, bool call_oom_handler) {

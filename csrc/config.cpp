@@ -177,12 +177,13 @@ Config parse_conf(const std::string& text, Config c) {
     else if (key == "device") c.device = small_int("device");
     else if (key == "devices") c.devices = small_int("devices");
     else if (key == "eager_growth") c.eager_growth = parse_bool(value, "VMALLOC_CONF eager_growth");
+    else if (key == "step_plan") c.step_plan = parse_bool(value, "VMALLOC_CONF step_plan");
     else if (key == "growth_slack") c.growth_slack = parse_fraction(value, "VMALLOC_CONF growth_slack");
     else if (key == "mid_chunks") c.mid_chunks = parse_count(value, "VMALLOC_CONF mid_chunks");
     else
       throw std::invalid_argument("unknown VMALLOC_CONF key '" + key +
                                   "': known keys are backend, capacity, chunk_size, small_max, block_size, history, "
-                                  "device, devices, eager_growth, growth_slack, mid_chunks");
+                                  "device, devices, eager_growth, growth_slack, mid_chunks, step_plan");
   }
   validate(c);
   return c;

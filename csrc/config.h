@@ -15,7 +15,7 @@ constexpr int kMaxDevices = 64;
 constexpr std::size_t kDefaultBlockBytes = std::size_t{32} << 20;
 // Note [Reuse before growth]: how far above its high-water mark of chunks in use an arena may grow rather
 // than reclaim, by default.
-constexpr double kDefaultGrowthSlack = 0.125;
+constexpr double kDefaultGrowthSlack = 0;
 constexpr double kMaxGrowthSlack = 1024;
 constexpr std::size_t kDefaultMidChunks = 0;  // Note [Mid-size blocks]: opt-in
 constexpr std::size_t kMaxMidChunks = 64;
@@ -37,6 +37,8 @@ struct Config {
   // true creates new chunks while under capacity first, reclaiming only at the capacity.
   bool eager_growth = false;
   double growth_slack = kDefaultGrowthSlack;
+  // Note [Step plan]: learn the repeating step of a training loop and serve it from a planned layout.
+  bool step_plan = true;
   // Note [Mid-size blocks]: requests above small_max up to mid_chunks chunks are blocks of slabs of
   // mid_chunks chunks, rounded to a quarter chunk; 0 (the default) rounds them to whole chunks.
   std::size_t mid_chunks = kDefaultMidChunks;

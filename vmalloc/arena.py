@@ -30,10 +30,15 @@ class Arena(_C.Arena):
             ones. Default False: grow only within ``growth_slack``, then reuse cached chunks.
         growth_slack: on a cache miss under the capacity, new chunks are created rather than cached ones
             reclaimed while the chunks held stay within (1 + growth_slack) x the most chunks ever in use at
-            once (default 0.125). Reclaiming costs unmap/map calls and a wait for the stream; the slack lets a
-            repeated training step settle with none. 0: reserved memory stays at the peak in use. The slack
-            held is reported apart, in ``stats()["slack_bytes.all.current"]`` and ``["slack_bytes.all.peak"]``
-            (bytes beyond the most ever in use; reserved bytes include them).
+            once (default 0: reserved memory stays at the peak in use). Reclaiming costs unmap/map calls and a
+            wait for the stream; a repeated training step settles with none through the step plan instead. The
+            slack held is reported apart, in ``stats()["slack_bytes.all.current"]`` and
+            ``["slack_bytes.all.peak"]`` (bytes beyond the most ever in use; reserved bytes include them).
+        step_plan: learn a training step that repeats (the same allocations in the same order) and serve it
+            from a planned layout in which allocations that never live at once share physical chunks, each
+            at an address of its own: after the first planned iteration a step makes no driver call, with
+            reserved memory at the peak in use (default True; stats()["num_plans"], ["num_plan_hits"],
+            ["plan_chunks"]).
         devices: how many devices the host and sim backends present (``device`` must be below it); the
             cuda backend has the driver's devices.
         block_size: the largest physical block, one backend allocation of several chunks whose runs map with

@@ -42,6 +42,9 @@ struct Stats {
   std::int64_t num_pending_frees = 0;      // frees that waited for other streams (record_stream)
   std::int64_t num_deferred_frees = 0;     // frees deferred because a stream was being captured
   std::int64_t num_capture_errors = 0;     // mallocs refused during capture (CaptureError)
+  // Note [Step plan]: plans made, mallocs served from a plan's slot, mallocs whose phase had a slot that
+  // could not serve them (a lifetime or token that differed), plans abandoned.
+  std::int64_t num_plans = 0, num_plan_hits = 0, num_plan_misses = 0, num_plans_abandoned = 0;
 };
 
 }  // namespace vmalloc::detail
