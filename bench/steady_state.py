@@ -14,9 +14,11 @@ no host wait, which stops the CPU running ahead of the GPU. This replays capture
 whose work of an iteration completes only when the iteration ends (the training loop's synchronize), so every
 wait inside an iteration is a host wait, and counts per iteration, averaged over the last three:
 maps, unmaps, set_access, event records, event queries, capture queries, host waits (num_event_syncs).
-Policies (arena options): reclaim first (growth_slack=0: the policy before Note [Reuse before growth] got its
-slack), the default (the growth slack), and the default with mid-size slabs (mid_chunks=4, opt-in: Note
-[Mid-size blocks]). Memory: peak requested / allocated / reserved; efficiency = requested / reserved.
+Policies (arena options): the default (the step plan, Note [Step plan], over reclaim first: growth_slack=0),
+reclaim first without the plan (step_plan=False), the growth slack without the plan (growth_slack=0.125, the
+default before the step plan), and the default with mid-size slabs (mid_chunks=4, opt-in: Note [Mid-size
+blocks]). Memory: peak requested / allocated / reserved; efficiency = requested / reserved; utilization =
+allocated / reserved.
 The small ResNet of tests/gpu/swap_worker.py also runs swapped under the plan of a budget, to find the
 largest plan budget whose swapped steps fit the capacity the first GPU run gave it (210 MiB).
 
@@ -49,9 +51,10 @@ STEPS = 12
 FULL = [("gpt2", 4), ("resnet50", 96), ("gpt2", 16), ("densenet121", 64), ("unet", 8)]
 QUICK = [("unet", 2), ("resnet50", 8)]
 POLICIES = {
-    "reclaim first (growth_slack=0)": {"growth_slack": 0},
-    "default (growth slack)": {},
-    "growth slack + mid slabs (mid_chunks=4)": {"mid_chunks": 4},
+    "default (step plan, growth_slack=0)": {},
+    "reclaim first, no plan (step_plan=False)": {"step_plan": False},
+    "growth slack, no plan (growth_slack=0.125, step_plan=False)": {"growth_slack": 0.125, "step_plan": False},
+    "step plan + mid slabs (mid_chunks=4)": {"mid_chunks": 4},
 }
 LEGACY = {"legacy build": {}}
 SMALL_RESNET_CAPACITY = 210 * MiB  # what tests/gpu/swap_worker.py's vmalloc run had on the H200
@@ -172,11 +175,11 @@ def markdown(results: dict[str, Any]) -> str:
         "iteration's GPU work when it ends, so every wait inside it is a host wait): driver calls, event records "
         "and queries, capture queries (cuStreamIsCapturing), host waits; frees for scale (before sparse fences "
         "every free recorded an event). Memory over the whole run, GiB; efficiency = peak requested / peak "
-        "reserved.",
+        "reserved; utilization = peak allocated / peak reserved.",
         "",
         "| trace | policy | maps | unmaps | set_access | host waits | event records | event queries | capture "
-        "queries | frees | requested | allocated | reserved | efficiency |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "queries | frees | requested | allocated | reserved | efficiency | utilization |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["traces"]:
         for label, r in row["policies"].items():
@@ -185,7 +188,8 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {row['trace']} | {label} | {s['maps']:.0f} | {s['unmaps']:.0f} | {s['set_access']:.0f} "
                 f"| {s['host_waits']:.0f} | {s['records']:.0f} | {s['queries']:.0f} | {s['capture_queries']:.0f} "
                 f"| {s['frees']:.0f} | {r['peak_requested'] / 2**30:.3f} | {r['peak_allocated'] / 2**30:.3f} "
-                f"| {r['peak_reserved'] / 2**30:.3f} | {r['peak_requested'] / r['peak_reserved']:.3f} |"
+                f"| {r['peak_reserved'] / 2**30:.3f} | {r['peak_requested'] / r['peak_reserved']:.3f} "
+                f"| {r['peak_allocated'] / r['peak_reserved']:.3f} |"
             )
     small = results.get("small_resnet")
     if small:

@@ -359,6 +359,9 @@ std::uintptr_t Allocator::malloc_large(std::size_t k, Stream stream, bool cached
     shrink_if_over_capacity();  // the cut-out chunks are freed memory: above a lowered capacity they go
   }
   if (pool_.size() + idle() + creatable_chunks() < k) return 0;
+  // A plan that has not yet served a whole period holds idle chunks the usual path cannot reclaim: rather
+  // than create memory beside them, abandon it (Note [Step plan]).
+  if (plan_ && plan_idle_chunks_ > 0 && plan_->hits < plan_->slots.size() && pool_.size() + idle() < k) plan_retire();
   // 4. reclaim chunks of cached ranges (any stream) and empty slabs; create only what is still missing
   if (pool_.size() < k && !quiet()) {
     retire_empty_slabs();

@@ -27,7 +27,7 @@ namespace vmalloc {
 //     most chunks live at once when no lifetime wraps (interval graphs are perfect); a color is one physical
 //     chunk.
 //   - serving: each later malloc is matched against the token of the plan's next phase (a mismatch looks
-//     up to kPlanLookahead phases ahead, then waits). The first time a slot serves, its colors get chunks
+//     up to kPlanLookahead phases ahead, then waits; the phases skipped count as mismatches). The first time a slot serves, its colors get chunks
 //     (the pool, reclaim, creation: the usual ladder) and a virtual range of its own, into which they are
 //     mapped, a run of consecutive slices of one block per call; a chunk that several slots share is mapped
 //     at each of their addresses at once (the driver allows one allocation at several addresses). From then
@@ -38,7 +38,8 @@ namespace vmalloc {
 //     capacity); idle colors are memory held but not in use (chunks_in_use() leaves them out, so they do not
 //     raise the high-water mark), and the peak reserved is the process's physical reservation. Physical
 //     memory shared by aliases is counted once.
-//   - a plan that stops matching (L mallocs without a match) is abandoned, as is one in the way of a request
+//   - a plan that stops matching (mismatches and skipped phases add up to L before a malloc matches its
+//     phase exactly) is abandoned, as is one in the way of a request
 //     at the capacity, of empty_cache and of a lowered capacity: once none of its slots is in use (after
 //     waiting for their streams), its mappings are unmapped and its chunks return to the pool, and learning
 //     starts again (above the abandoned period's length if it never served a whole period, so that a loop
@@ -86,14 +87,18 @@ std::uintptr_t Allocator::plan_malloc(std::size_t size, Stream stream, bool cach
   if (token != p.tokens[phase]) {
     std::size_t ahead = 1;
     while (ahead <= kPlanLookahead && ahead < L && p.tokens[(phase + ahead) % L] != token) ++ahead;
-    if (ahead > kPlanLookahead || ahead >= L) {
-      if (++p.since_match > L) plan_retire();
+    // Skipped phases count as mismatches: a step that changed matches ahead often, but never for long.
+    p.since_match += std::min(ahead, kPlanLookahead + 1);
+    if (p.since_match > L) {
+      plan_retire();
       return 0;
     }
+    if (ahead > kPlanLookahead || ahead >= L) return 0;
     phase = (phase + ahead) % L;
+  } else {
+    p.since_match = 0;
   }
   p.cursor = (phase + 1) % L;
-  p.since_match = 0;
   const std::int32_t id = p.slot_of[phase];
   if (id < 0) return 0;
   PlanSlot& s = p.slots[id];

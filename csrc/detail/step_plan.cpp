@@ -128,11 +128,13 @@ std::optional<StepLayout> StepLearner::detect() {
   if (fresh) return std::nullopt;
   const std::uint64_t L = n - slot->second;
   slot->second = n;
-  // Two whole periods remembered, and the prefix before them (window_hash reads the one before `from`).
-  if (L < min_period_ || n < base_ + 2 * L) return std::nullopt;
-  if (at(n - L).allocated != at(n).allocated) return std::nullopt;
-  if (window_hash(n - 2 * L, n - L) != window_hash(n - L, n)) return std::nullopt;
-  for (std::uint64_t i = n - L + 1; i <= n; ++i)
+  // Three whole periods remembered, and the prefix before them (window_hash reads the one before `from`):
+  // two copies let a loop inside a step (swapped traces' layers) pass for the step too often.
+  if (L < min_period_ || n < base_ + 3 * L) return std::nullopt;
+  if (at(n - L).allocated != at(n).allocated || at(n - 2 * L).allocated != at(n).allocated) return std::nullopt;
+  const std::uint64_t h = window_hash(n - L, n);
+  if (window_hash(n - 2 * L, n - L) != h || window_hash(n - 3 * L, n - 2 * L) != h) return std::nullopt;
+  for (std::uint64_t i = n - 2 * L + 1; i <= n; ++i)
     if (at(i).token != at(i - L).token) return std::nullopt;
   // Malloc n - L + 1 + j repeats at phase j. Its lifetime is its newest copy's if that was freed (the older
   // copy may come from a first iteration that differs), else the older copy's, at least until now; one with

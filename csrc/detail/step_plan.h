@@ -58,8 +58,8 @@ class StepLearner {
   std::uint64_t on_malloc(const StepToken& token, bool large, std::int64_t allocated_after);
   // The malloc of that index was freed (ignored if forgotten, or before the last reset).
   void on_free(std::uint64_t index);
-  // Whether the last 2L mallocs are one period of L mallocs repeated (same tokens, the same bytes allocated
-  // after the last malloc of each, lifetimes known), for the L that last met the state after the newest
+  // Whether the last 3L mallocs are one period of L mallocs repeated (same tokens, the same bytes allocated
+  // after the last malloc of each), for the L that last met the state after the newest
   // malloc; then the layout of the next period, which starts with the next malloc.
   std::optional<StepLayout> detect();
   // Forgets everything; periods shorter than min_period are not looked for until the next reset.

@@ -103,7 +103,8 @@ def test_conf_keys_parse():
                       "block_size=1MiB")
     assert c == {
         "backend": "host", "capacity": GiB, "chunk_size": 64 * KiB, "small_max": 16 * KiB, "history": 100,
-        "devices": 2, "device": 1, "eager_growth": False, "block_size": MiB, "growth_slack": 0.125, "mid_chunks": 0,
+        "devices": 2, "device": 1, "eager_growth": False, "block_size": MiB, "growth_slack": 0.0, "mid_chunks": 0,
+        "step_plan": True,
     }
 
 

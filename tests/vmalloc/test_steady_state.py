@@ -31,13 +31,13 @@ def test_steady_iterations_make_no_driver_call_and_no_host_wait():
         assert row["maps"] == row["unmaps"] == row["set_access"] == row["host_waits"] == 0, r["per_iteration"]
         # One fence per FENCE_STRIDE frees of a stream, not one per free (the trace has one stream).
         assert row["records"] <= row["frees"] // FENCE_STRIDE + 1, r["per_iteration"]
-    # The price: reserved memory above the peak in use, within the growth slack (default 0.125).
-    assert r["peak_reserved"] <= in_use_peak(r) * (1 + 0.125)
+    # Without a price: the step plan (Note [Step plan]) keeps reserved memory at the peak in use (issue 38: 1 %).
+    assert r["peak_reserved"] <= in_use_peak(r) * 1.01
 
 
 @pytest.mark.parametrize("slack", [0, 0.5])
 def test_growth_slack_bounds_reserved_memory(slack):
-    r = replay(trace(), growth_slack=slack)
+    r = replay(trace(), growth_slack=slack, step_plan=False)
     assert r["peak_reserved"] <= in_use_peak(r) * (1 + slack)
     if slack == 0:  # reuse before growth: reserved at the peak in use, at the price of reclaims
         assert sum(row["maps"] for row in r["per_iteration"][-3:]) > 0
