@@ -7,6 +7,8 @@
 // block's slices maps with one backend call (Note [Blocks and slices] in allocator_blocks.cpp). The chunk
 // stays the unit of everything else: capacity, the pool, reclaim, stats and the guarantees count chunks.
 //
+//   0. a step plan (Note [Step plan] in allocator_plan.cpp): a training step that repeated is served from a
+//      planned layout; a large malloc that matches its phase gets its slot, mapped once, no backend call after;
 //   1. small (n <= small_max): a 512 B-rounded block from a slab (one chunk) of the same stream, best fit;
 //      mid-size (n <= mid_chunks chunks, when mid_chunks > 0): a quarter-chunk-rounded block from a mid slab
 //      of mid_chunks chunks (Note [Mid-size blocks]);

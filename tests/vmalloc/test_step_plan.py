@@ -169,3 +169,33 @@ def test_no_plan_when_turned_off():
     maps = [step.run() for _ in range(6)]
     assert a.stats()["num_plans"] == 0 and a.config["step_plan"] is False
     assert sum(maps[-3:]) > 0  # reclaim first without the plan: the step keeps remapping (Note [Reuse before growth])
+
+
+def test_backend_failures_in_the_plan_leave_the_arena_consistent():
+    """A map that fails while a slot is first mapped, and an unmap that fails while the plan is torn down
+    (Note [Failure guarantees]): the malloc raises and the arena stays consistent; the unmapping is kept stuck
+    and retried by empty_cache."""
+    chunk = CHUNKS["host"]
+    a = vmalloc.Arena("host", capacity=256 * chunk, chunk_size=chunk, small_max=16 * KiB, _test_backend=True)
+    step = Step(a, "host", 0)
+    for _ in range(3):  # the plan is made at the first malloc after the third copy
+        step.run()
+    a._inject_fault("map")
+    with pytest.raises(vmalloc.BackendError):
+        step.run()  # the plan is made, and its first slot fails to map
+    a.check_invariants()
+    assert a.stats()["num_plans"] == 1 and a.stats()["plan_idle_chunks"] > 0
+    for p in list(step.live):  # what the failed iteration left live
+        step.free(p)
+    a.check_invariants()
+    for _ in range(3):
+        step.run()
+    a.check_invariants()
+    assert a.stats()["num_plan_hits"] > 0
+    errors = a.stats()["num_backend_errors"]
+    a._inject_fault("unmap")
+    a.empty_cache()  # tears the plan down; its failed unmap is kept stuck, and retried by the same call
+    a.check_invariants()
+    s = a.stats()
+    assert s["num_backend_errors"] == errors + 1 and s["plan_chunks"] == 0
+    assert s["num_stuck_mappings"] == 0 and s["reserved_bytes.all.current"] == 0
