@@ -168,7 +168,8 @@ def markdown(results: dict[str, Any]) -> str:
         frag = [r["slack"][label]["utilization"] for r in results["traces"] if r["set"] == "fragmentation"]
         busy = [r["trace"] for r in results["traces"] if r["set"] == "steady_state" and any(
             v > 0 for v in r["slack"][label]["steady"].values())]  # fmt: skip
-        lines.append(f"- growth_slack={label}: lowest utilization {min(frag):.3f}; steady-state traces with "
+        name = "default (step plan)" if label == "default" else f"growth_slack={label}, no plan"
+        lines.append(f"- {name}: lowest utilization {min(frag):.3f}; steady-state traces with "
                      f"driver calls or host waits: {', '.join(busy) or 'none'}")  # fmt: skip
     lines += ["", "Slack given back once steady, at best (growth_slack=0.125 without the plan, the default before it): "
               "its last steady iteration touches only some of "
