@@ -117,7 +117,7 @@ void StepLearner::reset(std::size_t min_period) {
   recs_.clear();
   last_.clear();
   base_ = next_;
-  min_period_ = std::max<std::size_t>(min_period, 1);
+  min_period_ = std::max(min_period, kMinPeriod);
 }
 
 std::optional<StepLayout> StepLearner::detect() {

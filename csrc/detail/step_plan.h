@@ -79,9 +79,12 @@ class StepLearner {
   std::uint64_t window_hash(std::uint64_t from, std::uint64_t to) const;  // tokens (from, to]
 
   static constexpr std::size_t kContext = 8;  // tokens in the key that proposes a period
+  // The shortest period looked for: a loop inside a step (the same temporary allocated and freed over and
+  // over) is no step, and planning it would reset the learning of the step at every abandonment.
+  static constexpr std::size_t kMinPeriod = 16;
   std::size_t chunk_;
   std::size_t history_;
-  std::size_t min_period_ = 1;
+  std::size_t min_period_ = kMinPeriod;
   std::deque<Rec> recs_;
   std::uint64_t base_ = 0;  // index of recs_.front()
   std::uint64_t next_ = 0;  // index of the next malloc

@@ -184,9 +184,7 @@ FENCE_STRIDE = 32  # a free records a fence every this many frees of its stream 
 
 
 def test_event_record_failure_leaves_the_allocation_live():
-    # Without the step plan: the repeated malloc/free below would be planned, and abandoning the plan at the
-    # capacity waits for the stream, which records the fence this test counts on (Note [Step plan]).
-    a = faulty_arena(step_plan=False)
+    a = faulty_arena()
     for _ in range(FENCE_STRIDE - 1):
         a.free(a.malloc(CHUNK, 1))
     p = a.malloc(2 * CHUNK, 1)

@@ -115,7 +115,7 @@ def test_a_new_step_replaces_the_plan_and_empty_cache_gives_it_back(backend):
         for _ in range(6):
             first.run()
         assert a.stats()["num_plans"] == 1
-        second = Step(a, backend, stream, seed=1, count=9)
+        second = Step(a, backend, stream, seed=1, count=16)  # a longer period than the first
         maps = [second.run() for _ in range(7)]
         a.check_invariants()
         s = a.stats()
