@@ -139,8 +139,9 @@ def run(quick: bool) -> dict[str, Any]:
 def markdown(results: dict[str, Any]) -> str:
     meta = results["meta"]
     labels = list(results["traces"][0]["slack"]) if results["traces"] else []
-    head = " | ".join("default (step plan)" if label == "default" else f"growth_slack={label}, no plan"
-                      for label in labels)
+    head = " | ".join(
+        "default (step plan)" if label == "default" else f"growth_slack={label}, no plan" for label in labels
+    )
     lines = [
         f"Command: `{meta['command']}` ({meta['date']}, torch {meta['torch']}, vmalloc core on the sim backend, "
         "unlimited capacity).",
