@@ -31,6 +31,7 @@ from .precision import cast_forward_inputs, check_masters, precision_name
 from .state_dicts import StateDictHooks, host_state_value
 from .storage import Copies, Masters
 from .streaming import Streamer
+from .weight_hooks import WeightHooks
 
 MODES = ("auto", "resident", "offload")
 
@@ -151,14 +152,15 @@ class ModelStateRuntime:
         self.streamer = Streamer(entries, self.masters, self.bucket_bytes, self.stepper.wait, self.stepper.updated,
                                  fits, copies, backward_ended=self.grads.settle,
                                  before_repack=self.stepper.flush)  # fmt: skip
-        self.guard.watched = self.streamer.watched
+        self.weight_hooks = WeightHooks(self.streamer, entries)
+        self.guard.watched = self.weight_hooks.watched
         for e in entries:
             self.masters.drop(e)
         self.started = True
         self.guard.__enter__()
         self._restore.append(lambda: self.guard.__exit__(None, None, None))
-        self.streamer.install(self.model)
-        self._restore.append(self.streamer.uninstall)
+        self.weight_hooks.install(self.model)
+        self._restore.append(self.weight_hooks.uninstall)
         self.grads.install()
         self._restore.append(self.grads.uninstall)
         handle = self.optimizer.register_step_pre_hook(self._step_pre_hook)
@@ -335,7 +337,7 @@ class ModelStateRuntime:
 
     def _make_resident(self, e: Any) -> None:
         self.masters.make_resident(e)
-        self.streamer.watched.pop(e.key, None)
+        self.weight_hooks.watched.pop(e.key, None)
         state = self.optimizer.state
         groups = self.optimizer.param_groups
         group_of = {id(p): g for g in groups for p in g["params"]}

@@ -3,7 +3,7 @@ ahead what the last pass used next.
 
 Note [Weight uses]
 A *use* of entries is a module's forward pre-hook (the parameters it owns), a backward read of a saved parameter
-view (the saved-tensor hooks hand it here: ``pack`` / ``unpack``), or a demand fetch by the parameter guard (Note
+view (both told here by swap.runtime.model_state.weight_hooks), or a demand fetch by the parameter guard (Note
 [Parameter guard]). At a use the streamer, in this order: drops every bucket it holds that this use does not need,
 unless the backward node running now has read it (a node reads all its saved tensors before it computes, so a
 bucket one of them aliases must stay until the node has run); fetches the buckets the use needs, each only after
@@ -77,16 +77,6 @@ class LookAhead:
         return prev[step + 1] if step + 1 < len(prev) else ()
 
 
-class ParamPacked:
-    """A saved view of a managed parameter, as autograd stores it: fetched back at unpack."""
-
-    __slots__ = ("tensor", "entry")
-
-    def __init__(self, tensor: torch.Tensor, entry: int) -> None:
-        self.tensor = tensor
-        self.entry = entry
-
-
 class Streamer:
     """Streams ``entries`` in ``buckets`` (lists of entry indices) of about ``bucket_bytes``, through ``masters``.
     ``gate(bucket)`` waits for the bucket's pending host update, ``updated(bucket)`` says whether it has none;
@@ -111,7 +101,6 @@ class Streamer:
         self.before_repack = before_repack
         # step_hook(bucket, bytes, module): the executor takes the use as a step (True), or leaves it to us
         self.step_hook = step_hook
-        self.watched = {e.key: e.index for e in entries}  # storage identity -> entry
         self.lock = threading.RLock()
         self.buckets: list[list[int]] = []
         self.bucket_of: list[int] = []
@@ -134,7 +123,6 @@ class Streamer:
         self._event_pins: set[int] = set()  # buckets used at the last event for such a read
         self._deferred: set[int] = set()  # drops asked for while pinned
         self._vars: dict[int, CleanVariable] = {}  # bucket -> the executor's variable of it, this iteration
-        self._handles: list[Any] = []
 
     # -- buckets ----------------------------------------------------------------------------------------
     # Note [Variables across a re-pack]
@@ -156,36 +144,18 @@ class Streamer:
     def bucket_bytes_of(self, b: int) -> int:
         return sum(self.entries[i].nbytes for i in self.buckets[b])
 
-    # -- hooks ------------------------------------------------------------------------------------------
-    def install(self, model: torch.nn.Module) -> None:
-        """Forward pre- and post-hooks on every module that owns managed parameters."""
-        owned = {id(p): e.index for e in self.entries for _, p in e.params}
-        for path, module in model.named_modules():
-            mine = tuple(dict.fromkeys(owned[id(p)] for p in module.parameters(recurse=False) if id(p) in owned))
-            if mine:
-                self._handles.append(module.register_forward_pre_hook(self._pre_hook(mine, path)))
-                self._handles.append(module.register_forward_hook(self._post_hook(mine), always_call=True))
+    # -- what the model's hooks tell (swap.runtime.model_state.weight_hooks) --------------------------------
+    def module_returned(self, mine: tuple[int, ...]) -> None:
+        """A module owning entries ``mine`` returned from its forward: its pins end, and so does its hook event."""
+        with self.lock:
+            for b in dict.fromkeys(self.bucket_of[i] for i in mine):
+                if self._spans.get(b, 0) > 0:
+                    self._spans[b] -= 1
+        self.next_event()
+        with self.lock:
+            self._drop_deferred()
 
-    def _pre_hook(self, mine: tuple[int, ...], path: str) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            self.use(mine, path, span=True)
-            self._next_event()
-
-        return hook
-
-    def _post_hook(self, mine: tuple[int, ...]) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            with self.lock:
-                for b in dict.fromkeys(self.bucket_of[i] for i in mine):
-                    if self._spans.get(b, 0) > 0:
-                        self._spans[b] -= 1
-            self._next_event()
-            with self.lock:
-                self._drop_deferred()
-
-        return hook
-
-    def _next_event(self) -> None:
+    def next_event(self) -> None:
         """A forward hook event: the reads outside their modules learned at it become uses, pinned until the
         next event."""
         if self._in_backward:
@@ -196,21 +166,6 @@ class Streamer:
             reads = tuple(sorted(self._reads.get(self._event, ())))
         if reads:
             self.use(reads, pin_to_event=True)
-
-    def uninstall(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    def pack(self, t: torch.Tensor) -> Optional[ParamPacked]:
-        """A saved tensor aliasing a managed parameter's storage, as autograd will keep it; else None."""
-        entry = self.watched.get(t.untyped_storage()._cdata)
-        return None if entry is None else ParamPacked(t, entry)
-
-    def unpack(self, packed: ParamPacked) -> torch.Tensor:
-        self.in_backward()
-        self.use((packed.entry,))
-        return packed.tensor
 
     def in_backward(self) -> None:
         """A backward pass runs (a saved parameter is read, or a gradient arrives): its end is queued once."""

@@ -11,7 +11,7 @@ from ..activations.executor import DECLINED, PLANNED, Executor
 from ..activations.hooks import SavedTensorHooks
 from ..machine.memory import DeviceMemory
 from .runtime import ModelStateRuntime
-from .streaming import ParamPacked
+from .weight_hooks import ParamPacked
 
 
 def attach(ms: ModelStateRuntime, executor: Executor, engine: Any, hooks: SavedTensorHooks, memory: DeviceMemory,
@@ -22,7 +22,7 @@ def attach(ms: ModelStateRuntime, executor: Executor, engine: Any, hooks: SavedT
     counters = executor.counters
     ms.start(engine, hooks.own_work, fits(executor, memory, budget),
              lambda: (counters.swapped_in_bytes, counters.swapped_out_bytes))  # fmt: skip
-    hooks.manage_params(ms.streamer, ParamPacked)
+    hooks.manage_params(ms.weight_hooks, ParamPacked)
     streamer = ms.streamer
     streamer.step_hook = lambda bucket, nbytes, module: executor.use_clean(bucket, nbytes, streamer, module)
     executor.clean_mover = streamer
