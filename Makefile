@@ -30,9 +30,10 @@ PIP_INSTALL = $(PY) -m pip install -q -c $(CURDIR)/constraints.txt
 # Note [A lean set-up]
 # `setup` installs what the packages and the demo need: torch, numpy, ninja and the build requirements
 # (pyproject.toml; the editable install builds without isolation), and the CUDA header wheel only where no
-# cuda.h is found (a toolkit's, or a CUDA torch's wheels). `setup-test` adds the test tools and the packages the
-# integration tests train with (pyproject.toml's `test` and `integrations` extras, listed here because the
-# editable install takes no dependencies): about 290 MiB that a user running the demo does not need
+# cuda.h is found (a toolkit's, or a CUDA torch's wheels). `setup-test` adds the test tools (pytest-xdist runs
+# them in parallel: Note [Tests in parallel]) and the packages the integration tests train with (pyproject.toml's
+# `test` and `integrations` extras, listed here because the editable install takes no dependencies): about
+# 290 MiB that a user running the demo does not need
 # (docs/development.md says what each weighs and how that was measured).
 setup: $(VENV_PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP_INSTALL) $(TORCH)
@@ -41,7 +42,7 @@ setup: $(VENV_PY)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
 setup-test: setup
-	$(PIP_INSTALL) pytest hypothesis matplotlib ruff
+	$(PIP_INSTALL) pytest pytest-xdist hypothesis matplotlib ruff
 	$(PIP_INSTALL) cuda-python transformers accelerate lightning diffusers peft
 
 $(abspath $(VENV))/bin/python:
@@ -59,8 +60,18 @@ demo-allocator: setup
 
 test: setup-test test-python test-sanitize
 
+# Note [Tests in parallel]
+# The suite runs in PYTEST_WORKERS processes (pytest-xdist; auto: one per core), each test file's tests handed
+# out in order and idle workers stealing from busy ones (--dist worksteal: a few tests take minutes). The tests
+# are parallel-safe as processes: what they measure is their own process's (live storages, RSS), gloo ranks meet
+# through files in their own tmp_path, the emulated driver is built before pytest starts (fakecuda), and
+# build/trace-cache is written by rename (bench/traces.py). A test that must not share the machine's cores with
+# another would need its own invocation; none does. PYTEST_WORKERS=0 runs everything in this one process.
+PYTEST_WORKERS ?= auto
+PYTEST_PARALLEL = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist worksteal)
+
 test-python: fakecuda
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) tests
 
 # The allocator's tests again, against a build with AddressSanitizer + UndefinedBehaviorSanitizer.
 # Python itself is not instrumented, so libasan is preloaded and leak checking (Python's own) is off.
@@ -72,7 +83,7 @@ test-sanitize: fakecuda
 	cd $(ASAN_PKG) && VMALLOC_EXPECT_SANITIZED=1 ASAN_OPTIONS=detect_leaks=0 \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libstdc++.so)" \
-	  $(PY) -m pytest -q -p no:cacheprovider --rootdir=$(CURDIR) $(CURDIR)/tests/vmalloc
+	  $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_PARALLEL) --rootdir=$(CURDIR) $(CURDIR)/tests/vmalloc
 
 # The emulated CUDA driver the cuda backend's tests run against (tests/fakecuda/README.md): test
 # infrastructure, never a backend. FAKECUDA_SANITIZE=1 builds it with ASan + UBSan into build/fakecuda-asan.

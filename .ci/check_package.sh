@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # The package as users install it (Note [What installs build and what they need] in pyproject.toml):
-#   1. builds the sdist, then the wheel from the sdist (python -m build: what pip does with a download), so
-#      the wheel proves the sdist carries everything its build reads;
+#   1. builds the sdist (python -m build --sdist), then the wheel from the sdist with pip (`pip wheel`: what
+#      `pip install <sdist>` does with a download before it installs the wheel), so the wheel proves the sdist
+#      carries everything its build reads;
 #   2. checks the wheel holds swap and vmalloc, every one of their Python files, the compiled core and the
 #      torch adapter's sources, and nothing else (no bench, no tests);
-#   3. installs the wheel, and then the sdist, each into a fresh venv (no system site-packages) holding only
-#      torch, and from a folder outside the checkout imports both packages, runs `python -m swap.plan --help`
-#      and a tiny planning.
+#   3. installs the wheel into a fresh venv (no system site-packages) holding only torch, and from a folder
+#      outside the checkout imports both packages, runs `python -m swap.plan --help` and a tiny planning.
 # With --all it also checks `pip install <checkout>` (pip install .) the same way.
+#
+# Note [One build in the package check]
+# The core is compiled once: `pip install <sdist>` is `pip wheel <sdist>` followed by installing that wheel, so
+# installing the sdist into a second venv compiled the same sources with the same frontend and backend into the
+# same wheel and installed it again, and `python -m build`'s own wheel was a third frontend's copy of it. Each
+# compile set up an isolated build environment (cmake, pybind11, the CUDA header wheel) and a venv with torch:
+# about half the check's time for nothing it did not already prove.
 #
 #   bash .ci/check_package.sh [--all]        (make package-check; CI runs it)
 #
@@ -89,11 +96,14 @@ log "scratch folder $WORK"
 "$PYTHON" -m venv "$WORK/tools"
 pip_in "$WORK/tools" install -q build
 log "build tool ready"
-"$WORK/tools/bin/python" -m build --outdir "$WORK/dist" "$ROOT" > "$WORK/build.log" 2>&1 \
+"$WORK/tools/bin/python" -m build --sdist --outdir "$WORK/dist" "$ROOT" > "$WORK/build.log" 2>&1 \
   || { tail -50 "$WORK/build.log"; exit 1; }
 SDIST=$(ls "$WORK"/dist/*.tar.gz)
+# The wheel from the sdist, as pip builds it (Note [One build in the package check]).
+"$WORK/tools/bin/python" -m pip wheel --no-deps --wheel-dir "$WORK/dist" "$SDIST" >> "$WORK/build.log" 2>&1 \
+  || { tail -50 "$WORK/build.log"; exit 1; }
 WHEEL=$(ls "$WORK"/dist/*.whl)
-log "built $(basename "$SDIST") and, from it, $(basename "$WHEEL")"
+log "built $(basename "$SDIST") and, from it with pip, $(basename "$WHEEL")"
 
 "$WORK/tools/bin/python" - "$ROOT" "$WHEEL" "$SDIST" <<'EOF'
 import sys
@@ -127,12 +137,6 @@ log "fresh venv with $TORCH (venv-wheel)"
 pip_in "$WORK/venv-wheel" install -q "$WHEEL"
 log "wheel installed"
 smoke "$WORK/venv-wheel" wheel
-
-fresh_venv "$WORK/venv-sdist"
-log "fresh venv with $TORCH (venv-sdist)"
-pip_in "$WORK/venv-sdist" install -q "$SDIST"
-log "sdist installed (built from source)"
-smoke "$WORK/venv-sdist" sdist
 
 if [ "$FROM_CHECKOUT" = 1 ]; then
   fresh_venv "$WORK/venv-checkout"

@@ -14,6 +14,7 @@ traces under build/trace-cache, and imports traces from memory snapshots.
 from __future__ import annotations
 
 import argparse
+import os
 import pickle
 import sys
 import time
@@ -137,7 +138,9 @@ def cached_capture(model: str, batch: int, steps: int, size: Optional[int] = Non
         # an older format (e.g. without operator events): capture again
     t0 = time.perf_counter()
     trace = capture(model, batch, steps, size, progress=False)
-    trace.save(path)
+    # Written under a name of this process's, then renamed: a test worker running beside this one (make test runs
+    # in parallel, Note [Tests in parallel] in the Makefile) never loads a half-written file.
+    os.replace(trace.save(path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")), path)
     print(f"  captured {model} batch {batch} ({len(trace)} events) in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr, flush=True)  # fmt: skip
     return trace
