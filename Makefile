@@ -71,7 +71,7 @@ PYTEST_WORKERS ?= auto
 PYTEST_PARALLEL = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist worksteal)
 
 test-python: fakecuda
-	$(PY) -m pytest -q $(PYTEST_PARALLEL) tests
+	$(PY) -m pytest -q --durations=25 $(PYTEST_PARALLEL) tests
 
 # The allocator's tests again, against a build with AddressSanitizer + UndefinedBehaviorSanitizer.
 # Python itself is not instrumented, so libasan is preloaded and leak checking (Python's own) is off.
