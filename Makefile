@@ -61,14 +61,14 @@ demo-allocator: setup
 test: setup-test test-python test-sanitize
 
 # Note [Tests in parallel]
-# The suite runs in PYTEST_WORKERS processes (pytest-xdist; auto: one per core), each test file's tests handed
-# out in order and idle workers stealing from busy ones (--dist worksteal: a few tests take minutes). The tests
-# are parallel-safe as processes: what they measure is their own process's (live storages, RSS), gloo ranks meet
-# through files in their own tmp_path, the emulated driver is built before pytest starts (fakecuda), and
-# build/trace-cache is written by rename (bench/traces.py). A test that must not share the machine's cores with
-# another would need its own invocation; none does. PYTEST_WORKERS=0 runs everything in this one process.
+# The suite runs in PYTEST_WORKERS processes (pytest-xdist; auto: one per core, CI's machine has 2), a whole
+# test file at a time, in its order (--dist loadfile): a file's tests share its module-level models and fixtures
+# as in one process, built once, and each file goes to whichever worker is free. Tests are parallel-safe as
+# processes: what they measure is their own process's (live storages, RSS), gloo ranks meet through files in
+# their own tmp_path, the emulated driver is built before pytest starts (fakecuda), and build/trace-cache is
+# written by rename (bench/traces.py). PYTEST_WORKERS=0 runs everything in this one process.
 PYTEST_WORKERS ?= auto
-PYTEST_PARALLEL = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist worksteal)
+PYTEST_PARALLEL = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
 test-python: fakecuda
 	$(PY) -m pytest -q --durations=25 $(PYTEST_PARALLEL) tests
