@@ -48,7 +48,7 @@ setup-test: setup
 $(abspath $(VENV))/bin/python:
 	$(SYSTEM_PY) -m venv $$($(SYSTEM_PY) -c "import torch" 2>/dev/null && echo --system-site-packages) $(VENV)
 
-# The wheel and the sdist as users install them, each in a fresh venv (.ci/check_package.sh; CI runs it).
+# The sdist and the wheel pip builds from it, installed into a fresh venv as users do (.ci/check_package.sh; CI runs it).
 package-check:
 	bash .ci/check_package.sh
 

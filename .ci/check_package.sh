@@ -10,11 +10,10 @@
 # With --all it also checks `pip install <checkout>` (pip install .) the same way.
 #
 # Note [One build in the package check]
-# The core is compiled once: `pip install <sdist>` is `pip wheel <sdist>` followed by installing that wheel, so
-# installing the sdist into a second venv compiled the same sources with the same frontend and backend into the
-# same wheel and installed it again, and `python -m build`'s own wheel was a third frontend's copy of it. Each
-# compile set up an isolated build environment (cmake, pybind11, the CUDA header wheel) and a venv with torch:
-# about half the check's time for nothing it did not already prove.
+# The core is compiled once. `pip install <sdist>` is `pip wheel <sdist>` followed by installing that wheel, and
+# `python -m build` builds its wheel from the sdist through the same backend (setuptools, in an isolated build
+# environment with the same pins): the check used to do both, compiling the same sources into the same wheel
+# twice, and installed it into two venvs with torch. Half its CPU time proved nothing the other half did not.
 #
 #   bash .ci/check_package.sh [--all]        (make package-check; CI runs it)
 #
