@@ -93,12 +93,16 @@ def total_norm(grads: list[torch.Tensor], norm_type: float, error_if_nonfinite: 
     return total
 
 
-def scale_host(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor, foreach: Optional[bool]) -> None:
+def scale_host(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor, foreach: Optional[bool]) -> bool:
     """Host gradients times ``min(max_norm / (total + 1e-6), 1)``, as ``clip_grads_with_norm_`` scales device ones
-    (on the host, unseen: Note [Host operators unseen])."""
+    (on the host, unseen: Note [Host operators unseen]); returns whether they were written. A coefficient of
+    exactly 1 writes nothing: multiplying by 1.0 changes no float, and untouched gradients keep a speculative host
+    step (Note [Speculative host steps])."""
     if not grads:
-        return
+        return False
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    if bool(coef == 1.0):
+        return False
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
@@ -111,6 +115,7 @@ def scale_host(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor, 
             else:
                 for g in group:
                     g.mul_(c)
+    return True
 
 
 class Clipper(Protocol):

@@ -87,14 +87,19 @@ def _routed_class(cls: type) -> type:
 
 class GradSink:
     """The host gradient buffers of ``entries``' parameters (from ``pool``; accumulation staging from ``staging``),
-    filled over ``engine`` with the host work on ``worker``. ``gate(entry)`` waits for the pending host step of the
-    entry's bucket; ``in_backward()`` is told when a gradient arrives (a backward pass runs)."""
+    filled over ``engine`` with the copies' host work on ``worker`` (a lane of its own: a gradient lands without
+    waiting behind host steps). ``gate(entry)`` waits until no host step reads the entry's bucket's gradients;
+    ``reading(entry)``: the host steps that may read them now; ``in_backward()`` is told when a gradient arrives (a
+    backward pass runs), ``arrived(p)`` once ``p``'s copy is under way."""
 
     def __init__(self, entries: list[Entry], pool: HostPool, staging: HostPool, engine: Any,
                  worker: ThreadPoolExecutor, gate: Callable[[int], None], in_backward: Callable[[], None],
-                 copies: Copies, busy: Callable[[], Any]) -> None:  # fmt: skip
+                 copies: Copies, busy: Callable[[], Any],
+                 arrived: Callable[[torch.nn.Parameter], None] = lambda p: None,
+                 reading: Callable[[int], list[Future]] = lambda entry: []) -> None:  # fmt: skip
         self.pool, self.staging, self.engine, self.worker = pool, staging, engine, worker
         self.gate, self.in_backward, self.copies, self.busy = gate, in_backward, copies, busy
+        self.arrived, self.reading = arrived, reading
         self.lock = threading.Lock()
         # Frozen parameters have no gradient buffer (Note [Frozen parameters] in swap.runtime.model_state.buckets).
         self.params = [p for e in entries for _, p in e.params if trains(p)]
@@ -106,6 +111,8 @@ class GradSink:
         self.host: dict[int, torch.Tensor] = {}  # id(p) -> host gradient buffer
         self.has: dict[int, bool] = {}  # id(p) -> the buffer holds this step's gradient so far
         self.tasks: dict[int, Future] = {}  # id(p) -> the last host work on its buffer
+        # id(p) -> writes made to its buffer, or reads that handed it out (Note [Speculative host steps])
+        self.writes: dict[int, int] = {}
         self._handles: list[Any] = []
         self._local = threading.local()  # depth of ``raw()`` on this thread
         self.stepping = False  # the user's opt.step() runs: it must see torch's attribute
@@ -169,10 +176,33 @@ class GradSink:
     def read(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         k = id(p)
         self._ready(k)
+        self._wrote(k)  # the reader holds the buffer: a write no counter sees may follow
         return self.host[k] if self.has.get(k) else None
+
+    def _wrote(self, k: int) -> None:
+        with self.lock:
+            self.writes[k] = self.writes.get(k, 0) + 1
+
+    def touch(self, params: Any) -> None:
+        """``params``' host gradients were written in place (clipping, unscaling: Note [Speculative host steps])."""
+        for p in params:
+            self._wrote(id(p))
+
+    def signature(self, p: torch.Tensor) -> tuple[bool, int, int]:
+        """What tells whether ``p``'s host gradient changed (Note [Speculative host steps])."""
+        k = id(p)
+        with self.lock:
+            host = self.host.get(k)
+            return bool(self.has.get(k)), self.writes.get(k, 0), 0 if host is None else host._version
+
+    def landing(self, p: torch.Tensor) -> Optional[Future]:
+        """The last host work on ``p``'s buffer (its copy, an accumulation), if any."""
+        with self.lock:
+            return self.tasks.get(id(p))
 
     def write(self, p: torch.Tensor, g: Optional[torch.Tensor]) -> None:
         k = id(p)
+        self._wrote(k)
         if g is None:  # as zero_grad(set_to_none=True): the next copy waits for any work on the buffer
             with self.lock:
                 self.has[k] = False
@@ -192,6 +222,7 @@ class GradSink:
         self.in_backward()
         if id(p) in self.offloaded:
             self.take(p)
+            self.arrived(p)
 
     def take(self, p: torch.nn.Parameter) -> None:
         """Note [Gradients on the host]."""
@@ -202,6 +233,7 @@ class GradSink:
         k = id(p)
         self.gate(self.entry_of[k])
         with self.lock, self.busy():
+            self.writes[k] = self.writes.get(k, 0) + 1
             host = self.host[k]
             earlier = self.tasks.get(k)
             if self.has[k] or g.dtype != host.dtype:  # accumulated, or upcast (Note [Mixed precision])
@@ -282,10 +314,20 @@ class GradSink:
                 k = id(p)
                 if k not in self.offloaded or not self.has[k]:
                     continue
+                self.writes[k] = self.writes.get(k, 0) + 1
                 if set_to_none:
                     self.has[k] = False
-                else:
-                    self.tasks[k] = self.worker.submit(self.host[k].zero_)
+                else:  # after the host steps reading the buffer (this lane does not wait for them otherwise)
+                    self.tasks[k] = self.worker.submit(self._zero, self.host[k], self.reading(self.entry_of[k]))
+
+    @staticmethod
+    def _zero(host: torch.Tensor, after: list[Future]) -> None:
+        for f in after:
+            try:
+                f.result()
+            except Exception:  # noqa: S110 -- raised to whoever waits for the step
+                pass
+        host.zero_()
 
     def close(self) -> None:
         self.settle()

@@ -11,6 +11,11 @@ optimizer before the first byte is taken, so the manager compares the sum with t
 (``host_memory=``, else what the kernel reports available, MemAvailable) and refuses with the figures, the
 largest model that fits and the smallest host that holds this one, instead of letting the kernel's OOM killer end
 the run halfway.
+
+The speculative host steps' copies (Note [Speculative host steps] in speculation) are predicted too, apart:
+``rollback``, the masters and optimizer state of every trainable offloaded parameter, the most they hold at once
+(every bucket speculated before ``opt.step()`` confirms any; unaligned: they are ordinary tensors). They are taken
+only when they fit beside the rest; otherwise speculation is off (Note [When to speculate]).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class HostPrediction:
     params: int  # parameters (elements) these bytes are for
     copies: int = 0
     mixed: bool = False
+    rollback: int = 0  # the speculative host steps' copies at most (not in ``total``: taken only where they fit)
 
     @property
     def pinned(self) -> int:
@@ -77,6 +83,8 @@ def predict(entries: list[Entry], optimizer: torch.optim.Optimizer, bucket_bytes
         params=sum(p.numel() for p, _ in params),
         copies=sum(_aligned(e.nbytes) for e in mixed),
         mixed=bool(mixed),
+        rollback=sum(p.numel() * e.master_dtype.itemsize + stepped_state_bytes(optimizer, p, groups, e.master_dtype)
+                     for p, e in params if trains(p) and id(p) in groups),  # fmt: skip
     )
 
 

@@ -24,14 +24,16 @@ parameter, so buckets can be re-packed at no cost, and one step never touches an
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import host_optim
+from .speculation import Speculation, SpeculationPolicy, restore, save, saved_bytes
 
 # Optimizers whose step updates each parameter from its own gradient and state only (so a bucket can be stepped
 # alone) and that step without a closure; tested bitwise against plain torch.
@@ -83,6 +85,14 @@ class HostStepper:
         self.seconds: dict[int, float] = {}  # step number -> host optimizer seconds, on the worker
         self.exposed: dict[int, float] = {}  # step number -> seconds something waited for its updates
         self.steps = 0
+        # Note [Speculative host steps]: bucket -> its speculation not yet confirmed by opt.step()
+        self.specs: dict[int, Speculation] = {}
+        self.policy = SpeculationPolicy()
+        self.counts = {"speculated": 0, "kept": 0, "rolled_back": 0}
+        self.wasted_seconds = 0.0  # host seconds of speculations rolled back (their restores included)
+        self.rollback_bytes = 0  # bytes the speculations' copies take now, and their peak
+        self.rollback_bytes_peak = 0
+        self._lock = threading.Lock()
         self.overrides: dict[str, Any] = {}  # host-only settings over the user's (Note [Shadow optimizer])
         self.notes: list[str] = []
         self.shadow = self._build()
@@ -111,10 +121,8 @@ class HostStepper:
         return shadow
 
     # -- queueing ---------------------------------------------------------------------------------------
-    def queue(self, buckets: dict[int, list[torch.nn.Parameter]]) -> None:
-        """Note [Host step after confirmation]: one host step per bucket (its number -> its parameters), in the
-        order given."""
-        self.steps += 1
+    def _inputs(self) -> tuple[dict[int, dict[str, Any]], dict[int, int]]:
+        """The shadow groups' hyperparameters now, and id(parameter) -> its shadow group."""
         groups = self.user.param_groups
         if len(groups) != len(self.shadow_group) and any(
             any(id(p) in self.host_of for p in g["params"]) for i, g in enumerate(groups) if i not in self.shadow_group
@@ -124,18 +132,148 @@ class HostStepper:
         hyper = {s: {**hyperparameters(groups[g]), **self.overrides} for g, s in self.shadow_group.items()}
         group_of = {id(p): self.shadow_group[g] for g, grp in enumerate(groups) if g in self.shadow_group
                     for p in grp["params"]}  # fmt: skip
+        return hyper, group_of
+
+    def _work(self, params: list[torch.nn.Parameter], group_of: dict[int, int]
+              ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:  # fmt: skip
+        # Only parameters the user's optimizer steps and that have a gradient (frozen ones have none).
+        work = [(group_of[id(p)], self.host_of[id(p)], self.grads.grad(p)) for p in params if id(p) in group_of]
+        return [w for w in work if w[2] is not None]
+
+    def queue(self, buckets: dict[int, list[torch.nn.Parameter]]) -> None:
+        """Note [Host step after confirmation]: one host step per bucket (its number -> its parameters), in the
+        order given; a bucket speculated during the backward is validated instead (Note [Speculative host
+        steps]). Every gradient must have landed (``grads.settle()``)."""
+        self.steps += 1
+        hyper, group_of = self._inputs()
         for b, params in buckets.items():
-            # Only parameters the user's optimizer steps and that have a gradient (frozen ones have none).
-            work = [(group_of[id(p)], self.host_of[id(p)], self.grads.grad(p)) for p in params if id(p) in group_of]
-            work = [w for w in work if w[2] is not None]
+            work = self._work(params, group_of)
+            spec = self.specs.pop(b, None)
+            if spec is not None:
+                sigs = {id(p): self.grads.signature(p) for p in params}
+                self.pending[b] = (self.worker.submit(self._validate, spec, work, hyper, sigs, self.steps),
+                                   self.steps)  # fmt: skip
+                continue
             if not work:
                 continue
             # One worker, first in first out: a step queued earlier for this bucket is done before this one runs.
-            self.pending[b] = (self.worker.submit(self._step, work, hyper, self.steps), self.steps)
+            self.pending[b] = (self.worker.submit(self._timed_step, work, hyper, self.steps), self.steps)
 
-    def _step(self, work: list[tuple[int, torch.Tensor, torch.Tensor]], hyper: dict[int, dict[str, Any]],
-              number: int) -> None:  # fmt: skip
+    # -- speculation (Note [Speculative host steps]) -----------------------------------------------------
+    def speculate(self, bucket: int, params: list[torch.nn.Parameter]) -> None:
+        """Starts ``bucket``'s host step now, before ``opt.step()`` confirms it."""
+        if bucket in self.specs:
+            self.rollback(bucket)
+        hyper, group_of = self._inputs()
+        landings = [f for p in params if (f := self.grads.landing(p)) is not None]
+        spec = Speculation(bucket, self.steps + 1, hyper)
+        # What the gradients are is decided here, on this thread (the worker may run it after later writes, which
+        # the signatures then show); their version counters once the copies landed, on the worker.
+        spec.sigs = {id(p): self.grads.signature(p) for p in params}
+        work = self._work(params, group_of)
+        spec.stepped = [(s, id(hp)) for s, hp, _ in work]
+        spec.future = self.worker.submit(self._speculate, spec, params, work, landings)
+        self.specs[bucket] = spec
+        self.counts["speculated"] += 1
+
+    def _speculate(self, spec: Speculation, params: list[torch.nn.Parameter],
+                   work: list[tuple[int, torch.Tensor, torch.Tensor]], landings: list[Future]) -> None:  # fmt: skip
+        for f in landings:
+            f.result()
+        for p in params:
+            has, writes, _ = spec.sigs[id(p)]
+            spec.sigs[id(p)] = (has, writes, self.grads.signature(p)[2])
+        if not work:
+            return
         t0 = time.perf_counter()
+        spec.saved = save(self.shadow.state, [hp for _, hp, _ in work])
+        self._hold(saved_bytes(spec.saved))
+        self._step(work, spec.hyper)
+        spec.seconds = time.perf_counter() - t0
+
+    def _validate(self, spec: Speculation, work: list[tuple[int, torch.Tensor, torch.Tensor]],
+                  hyper: dict[int, dict[str, Any]], sigs: dict[int, Any], number: int) -> None:  # fmt: skip
+        try:
+            assert spec.future is not None
+            spec.future.result()  # done: queued before this one
+            ok = spec.holds(sigs, [(s, id(hp)) for s, hp, _ in work], hyper)
+        except Exception:  # the speculation raised: undone, and the step made afresh raises what it raises
+            ok = False
+        if ok:
+            self.counts["kept"] += 1
+            self.seconds[number] = self.seconds.get(number, 0.0) + spec.seconds
+            self._hold(-saved_bytes(spec.saved))
+            spec.saved = None
+            self.policy.kept()
+            return
+        self._undo(spec)
+        if work:
+            self._timed_step(work, hyper, number)
+
+    def _undo(self, spec: Speculation) -> None:
+        """The speculation's copies put back (Note [Speculative host steps])."""
+        t0 = time.perf_counter()
+        if spec.saved is not None:
+            restore(self.shadow.state, spec.saved)
+            self._hold(-saved_bytes(spec.saved))
+            spec.saved = None
+        self.counts["rolled_back"] += 1
+        self.wasted_seconds += spec.seconds + time.perf_counter() - t0
+        self.policy.failed(spec.number)
+
+    def _hold(self, nbytes: int) -> None:
+        with self._lock:
+            self.rollback_bytes += nbytes
+            self.rollback_bytes_peak = max(self.rollback_bytes_peak, self.rollback_bytes)
+
+    def rollback(self, bucket: int) -> None:
+        """``bucket``'s unconfirmed speculation undone (something reads its master before ``opt.step()``)."""
+        spec = self.specs.pop(bucket, None)
+        if spec is None:
+            return
+        self._await(spec.future, spec.number)
+        self._undo(spec)
+
+    def invalidate(self, bucket: int) -> None:
+        """``bucket``'s weights were written: its speculation cannot be kept."""
+        spec = self.specs.get(bucket)
+        if spec is not None:
+            spec.valid = False
+
+    def _await(self, f: Optional[Future], number: int) -> None:
+        if f is None:
+            return
+        if not f.done():
+            t0 = time.perf_counter()
+            try:
+                f.result()
+            except Exception:  # noqa: S110 -- a speculation's error is raised again by the step made afresh
+                pass
+            self.exposed[number] = self.exposed.get(number, 0.0) + time.perf_counter() - t0
+
+    def quiet(self, bucket: int) -> None:
+        """Returns once no host work reads ``bucket``'s gradients (its speculation, if any, is kept pending)."""
+        spec = self.specs.get(bucket)
+        if spec is not None:
+            self._await(spec.future, spec.number)
+        self.wait(bucket, rollback=False)
+
+    def reading(self, bucket: int) -> list[Future]:
+        """The host work that may read ``bucket``'s gradients now."""
+        out = [spec.future] if (spec := self.specs.get(bucket)) is not None and spec.future is not None else []
+        if (pending := self.pending.get(bucket)) is not None:
+            out.append(pending[0])
+        return out
+
+    def _timed_step(self, work: list[tuple[int, torch.Tensor, torch.Tensor]], hyper: dict[int, dict[str, Any]],
+                    number: int) -> None:  # fmt: skip
+        t0 = time.perf_counter()
+        try:
+            self._step(work, hyper)
+        finally:
+            self.seconds[number] = self.seconds.get(number, 0.0) + time.perf_counter() - t0
+
+    def _step(self, work: list[tuple[int, torch.Tensor, torch.Tensor]], hyper: dict[int, dict[str, Any]]) -> None:
         shadow = self.shadow
         try:
             for s, group in enumerate(shadow.param_groups):
@@ -149,15 +287,17 @@ class HostStepper:
                 hp.grad = None
             for s, group in enumerate(shadow.param_groups):
                 group["params"] = self.full[s]
-            self.seconds[number] = self.seconds.get(number, 0.0) + time.perf_counter() - t0
 
     # -- waiting ----------------------------------------------------------------------------------------
     def updated(self, bucket: int) -> bool:
         pending = self.pending.get(bucket)
-        return pending is None or pending[0].done()
+        return bucket not in self.specs and (pending is None or pending[0].done())
 
-    def wait(self, bucket: int) -> None:
-        """Update-before-use: returns once ``bucket``'s pending host step is done (raising what it raised)."""
+    def wait(self, bucket: int, rollback: bool = True) -> None:
+        """Update-before-use: returns once ``bucket``'s pending host step is done (raising what it raised), its
+        unconfirmed speculation undone first (``rollback``)."""
+        if rollback:
+            self.rollback(bucket)
         pending = self.pending.pop(bucket, None)
         if pending is None:
             return
@@ -170,6 +310,8 @@ class HostStepper:
             f.result()
 
     def flush(self) -> None:
+        for b in list(self.specs):
+            self.rollback(b)
         for b in list(self.pending):
             self.wait(b)
 

@@ -16,10 +16,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from ...schedule.model_state import ModelStatePlan, Placement, UpdateSite
+from ...units import fmt_bytes
 from ..machine.host_pool import ALIGN, HostPool, Pinner
 from ..machine.resources import available_host_memory
 from . import clipping, scaling
-from .buckets import collect_entries, specs
+from .buckets import collect_entries, specs, trains
 from .data_parallel import refuse_compiled, refuse_ddp
 from .defaults import default_bucket_bytes
 from .gradients import GradSink, set_raw_grad
@@ -95,10 +96,14 @@ class ModelStateRuntime:
             bucket_bytes = default_bucket_bytes(sum(e.nbytes for e in self.entries), budget)
         self.bucket_bytes = bucket_bytes
         self.prediction = predict(self.entries, optimizer, bucket_bytes)
-        if host_memory is not None:
-            refuse_over(self.prediction, host_memory, "host_memory=")
-        else:
-            refuse_over(self.prediction, available_host_memory(), "the host memory available now (MemAvailable)")
+        limit = host_memory if host_memory is not None else available_host_memory()
+        refuse_over(self.prediction, limit, "host_memory=" if host_memory is not None else
+                    "the host memory available now (MemAvailable)")  # fmt: skip
+        # Note [When to speculate]: on where the rollback copies fit beside the rest (set it False to turn it off)
+        self.speculate = self.prediction.total + self.prediction.rollback <= limit
+        self.speculate_note = None if self.speculate else (
+            f"no speculative host steps: their rollback copies ({fmt_bytes(self.prediction.rollback)}) do not fit "
+            f"beside the model state in {fmt_bytes(limit)} of host memory")  # fmt: skip
         self.copies = Copies()
         self.pools: list[HostPool] = []
         self.worker: Optional[ThreadPoolExecutor] = None
@@ -135,22 +140,30 @@ class ModelStateRuntime:
         self.pools = pools
         self.activation_bytes = activation_bytes
         self.worker, self.host_threads = host_worker(self.device)  # Note [Host threads]
+        self.lane = ThreadPoolExecutor(1, thread_name_prefix="swap-grad-lane")  # gradients' copies and adds
         entries, copies = self.entries, self.copies
         self.guard = ParamGuard({}, self._dropped, self._demand, self._wrote)
         self._own_work = own_work
         self.masters = Masters(entries, pools[0], engine, self.device, self.busy, copies, compute=pools[3])
         self.masters.allocate()
-        self.grads = GradSink(entries, pools[1], pools[2], engine, self.worker,
-                              lambda i: self.stepper.wait(self.streamer.bucket_of[i]),
-                              lambda: self.streamer.in_backward(), copies, self.busy)  # fmt: skip
+        self.grads = GradSink(entries, pools[1], pools[2], engine, self.lane,
+                              lambda i: self.stepper.quiet(self.streamer.bucket_of[i]),
+                              lambda: self.streamer.in_backward(), copies, self.busy, self._grad_arrived,
+                              lambda i: self.stepper.reading(self.streamer.bucket_of[i]))  # fmt: skip
         self.grads.allocate()
         host_of = {id(p): self.masters.host_param(e, p) for e in entries for _, p in e.params}
         self.host_of = host_of
         self.stepper = HostStepper(self.optimizer, host_of, self.grads, self.worker, fast=True)
+        self.stepper.policy.enabled = self.speculate
+        if self.speculate_note is not None:
+            self.stepper.notes.append(self.speculate_note)
+        self._arrived: set[int] = set()  # parameters whose gradient arrived in this backward
+        self._specced: set[int] = set()  # buckets speculated in this backward
+        self._needed: tuple[Any, dict[int, list[torch.nn.Parameter]]] = (None, {})
         self._absorb_optimizer_state()
         self.masters.to_compute()  # Note [Mixed precision]: host buffers are shaped, the device copies change dtype
         self.streamer = Streamer(entries, self.masters, self.bucket_bytes, self.stepper.wait, self.stepper.updated,
-                                 fits, copies, backward_ended=self.grads.settle,
+                                 fits, copies, backward_ended=self._backward_ended,
                                  before_repack=self.stepper.flush)  # fmt: skip
         self.weight_hooks = WeightHooks(self.streamer, entries)
         self.guard.watched = self.weight_hooks.watched
@@ -213,6 +226,7 @@ class ModelStateRuntime:
             with self.grads.raw():  # torch's attributes; the host buffers are reset below, without waiting
                 original(set_to_none, *args, **kwargs)
             self.grads.zero(self.grads.params, set_to_none)
+            self.stepper.policy.zeroed()
 
         obj.zero_grad = zero_grad
 
@@ -233,6 +247,7 @@ class ModelStateRuntime:
 
     def _wrote(self, entry: int) -> None:
         self.masters.dirty[entry] = True
+        self.stepper.invalidate(self.streamer.bucket_of[entry])  # its write-back would change the master
 
     def _host_param(self, p: torch.nn.Parameter) -> torch.Tensor:
         return self.host_of[id(p)]
@@ -250,6 +265,54 @@ class ModelStateRuntime:
             for b in dict.fromkeys(s.bucket_of[i] for i in entries):
                 s.drop_bucket(b)
 
+    # -- speculation (Note [Speculative host steps] in speculation) ---------------------------------------------
+    def _needed_of(self, b: int) -> list[torch.nn.Parameter]:
+        """Bucket ``b``'s parameters whose gradients make it final (trainable ones the optimizer steps)."""
+        s = self.streamer
+        packing, needed = self._needed
+        if packing is not s.buckets:
+            stepped = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+            needed = {k: [p for i in members for _, p in self.entries[i].params if trains(p) and id(p) in stepped]
+                      for k, members in enumerate(s.buckets)}  # fmt: skip
+            self._needed = (s.buckets, needed)
+        return needed[b]
+
+    def _may_speculate(self) -> bool:
+        s = self.streamer
+        # Not before buckets are packed by use (the first backward re-packs them: Note [Entries and buckets]).
+        packed = s.packed_by_use or any(p != Placement.STREAMED for p in s.placements)
+        return packed and self.stepper.policy.now()
+
+    def _speculate(self, b: int) -> None:
+        self._specced.add(b)
+        self.stepper.speculate(b, [p for i in self.streamer.buckets[b] for _, p in self.entries[i].params])
+
+    def _grad_arrived(self, p: torch.nn.Parameter) -> None:
+        """A gradient is on its way to the host: its bucket speculates once all of its gradients are."""
+        if not self.speculate:
+            return
+        s = self.streamer
+        b = s.bucket_of[self._entry_index[id(p)]]
+        self._arrived.add(id(p))
+        if b in self._specced or s.placements[b] == Placement.RESIDENT or not self._may_speculate():
+            return
+        if all(id(q) in self._arrived for q in self._needed_of(b)):
+            self._speculate(b)
+
+    def _backward_ended(self) -> None:
+        """Every gradient landed; buckets some of whose parameters got none speculate now."""
+        self.grads.settle()
+        try:
+            if self.speculate and self._arrived and self._may_speculate():
+                s = self.streamer
+                for b, placement in enumerate(s.placements):
+                    if placement != Placement.RESIDENT and b not in self._specced and \
+                            any(id(q) in self._arrived for q in self._needed_of(b)):  # fmt: skip
+                        self._speculate(b)
+        finally:
+            self._arrived, self._specced = set(), set()
+            self.stepper.policy.backward_ended()
+
     # -- the optimizer step -----------------------------------------------------------------------------
     def _step_pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """Note [Host step after confirmation]."""
@@ -264,7 +327,9 @@ class ModelStateRuntime:
         if self._proposed is not None:
             self._apply(self._proposed)
         offloaded = [b for b, p in enumerate(s.placements) if p != Placement.RESIDENT]
+        self.grads.settle()
         self.stepper.queue({b: [p for i in s.buckets[b] for _, p in self.entries[i].params] for b in offloaded})
+        self.stepper.policy.stepped()
         self._record()
         self.grads.stepping = True  # the user's optimizer skips offloaded parameters (Note [p.grad of an ...])
         if self.device.type == "cpu" and len(offloaded) < len(s.placements):
@@ -401,8 +466,9 @@ class ModelStateRuntime:
             total = clipping.total_norm(grads, norm_type, error_if_nonfinite, foreach, self.device, host)
             managed, others = clipping.managed_split(params, self.grads.manages)
             torch.nn.utils.clip_grads_with_norm_(others, max_norm, total, foreach)
-            clipping.scale_host([g for p in managed if (g := self.grads.grad(p)) is not None], max_norm, total,
-                                foreach)  # fmt: skip
+            if clipping.scale_host([g for p in managed if (g := self.grads.grad(p)) is not None], max_norm, total,
+                                   foreach):  # fmt: skip
+                self.grads.touch(managed)
         return total
 
     # -- closing ----------------------------------------------------------------------------------------
@@ -434,6 +500,7 @@ class ModelStateRuntime:
             self.started = False
         self.optimizer.load_state_dict(saved)
         self.worker.shutdown(wait=True)
+        self.lane.shutdown(wait=True)
         # Note [Host memory outlives its copies]
         # The weights' copies back to the device were ordered before the compute that reads them, on the device
         # only: the host went on. The host masters are unpinned and freed below, so the host waits for every
@@ -446,7 +513,7 @@ class ModelStateRuntime:
         # The report keeps ``final``; nothing here may keep the model, its state or host memory alive.
         self.model = self.optimizer = self.decide = None
         self.entries, self.pools, self.host_of, self.records = [], [], {}, []
-        for part in ("masters", "grads", "stepper", "streamer", "state_dicts", "guard", "worker"):
+        for part in ("masters", "grads", "stepper", "streamer", "state_dicts", "guard", "worker", "lane"):
             delattr(self, part)
 
     # -- the report -------------------------------------------------------------------------------------
@@ -481,6 +548,10 @@ class ModelStateRuntime:
             "state_bytes": state_bytes,
             "steps": [self._step_row(r) for r in self.records],
             "host_kernel": stepper.kernel.name,  # Note [The host kernel]
+            # Note [Speculative host steps]: how many, how many kept, the seconds rolled back, the copies' bytes
+            "speculation": {**stepper.counts, "on": self.speculate, "wasted_seconds": stepper.wasted_seconds,
+                            "rollback_bytes_predicted": pred.rollback,
+                            "rollback_bytes_peak": stepper.rollback_bytes_peak},  # fmt: skip
             "host_threads": self.host_threads,
             "notes": list(stepper.notes),
             **self._totals(self.activation_bytes),

@@ -76,7 +76,10 @@ def _routed(scaler: GradScaler, optimizer: torch.optim.Optimizer, inv_scale: tor
         per_device = _original[0](scaler, optimizer, inv_scale, found_inf, allow_fp16)
     for opt, grads, device in list(_routes):
         if opt is optimizer:
-            unscale(host_grads(optimizer, grads), inv_scale, found_inf, allow_fp16, device, per_device)
+            gs = host_grads(optimizer, grads)
+            unscale(gs, inv_scale, found_inf, allow_fp16, device, per_device)
+            # Its kernel bumps no version counter: the sink is told (Note [Speculative host steps])
+            grads.touch(p for group in optimizer.param_groups for p in group["params"] if grads.manages(p))
     return per_device
 
 
