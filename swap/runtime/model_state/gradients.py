@@ -240,17 +240,24 @@ class GradSink:
                 block = self._staging_block(grad_span(p, g.dtype))
                 staged = host_tensor(block.view, p, 0, g.dtype)
                 ticket = self.engine.d2h(staged, g)
+                nbytes = g.numel() * g.element_size()
                 if not self.has[k] and earlier is not None:
                     earlier.result()  # nothing else may be writing the buffer
+                if self.engine.done(ticket):  # copied already (a small copy runs inline): the memory goes now
+                    g = None
                 self.tasks[k] = self.worker.submit(self._add, ticket, g, host, staged, block, self.has[k])
                 self.has[k] = True
             else:
                 if earlier is not None:
                     earlier.result()  # nothing else may be writing the buffer
                 ticket = self.engine.d2h(host, g)
-                self.tasks[k] = self.worker.submit(self._landed, ticket, g)
+                nbytes = g.numel() * g.element_size()
+                if self.engine.done(ticket):  # copied already (a small copy runs inline): nothing to wait for
+                    self.tasks.pop(k, None)
+                else:
+                    self.tasks[k] = self.worker.submit(self._landed, ticket, g)
                 self.has[k] = True
-            self.copies.grads_out += g.numel() * g.element_size()
+            self.copies.grads_out += nbytes
 
     def _staging_block(self, nbytes: int) -> HostBlock:
         """A staging buffer, within the staging pool's predicted size: when it is full, the adds in flight finish
@@ -266,8 +273,8 @@ class GradSink:
         self.engine.wait_host(ticket)
         del g  # the device memory goes only once the copy has read it (Note [Copies without record_stream])
 
-    def _add(self, ticket: Any, g: torch.Tensor, host: torch.Tensor, staged: torch.Tensor, block: HostBlock,
-             accumulate: bool = True) -> None:  # fmt: skip
+    def _add(self, ticket: Any, g: Optional[torch.Tensor], host: torch.Tensor, staged: torch.Tensor,
+             block: HostBlock, accumulate: bool = True) -> None:  # fmt: skip
         """``host += staged`` (``accumulate``) or ``host = staged``, in ``host``'s dtype (an fp32 buffer upcasts a
         compute-dtype gradient exactly, then adds in fp32), once the copy into ``staged`` has landed."""
         self.engine.wait_host(ticket)

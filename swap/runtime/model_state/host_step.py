@@ -92,6 +92,8 @@ class HostStepper:
         self.wasted_seconds = 0.0  # host seconds of speculations rolled back (their restores included)
         self.rollback_bytes = 0  # bytes the speculations' copies take now, and their peak
         self.rollback_bytes_peak = 0
+        self._spare: dict[int, dict[Any, Any]] = {}  # id(master) -> its copies' buffers, reused at every step
+        self._spare_bytes: dict[int, int] = {}
         self._lock = threading.Lock()
         self.overrides: dict[str, Any] = {}  # host-only settings over the user's (Note [Shadow optimizer])
         self.notes: list[str] = []
@@ -186,8 +188,9 @@ class HostStepper:
         if not work:
             return
         t0 = time.perf_counter()
-        spec.saved = save(self.shadow.state, [hp for _, hp, _ in work])
-        self._hold(saved_bytes(spec.saved))
+        masters = [hp for _, hp, _ in work]
+        spec.saved = save(self.shadow.state, masters, self._spare)
+        self._hold(masters)
         self._step(work, spec.hyper)
         spec.seconds = time.perf_counter() - t0
 
@@ -202,7 +205,6 @@ class HostStepper:
         if ok:
             self.counts["kept"] += 1
             self.seconds[number] = self.seconds.get(number, 0.0) + spec.seconds
-            self._hold(-saved_bytes(spec.saved))
             spec.saved = None
             self.policy.kept()
             return
@@ -215,16 +217,23 @@ class HostStepper:
         t0 = time.perf_counter()
         if spec.saved is not None:
             restore(self.shadow.state, spec.saved)
-            self._hold(-saved_bytes(spec.saved))
             spec.saved = None
         self.counts["rolled_back"] += 1
         self.wasted_seconds += spec.seconds + time.perf_counter() - t0
         self.policy.failed(spec.number)
 
-    def _hold(self, nbytes: int) -> None:
+    def _hold(self, masters: list[torch.Tensor]) -> None:
+        """The rollback buffers' bytes (kept from step to step), after ``masters``' copies were made."""
         with self._lock:
-            self.rollback_bytes += nbytes
+            for hp in masters:
+                n = saved_bytes([(hp, *self._spare_pair(hp))])
+                self.rollback_bytes += n - self._spare_bytes.get(id(hp), 0)
+                self._spare_bytes[id(hp)] = n
             self.rollback_bytes_peak = max(self.rollback_bytes_peak, self.rollback_bytes)
+
+    def _spare_pair(self, hp: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        mine = self._spare[id(hp)]
+        return mine[None], {k: v for k, v in mine.items() if k is not None}
 
     def rollback(self, bucket: int) -> None:
         """``bucket``'s unconfirmed speculation undone (something reads its master before ``opt.step()``)."""

@@ -51,26 +51,43 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 Signature = tuple[bool, int, int]  # (has a gradient, the sink's write count, the tensor's version counter)
 Saved = list[tuple[torch.Tensor, torch.Tensor, Optional[dict[str, Any]]]]  # (master, its copy, state copy or None)
 
 
-def save(state: dict[Any, dict[str, Any]], masters: list[torch.Tensor]) -> Saved:
-    """Copies of ``masters`` and of their optimizer ``state`` (None where a master has none yet)."""
+def save(state: dict[Any, dict[str, Any]], masters: list[torch.Tensor],
+         spare: Optional[dict[int, dict[Any, Any]]] = None) -> Saved:  # fmt: skip
+    """Copies of ``masters`` and of their optimizer ``state`` (None where a master has none yet), made into the
+    buffers ``spare`` keeps for each master from its last speculation where they fit (allocating fresh host
+    memory at every step costs page faults that take longer than the copy), and kept there for the next."""
     out: Saved = []
-    with torch.no_grad():
+    spare = {} if spare is None else spare
+    with torch.no_grad(), _disable_current_modes():
         for hp in masters:
+            mine = spare.setdefault(id(hp), {})
             st = state.get(hp)
-            kept = None if st is None else {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
-            out.append((hp, hp.clone(), kept))
+            kept = None if st is None else {k: _copy(v, mine, k) for k, v in st.items()}
+            out.append((hp, _copy(hp, mine, None), kept))
     return out
+
+
+def _copy(v: Any, buffers: dict[Any, Any], key: Optional[str]) -> Any:
+    if not isinstance(v, torch.Tensor):
+        return v
+    buf = buffers.get(key)
+    if not (isinstance(buf, torch.Tensor) and buf.shape == v.shape and buf.dtype == v.dtype
+            and buf.stride() == v.stride()):  # fmt: skip
+        buf = buffers[key] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+    return buf.copy_(v)
 
 
 def restore(state: dict[Any, dict[str, Any]], saved: Saved) -> None:
     """Masters and state back to the bytes ``save`` copied (state tensors written in place, so references to them
-    stay valid; state a master did not have is removed)."""
-    with torch.no_grad():
+    stay valid; state a master did not have is removed). Python dispatch off: a meter of the compute device must
+    not take host memory for its own (Note [Host pool on CPU runs]); a rollback may run on the compute thread."""
+    with torch.no_grad(), _disable_current_modes():
         for hp, copy, kept in saved:
             hp.copy_(copy)
             if kept is None:
