@@ -11,9 +11,10 @@ seed, alternated (``--rounds`` pairs): today's runtime (``speculate = False``: t
 part something waited for (exposed) and the rest (hidden), over the steps after the manager planned; the two runs
 must end bitwise equal.
 
-Predicted before the speculative run, from what the runtime measures or plans (no figure of the run predicted):
-- host-step seconds: the host seconds today's run measured (the same kernel on the same buckets), plus the
-  rollback copies (master and state, ``host_memory.predict``'s ``rollback``) at the copy rate measured here;
+Predicted from what the runtime measures or plans (no figure of the speculative run itself):
+- host-step seconds: torch's fused AdamW over the model's parameters, one call a bucket, on the host worker with
+  nothing else of ours running (measured here, as a profile of the host would), plus the rollback copies
+  (master and state, ``host_memory.predict``'s ``rollback``) at the copy rate measured here;
 - hidden seconds: the host worker simulated first in, first out over the buckets in the order their gradients
   became final in today's run's backward (hooks timing each gradient's arrival) and the backward's length; what
   the worker has left when the next forward starts (backward end plus the loop's gap to the next forward, also
@@ -48,7 +49,7 @@ SKIP = 3  # the manager profiles the first steps and re-packs its buckets after 
 
 class Setup:
     def __init__(self, quick: bool, rounds: int) -> None:
-        self.layers, self.d, self.vocab, self.seq, self.batch = (2, 128, 512, 32, 2) if quick else (4, 256, 1024, 64, 1)
+        self.layers, self.d, self.vocab, self.seq, self.batch = (2, 128, 512, 16, 2) if quick else (4, 256, 1024, 16, 1)
         self.steps = 6 if quick else 14
         self.bucket = "256KiB" if quick else "1MiB"
         self.rounds = rounds
@@ -119,15 +120,17 @@ def steady(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def copy_rate(nbytes: int, repeats: int = 5) -> float:
-    """Bytes/s of ``clone`` (read and written once) at the host step's thread count, on a thread of its own."""
+    """Bytes/s of a copy into a buffer made before (as the rollback copies are: read and written once), at the
+    host step's thread count, on a thread of its own."""
     src = torch.ones(max(nbytes // 4, 1))
+    dst = torch.zeros_like(src)
     from swap.runtime.model_state.host_optim import host_worker
 
     worker, _ = host_worker(torch.device("cpu"))
     try:
         def timed() -> float:
             t0 = time.perf_counter()
-            src.clone()
+            dst.copy_(src)
             return time.perf_counter() - t0
 
         worker.submit(timed).result()
@@ -135,6 +138,35 @@ def copy_rate(nbytes: int, repeats: int = 5) -> float:
     finally:
         worker.shutdown()
     return src.nbytes / seconds
+
+
+def host_step_seconds(n_params: int, buckets: int, repeats: int = 5) -> float:
+    """Seconds of torch's fused AdamW over ``n_params`` fp32 parameters in ``buckets`` calls (one a bucket, as the
+    host step makes them), on the host step's worker with its threads, nothing else of ours running: the rate the
+    runtime's host step has where nothing competes with it."""
+    from swap.runtime.model_state.host_optim import host_worker
+
+    per = max(n_params // buckets, 1)
+    params = [torch.nn.Parameter(torch.ones(per)) for _ in range(buckets)]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    groups = opt.param_groups[0]
+    worker, _ = host_worker(torch.device("cpu"))
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        for p in params:  # one call a bucket
+            groups["params"] = [p]
+            opt.step()
+        groups["params"] = params
+        return time.perf_counter() - t0
+
+    try:
+        worker.submit(timed).result()  # the state's allocation is not the cost
+        return statistics.median(worker.submit(timed).result() for _ in range(repeats))
+    finally:
+        worker.shutdown()
 
 
 def simulate(final: dict[int, float], host: dict[int, float], backward: float, gap: float) -> tuple[float, float]:
@@ -158,17 +190,16 @@ def summary(run: dict[str, Any]) -> dict[str, float]:
             "step_seconds": statistics.median(run["wall"][SKIP:])}  # fmt: skip
 
 
-def predict(today: dict[str, Any], rate: float) -> dict[str, float]:
-    """The speculative run's host seconds, hidden seconds and host bytes, from today's run (module docstring)."""
+def predict(today: dict[str, Any], step_seconds: float, rate: float) -> dict[str, float]:
+    """The speculative run's host seconds, hidden seconds and host bytes (module docstring): the host step alone
+    (``step_seconds``), the rollback copies at ``rate``, the gradients' timing from today's run."""
     ms = today["report"]
-    rows = steady(ms["steps"])
     specs = ms["bucket_specs"]
     weights = {b: spec["weight_bytes"] for b, spec in enumerate(specs)}
     total_w = sum(weights.values())
-    host_today = statistics.median(r["host_step_seconds"] for r in rows)
     rollback = ms["speculation"]["rollback_bytes_predicted"]
     # each bucket's share of the step and of the copies, by its weights' bytes
-    host = {b: (host_today + 2 * rollback / rate) * w / total_w for b, w in weights.items()}
+    host = {b: (step_seconds + rollback / rate) * w / total_w for b, w in weights.items()}
     final = {b: statistics.median(f.get(b, 0.0) for f in today["final"][SKIP:]) for b in weights}
     seconds, exposed = simulate(final, host, statistics.median(today["backward"][SKIP:]),
                                 statistics.median(today["gap"][SKIP - 1:]))  # fmt: skip
@@ -185,11 +216,13 @@ def measure(s: Setup) -> dict[str, Any]:
         spec = train(s, speculate=True)
         bitwise = all(a.tobytes() == b.tobytes() for a, b in zip(today["params"], spec["params"]))
         rate = copy_rate(spec["report"]["speculation"]["rollback_bytes_predicted"])
-        pred = predict(today, rate)
+        alone = host_step_seconds(today["n_params"], today["report"]["buckets"])
+        pred = predict(today, alone, rate)
         got = summary(spec)
         ms = spec["report"]
         rounds.append({
             "today": summary(today), "speculative": got, "predicted": pred, "copy_rate_bytes_per_s": rate,
+            "host_step_alone_seconds": alone,
             "bitwise": bitwise, "speculation": ms["speculation"],
             "host_bytes": ms["host_bytes"] + ms["speculation"]["rollback_bytes_peak"],
             "host_step_over_backward": summary(today)["host_step_seconds"] / summary(today)["backward_seconds"],
