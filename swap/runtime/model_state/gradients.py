@@ -9,9 +9,10 @@ pool of a fixed, predicted size: a copy waits for earlier adds when it is full) 
 the same IEEE addition in the same order as autograd's ``grad += new``, so the result is bitwise plain torch's.
 ``zero_grad`` resets the host buffers as it would ``p.grad``: ``set_to_none`` forgets them (the next backward
 copies), otherwise they are zeroed (the next one adds to zero, as torch does). Without a ``zero_grad`` gradients
-accumulate across steps, as in torch. The host work runs on the host-step worker, in order with the host steps
-that read the buffers (one thread, first in first out); a new copy into a buffer waits for any earlier work on it
-and for the pending host step of its bucket.
+accumulate across steps, as in torch. The host work runs on a lane of its own (one thread), so a gradient never
+lands behind a host step (speculative ones run during the backward: Note [Speculative host steps]); a new copy
+into a buffer waits for any earlier work on it and for every host step reading its bucket's gradients, and a
+zeroing queued on the lane waits for those steps itself.
 
 Note [p.grad of an offloaded parameter]
 The loop stays plain torch's: while the manager runs, an offloaded parameter's ``grad`` attribute is its host

@@ -8,9 +8,10 @@ host gradients this step has, and queues one host step per bucket, in the order 
 on the host worker; ``opt.step()`` then returns at once and steps only the parameters still on the device (the
 offloaded ones have ``p.grad = None``). The next use of a bucket waits for its update (*update-before-use*), as
 does anything that reads parameters in between (a state dict, ``sm.flush()``, the manager's exit), so the host
-step hides behind the next forward pass. It is exact: on CPU runs parameters and optimizer state are bitwise plain
-torch's with the kernel the host runs (Note [The host kernel] in host_optim: the user's optimizer with fused=True,
-where the user left torch's default).
+step hides behind the next forward pass. (By default most of it already ran during the backward, speculatively,
+and the step only confirms it: Note [Speculative host steps] in speculation.) It is exact: on CPU runs
+parameters and optimizer state are bitwise plain torch's with the kernel the host runs (Note [The host kernel] in
+host_optim: the user's optimizer with fused=True, where the user left torch's default).
 
 Note [Shadow optimizer]
 The host step is an instance of the user's optimizer class over the host masters, with the user's param groups
