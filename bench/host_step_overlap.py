@@ -6,7 +6,7 @@
 A GPT-style model small enough per token that its host step (fused AdamW over every parameter, on the host
 worker) is at least a third of the backward, trained with every bucket offloaded, one compute thread (the main
 thread's intra-op threads: 1) and the other cores for the host step (Note [Host threads]). Two runs of the same
-seed, alternated (``--rounds`` pairs): today's runtime (``speculate = False``: the host steps after
+seed, in pairs (``--rounds``; which runs first alternates): today's runtime (``speculate = False``: the host steps after
 ``opt.step()``, behind the next forward) and speculation (the default). For each: the host step's seconds, the
 part something waited for (exposed) and the rest (hidden), over the steps after the manager planned; the two runs
 must end bitwise equal.
@@ -212,8 +212,12 @@ def measure(s: Setup) -> dict[str, Any]:
     load = [os.getloadavg()[0]]
     rounds = []
     for r in range(s.rounds):
-        today = train(s, speculate=False)
-        spec = train(s, speculate=True)
+        if r % 2:  # alternated: the first run of a pair has been the slower one on this shared machine
+            spec = train(s, speculate=True)
+            today = train(s, speculate=False)
+        else:
+            today = train(s, speculate=False)
+            spec = train(s, speculate=True)
         bitwise = all(a.tobytes() == b.tobytes() for a, b in zip(today["params"], spec["params"]))
         rate = copy_rate(spec["report"]["speculation"]["rollback_bytes_predicted"])
         alone = host_step_seconds(today["n_params"], today["report"]["buckets"])
