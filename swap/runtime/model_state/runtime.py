@@ -277,6 +277,9 @@ class ModelStateRuntime:
             self._needed = (s.buckets, needed)
         return needed[b]
 
+    def _members_of(self, b: int) -> int:
+        return sum(len(self.entries[i].params) for i in self.streamer.buckets[b])
+
     def _may_speculate(self) -> bool:
         s = self.streamer
         # Not before buckets are packed by use (the first backward re-packs them: Note [Entries and buckets]).
@@ -296,7 +299,11 @@ class ModelStateRuntime:
         self._arrived.add(id(p))
         if b in self._specced or s.placements[b] == Placement.RESIDENT or not self._may_speculate():
             return
-        if all(id(q) in self._arrived for q in self._needed_of(b)):
+        needed = self._needed_of(b)
+        # A bucket that also holds weights without a gradient (frozen, or not the optimizer's: a LoRA base) is
+        # read again later in this backward (its input's gradient): it speculates at the backward's end instead,
+        # or that read would roll it back.
+        if len(needed) == self._members_of(b) and all(id(q) in self._arrived for q in needed):
             self._speculate(b)
 
     def _backward_ended(self) -> None:
