@@ -9,7 +9,7 @@ biases), a StepLR scheduler, 2 micro-batches per optimizer step (gradient accumu
 ``torch.nn.utils.clip_grad_norm_`` before every step. Four runs of a fresh model, each trained alike:
 1. plain, under a LiveBytesMeter: the reference (losses, clip norms, parameters, gradients, optimizer state) and
    the plain peak; the budget is 30 % of it;
-2. the manager (``model_state="offload"``: every bucket streamed, the host stepping it after ``opt.step()``),
+2. the manager (``placement="streamed"``: every bucket streamed, the host stepping it after ``opt.step()``),
    under an independent LiveBytesMeter: bitwise equal to 1? every iteration, the profiling ones included, within
    the budget? plan against reality: the activation plan's peak against the measured one, the host bytes
    predicted before anything was allocated against those allocated;
@@ -102,8 +102,9 @@ def train(s: Setup, budget: Optional[int], meter: Optional[swap.LiveBytesMeter])
     if budget is None:
         fused_steps(opt)
     else:
-        sm = swap.SwapManager(budget=budget, device="cpu", model=model, optimizer=opt, model_state="offload",
-                              bucket_bytes=s.bucket, min_bytes="64KiB")  # fmt: skip
+        policy = swap.ModelStatePolicy(placement="streamed", bucket_bytes=s.bucket)
+        sm = swap.SwapManager(budget=budget, device="cpu", model=model, optimizer=opt, model_state=policy,
+                              min_bytes="64KiB")  # fmt: skip
     out: dict[str, Any] = {"losses": [], "norms": [], "peaks": [], "wall": [], "cpu": []}
     with metered(meter, sm):
         for step in range(s.steps):
@@ -134,7 +135,7 @@ def train(s: Setup, budget: Optional[int], meter: Optional[swap.LiveBytesMeter])
     out["n_params"] = sum(p.numel() for p in model.parameters())
     if sm is not None:  # the planner's view of the buckets the run streamed (swap.schedule.model_state)
         buckets = [Bucket(**b) for b in sm.report()["model_state"]["bucket_specs"]]
-        out["planner"] = plan_model_state(buckets, budget, mode="offload")
+        out["planner"] = plan_model_state(buckets, budget, placement="streamed")
     return out
 
 

@@ -5,7 +5,7 @@ does, and the baselines held to public figures.
                                                # bench/results/model_state_sim.{json,md,png}
     python -m bench.model_state_sim --quick    # the 8B on the 4090 at 8k tokens only (datasheet efficiency)
 
-Every figure is simulated (Note [Model-state simulation] in swap/schedule/model_state_sim.py) from a capture
+Every figure is simulated (Note [Model-state simulation] in swap/schedule/model_state/sim.py) from a capture
 on the meta device, priced on device and host profiles whose figures have sources (swap/devices.py: Note
 [Device profiles], Note [Host profiles]). The math is a full AdamW fine-tune with fp32 master and state and bf16
 compute (``StateFormat()``), sequences of 1024 tokens, activations planned by the joint search, the offload
@@ -169,7 +169,7 @@ def largest_model(budget_gib: float, host: str) -> tuple[int, str]:
         params += [RUNTIME.param(f"layer {i}", per_layer) for i in range(layers)]
         params.append(RUNTIME.param("norm", total - 2 * 128256 * 8192 - layers * per_layer))
         try:
-            plan_model_state(pack_buckets(params), room, mode="offload", host_memory=memory)
+            plan_model_state(pack_buckets(params), room, placement="streamed", host_memory=memory)
         except ModelStateDoesNotFit as e:
             why = f"{layers} layers ({total / 1e9:.1f} B): the {e.what} refuses: {e}"
             continue

@@ -44,8 +44,8 @@ from .runtime.manager import SwapManager
 from .runtime.model_state import (
     fsdp2,  # swap.fsdp2: FSDP2 units offloaded by a budget, their host steps, clipping across ranks
 )
-from .runtime.model_state.host_memory import HostMemoryError
 from .runtime.report import SwapReport
+from .schedule.model_state import HostMemoryError, ModelStateDoesNotFit, ModelStatePolicy
 from .schedule.scheduler import POLICIES, InfeasibleBudget, Schedule
 from .schedule.scheduler import plan as make_schedule
 from .schedule.sequence import Sequence
@@ -64,6 +64,8 @@ __all__ = [
     "HostMemoryError",
     "InfeasibleBudget",
     "LiveBytesMeter",
+    "ModelStateDoesNotFit",
+    "ModelStatePolicy",
     "PinningUnavailable",
     "Plan",
     "Schedule",

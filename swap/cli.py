@@ -37,7 +37,8 @@ from .forecast.replay import ALLOCATORS
 from .forecast.strategies import STRATEGIES
 from .forecast.strategy_report import pyplot
 from .forecast.zoo import ZOO
-from .schedule.model_state import MODES
+from .schedule.model_state import PLACEMENTS, ModelStatePolicy
+from .schedule.model_state.plan import OLD_SPELLINGS
 from .schedule.scheduler import POLICIES
 from .units import fmt_bytes, parse_size
 
@@ -207,8 +208,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "file bench/host_profile.py wrote), beside other systems' offload schedules (simulated). "
                     "Without it, where no batch fits, model-state offload is planned on a default host profile "
                     "(named in the output)")
-    ap.add_argument("--model-state", default=None, choices=MODES,
-                    help="with --host: how to place model state (default auto)")
+    ap.add_argument("--model-state", default=None, choices=PLACEMENTS + tuple(OLD_SPELLINGS),
+                    help="with --host: where model state lives (swap.ModelStatePolicy's placement; default auto; "
+                    "'offload' is the old spelling of 'streamed')")
     ap.add_argument("--tf32", default="auto", choices=TF32_SETTINGS,
                     help="fp32 convolutions and matmuls on TF32 tensor cores: auto (PyTorch's flags: convolutions "
                          "yes, matmuls after torch.backends.cuda.matmul.allow_tf32 = True), on (both), off (neither)")
@@ -285,7 +287,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             optimizer=optimizer, dtype=dtype, profile=args.profile, policies=policies, min_bytes=args.min_bytes,
             name=name, progress=not args.quiet, strategies=strategies, batch=args.at_batch,
             world_size=args.world_size, shard=args.shard, interconnect=args.interconnect,
-            model_state=args.model_state or ("auto" if args.host else None), host=args.host, tf32=args.tf32,
+            model_state=ModelStatePolicy(placement=args.model_state or "auto") if args.host else None,
+            host=args.host, tf32=args.tf32,
         )  # fmt: skip
     except (CaptureError, ValueError) as e:
         print(f"swap.plan: {e}", file=sys.stderr)

@@ -40,7 +40,7 @@ per direction: PCIe Gen4 x16 is 32 GB/s nominal and pinned copies reach about 25
 
 ``duplex_bandwidth`` is what the host link carries in both directions at once (0: each direction at its
 full rate, as the datasheet profiles assume). Only the model-state simulation reads it
-(swap/schedule/model_state_sim.py). The PCIe Gen5 profiles take the H200 machine's measured 101 GB/s, the only
+(swap/schedule/model_state/sim.py). The PCIe Gen5 profiles take the H200 machine's measured 101 GB/s, the only
 measurement of a Gen5 link in both directions we have; the Gen4 and NVLink profiles have none and leave it 0.
 
 Old short names stay as aliases (``v100``, ``p100``, ``h100`` = h100-sxm: the SXM5 part, whose host link is
@@ -74,6 +74,7 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 
 from .schedule.budget import refuse_over_memory
+from .schedule.model_state import STATE_TENSORS
 from .units import size_arg
 
 log = logging.getLogger("swap")
@@ -358,7 +359,7 @@ def interconnect(name: str) -> InterconnectProfile:
 
 
 # Note [Host profiles]
-# What the host brings to training with model state offloaded (swap/schedule/model_state.py): DRAM bandwidth,
+# What the host brings to training with model state offloaded (swap/schedule/model_state/): DRAM bandwidth,
 # the rate at which it runs the optimizer's step, how much memory it has and may pin, and, where it differs
 # from the device profile's, the link. The optimizer's rate is bytes per second of DRAM traffic: a host step
 # is memory-bound (AdamW on fp32 masters moves about 28 bytes a parameter for about a dozen FLOPs), so its
@@ -393,7 +394,8 @@ def interconnect(name: str) -> InterconnectProfile:
 #
 # Link figures are None on the built-ins: the device profile's (its PCIe generation) apply. A measured
 # profile of a machine with a GPU may carry its own.
-OPTIMIZER_PASSES = {"adamw": (3, 3), "adam": (3, 3), "sgd": (2, 2), "sgd_plain": (1, 1)}  # tensors read, written
+# the master and its state tensors (Note [Optimizer state by optimizer]), each read and written once a step
+OPTIMIZER_PASSES = {name: (1 + n, 1 + n) for name, n in STATE_TENSORS.items()}  # tensors read, written
 KERNELS = ("fused", "foreach", "for-loop")  # the host optimizer's kernel (Note [Host profiles])
 KERNEL_SLOWDOWN = {  # the fused kernel's rate over the others' (Note [Host profiles]): bench/results/host_profile.json
     "adamw": {"fused": 1.0, "foreach": 4.79 / 1.28, "for-loop": 4.79 / 0.94},

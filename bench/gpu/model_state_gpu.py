@@ -8,12 +8,12 @@ CPU-offload-optimizer baseline.
 Runs, each from the same seeded weights, the same batches and the same loop (``ACCUM`` micro-batches a step,
 AdamW with two param groups):
 - ``plain``: everything on the device, the user's AdamW there; unbounded. The throughput ceiling.
-- ``ours``: ``model_state="offload"``: every bucket streamed, the host steps it.
+- ``ours``: ``ModelStatePolicy(placement="streamed")``: every bucket streamed, the host steps it.
 - ``reference``: the oracle. The same forward and backward on the device, then the gradients copied to the host
   and torch's AdamW run over host copies of the parameters with the kernel the runtime's host step reported
   (Note [The host kernel]), and the parameters copied back. ``ours`` must equal it bitwise: every loss, the
   final parameters and the final AdamW state. Its speed is the naive offload's.
-- ``auto``: ``model_state="auto"`` (some buckets may stay resident and step on the device: not bitwise; the
+- ``auto``: ``placement="auto"`` (some buckets may stay resident and step on the device: not bitwise; the
   largest loss difference against the reference is given).
 - ``sgd_exit`` (asked for by the late-copies phase): row 6 of the model-state review, the weights copied back at
   exit with stateless SGD, bitwise against SGD on host copies.
@@ -226,8 +226,9 @@ def manager(cfg: Config, model: Any, opt: Any, mode: str, budget: int) -> Any:
     kw: dict[str, Any] = {}
     if cfg.fp32_masters:
         kw["compute_dtype"] = __import__("torch").bfloat16
-    return swap.SwapManager(budget=budget, device=cfg.device, model=model, optimizer=opt, model_state=mode,
-                            bucket_bytes=cfg.bucket, min_bytes=cfg.min_bytes, **kw)  # fmt: skip
+    policy = swap.ModelStatePolicy(placement=mode, bucket_bytes=cfg.bucket)
+    return swap.SwapManager(budget=budget, device=cfg.device, model=model, optimizer=opt, model_state=policy,
+                            min_bytes=cfg.min_bytes, **kw)  # fmt: skip
 
 
 def budget_of(cfg: Config, model: Any) -> int:
@@ -339,7 +340,7 @@ def run_sgd_exit(cfg: Config, found: dict[str, Any]) -> dict[str, Any]:
     while the host pools close; with stateless SGD and the gradients dropped before exit, no later synchronous
     copy closes that window. Ours (offload, SGD, ``zero_grad(set_to_none=True)`` before exit) against the same
     training with SGD on host copies: the final parameters bitwise, late copies making any race show."""
-    ours = run_managed(cfg, found, "offload", sgd, lambda opt: opt.zero_grad(set_to_none=True))
+    ours = run_managed(cfg, found, "streamed", sgd, lambda opt: opt.zero_grad(set_to_none=True))
     if "error" in ours:
         return ours
     ref = run_reference(cfg, found, sgd, ours.get("host_kernel"))
@@ -350,7 +351,7 @@ def run_sgd_exit(cfg: Config, found: dict[str, Any]) -> dict[str, Any]:
 
 
 RUNNERS: dict[str, Callable[[Config, dict[str, Any]], dict[str, Any]]] = {
-    "plain": run_plain, "ours": lambda c, f: run_managed(c, f, "offload"), "reference": run_reference,
+    "plain": run_plain, "ours": lambda c, f: run_managed(c, f, "streamed"), "reference": run_reference,
     "auto": lambda c, f: run_managed(c, f, "auto"), "cpu_offload": run_cpu_offload, "sgd_exit": run_sgd_exit,
 }  # fmt: skip
 

@@ -56,7 +56,7 @@ import torch
 from ..capture.trace import ALLOC, FREE, OP, PHASE, TAG, Trace
 from ..devices import DeviceProfile, InterconnectProfile
 from ..joint.ops import nested
-from ..schedule.unit_offload import shard_of
+from ..schedule.model_state.units import shard_of
 from .fsdp2_lanes import Offload, RankStep, UnitSeconds, simulate_rank
 from .fsdp2_units import Fsdp2, Unit, default_units, fsdp2
 from .pricing import event_seconds

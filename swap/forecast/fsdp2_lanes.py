@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from ..devices import HostProfile, host_profile, host_step_bytes
-
-STATE_BYTES = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_plain": 0}  # optimizer state, in master-sized tensors
+from ..schedule.model_state import STATE_TENSORS, state_bytes
 
 
 @dataclass(frozen=True)
@@ -47,8 +46,8 @@ class Offload:
     grad_bytes: int = 4
 
     def __post_init__(self) -> None:
-        if self.optimizer not in STATE_BYTES:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(STATE_BYTES)}")
+        if self.optimizer not in STATE_TENSORS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(STATE_TENSORS)}")
         if self.ranks_per_host < 1:
             raise ValueError(f"ranks_per_host must be at least 1, not {self.ranks_per_host}")
 
@@ -58,7 +57,7 @@ class Offload:
 
     def bytes_per_parameter(self) -> int:
         """Model-state bytes a parameter of an offloaded unit holds: master, gradient and optimizer state."""
-        return self.master_bytes * (1 + STATE_BYTES[self.optimizer]) + self.grad_bytes
+        return self.master_bytes + state_bytes(self.optimizer, self.master_bytes) + self.grad_bytes
 
     def host_step_bytes(self, numel: int) -> int:
         return host_step_bytes(self.optimizer, numel, self.master_bytes, self.grad_bytes)

@@ -11,7 +11,7 @@ import torch
 
 from ..devices import InterconnectProfile, interconnect
 from ..joint.ops import nested
-from ..schedule.unit_offload import blocks_of, shard_of
+from ..schedule.model_state.units import blocks_of, shard_of
 from .fsdp2_lanes import Offload
 
 
@@ -53,7 +53,7 @@ class Fsdp2:
 
 
 def default_units(model: torch.nn.Module) -> list[str]:
-    """The blocks to shard by default (swap.schedule.unit_offload.blocks_of)."""
+    """The blocks to shard by default (swap.schedule.model_state.units.blocks_of)."""
     return blocks_of([n for n, m in model.named_modules() if any(True for _ in m.parameters())])
 
 

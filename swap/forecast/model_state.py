@@ -1,5 +1,5 @@
 """Model state from a captured trace: the buckets of a model's parameters, where the iteration reads them,
-and the trace's own model-state bytes, for the pure plan (swap/schedule/model_state.py, weights.py).
+and the trace's own model-state bytes, for the pure plan (swap/schedule/model_state/).
 
 Note [Model state from a trace]
 A capture trains the model as the user wrote it, its parameters, gradients and optimizer state on the device
@@ -20,18 +20,25 @@ and again at those running their backward (or recompute) operators (``BucketUses
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
 from ..capture.trace import ALLOC, FREE, OP, PHASE, SAVE, TAG, USE, Trace
-from ..devices import OPTIMIZER_PASSES
-from ..schedule.model_state import Bucket, ParamInfo, pack_buckets
-from ..schedule.weights import BucketUses
+from ..schedule.model_state import (
+    STATE_TENSORS,
+    Bucket,
+    BucketUses,
+    ParamInfo,
+    default_bucket_bytes,
+    pack_buckets,
+    state_bytes,
+)
+from ..schedule.model_state.ledger import accumulation_bytes
 
-OPTIMIZER_STATE_TENSORS = {name: reads - 1 for name, (reads, _w) in OPTIMIZER_PASSES.items()}  # besides the master
+STEP_BYTES = 4  # Adam's step counter: an fp32 scalar tensor a parameter, as torch keeps it (the runtime counts it too)
 MODEL_TAGS = (TAG["weight"], TAG["grad"], TAG["optimizer_state"])
 
 
@@ -51,16 +58,15 @@ class StateFormat:
     cast: str = "host"
 
     def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZER_STATE_TENSORS:
-            names = ", ".join(OPTIMIZER_STATE_TENSORS)
+        if self.optimizer not in STATE_TENSORS:
+            names = ", ".join(STATE_TENSORS)
             raise ValueError(f"unknown optimizer {self.optimizer!r}: choose one of {names}")
         if self.cast not in ("host", "device"):
             raise ValueError(f"cast must be 'host' or 'device', not {self.cast!r}")
 
     def param(self, name: str, numel: int) -> ParamInfo:
-        states = OPTIMIZER_STATE_TENSORS[self.optimizer]
         return ParamInfo(name, numel, self.weight * numel, self.master * numel, self.grad * numel,
-                         states * self.state * numel)  # fmt: skip
+                         state_bytes(self.optimizer, self.state * numel, step_bytes=STEP_BYTES))  # fmt: skip
 
     def describe(self) -> str:
         def dtype(n: int) -> str:
@@ -77,15 +83,44 @@ def stateless_optimizer(params: Any) -> torch.optim.Optimizer:
 
 @dataclass
 class Layout:
-    """``layout_from_trace``'s result (Note [Model state from a trace])."""
+    """``layout_from_trace``'s result (Note [Model state from a trace]): the parameters in first-use order and
+    where their modules run, packed in the capture's format (``buckets``, ``uses``), and ``pack`` to pack them
+    again in another (the runtime's: Note [One packer])."""
 
     buckets: list[Bucket]
     uses: list[BucketUses]
     trace_bytes: list[int]  # per step: the trace's own model-state bytes to take out of ``nonswap``
     params: int  # parameters, shared ones once
+    order: list[tuple[str, int, int]] = field(default_factory=list)  # (name, numel, module) in first-use order
+    forward: dict[int, set[int]] = field(default_factory=dict)  # module -> steps its forward operators run in
+    backward: dict[int, set[int]] = field(default_factory=dict)  # module -> steps of its backward (or rerun)
+    budget: Optional[int] = None  # the device budget the default bucket size is for
 
     def numel(self) -> int:
         return sum(b.numel for b in self.buckets)
+
+    def pack(self, fmt: StateFormat, bucket_bytes: Optional[int] = None) -> tuple[list[Bucket], list[BucketUses]]:
+        """The parameters packed with their bytes in ``fmt`` into buckets of ``bucket_bytes`` (None: the runtime's
+        default for those weights under ``budget``, Note [Bucket size by default]), and where each is read."""
+        infos = [fmt.param(name, numel) for name, numel, _m in self.order]
+        if bucket_bytes is None:
+            bucket_bytes = default_bucket_bytes(sum(p.weight_bytes for p in infos), self.budget)
+        buckets = pack_buckets(infos, bucket_bytes)
+        module_of = {name: m for name, _n, m in self.order}
+        uses = []
+        for bucket in buckets:
+            ms = {module_of[p] for p in bucket.params}
+            uses.append(BucketUses(tuple(sorted(set().union(*(self.forward.get(m, set()) for m in ms)))),
+                                   tuple(sorted(set().union(*(self.backward.get(m, set()) for m in ms))))))  # fmt: skip
+        return buckets, uses
+
+    def accumulation(self, fmt: StateFormat, bucket_bytes: Optional[int] = None) -> int:
+        """Host bytes of the runtime's gradient-accumulation buffer for these parameters in ``fmt`` (Note [Host
+        memory before allocating])."""
+        infos = [fmt.param(name, numel) for name, numel, _m in self.order]
+        if bucket_bytes is None:
+            bucket_bytes = default_bucket_bytes(sum(p.weight_bytes for p in infos), self.budget)
+        return accumulation_bytes([p.grad_bytes for p in infos], bucket_bytes)
 
 
 def access_events(trace: Trace, iteration: int = -1, min_bytes: int = 0) -> list[int]:
@@ -102,9 +137,11 @@ def step_of_events(accesses: list[int], events: np.ndarray) -> np.ndarray:
 
 
 def layout_from_trace(trace: Trace, model_fn: Callable[[], torch.nn.Module], fmt: StateFormat = StateFormat(),
-                      bucket_bytes: int = 32 << 20, iteration: int = -1, min_bytes: int = 0) -> Layout:  # fmt: skip
+                      bucket_bytes: Optional[int] = None, iteration: int = -1, min_bytes: int = 0,
+                      budget: Optional[int] = None) -> Layout:  # fmt: skip
     """The buckets of ``model_fn()``'s parameters in first-use order, where one iteration of ``trace`` reads
-    them, and the trace's model-state bytes per step (Note [Model state from a trace])."""
+    them, and the trace's model-state bytes per step (Note [Model state from a trace]). ``bucket_bytes``: None,
+    the runtime's default for these weights under ``budget`` (Note [Bucket size by default])."""
     accesses = access_events(trace, iteration, min_bytes)
     if not accesses:
         raise ValueError("the trace saves nothing for backward: there is no sequence to place weights in")
@@ -133,14 +170,10 @@ def layout_from_trace(trace: Trace, model_fn: Callable[[], torch.nn.Module], fmt
         named.append((name, p.numel(), index.get(path, -1)))
     never = len(trace)
     named.sort(key=lambda x: first_op.get(x[2], never))  # stable: unread parameters last, in model order
-    buckets = pack_buckets([fmt.param(name, numel) for name, numel, _m in named], bucket_bytes)
-    module_of = {name: m for name, _n, m in named}
-    uses = []
-    for bucket in buckets:
-        ms = {module_of[p] for p in bucket.params}
-        uses.append(BucketUses(tuple(sorted(set().union(*(forward[m] for m in ms)))),
-                               tuple(sorted(set().union(*(backward[m] for m in ms))))))  # fmt: skip
-    return Layout(buckets, uses, _trace_model_bytes(trace, accesses, e), len(named))
+    layout = Layout([], [], _trace_model_bytes(trace, accesses, e), len(named), named, dict(forward), dict(backward),
+                    budget)  # fmt: skip
+    layout.buckets, layout.uses = layout.pack(fmt, bucket_bytes)
+    return layout
 
 
 def _trace_model_bytes(trace: Trace, accesses: list[int], end: int) -> list[int]:

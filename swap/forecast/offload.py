@@ -5,7 +5,7 @@ schedules of other systems on the same simulator.
 Note [Offload schedules side by side]
 Each schedule is a placement of every bucket, where the host steps run, and the format the system keeps the
 model in, judged on the same capture, device, host, activation search and simulator (Note [Model-state
-simulation] in swap/schedule/model_state_sim.py):
+simulation] in swap/schedule/model_state/sim.py):
 
 - ``ours``: what ``SwapManager(model=, optimizer=)`` runs, and only that (Note [What the runtime runs]):
   placements planned under the budget (``plan_model_state``: a resident prefix, host masters, streamed
@@ -62,11 +62,19 @@ from ..capture import Trace, capture
 from ..devices import KERNELS, DeviceProfile, HostProfile, host_step_bytes
 from ..joint.search import BASELINES, Evaluator, Outcome, search
 from ..schedule.budget import InfeasibleBudget
-from ..schedule.model_state import Bucket, ModelStateDoesNotFit, ModelStatePlan, Placement, plan_model_state
-from ..schedule.model_state_choice import RESIDENT_SHARES, ROOM_SHARES, Placed, place, simulate_placed, with_bytes
-from ..schedule.model_state_sim import ModelStatePrices
+from ..schedule.model_state import (
+    Bucket,
+    ModelStateDoesNotFit,
+    ModelStatePlan,
+    ModelStatePolicy,
+    ModelStatePrices,
+    Placement,
+    placement_named,
+    plan_model_state,
+)
+from ..schedule.model_state.choice import RESIDENT_SHARES, ROOM_SHARES, Placed, place, simulate_placed, with_bytes
+from ..schedule.model_state.weights import BucketUses, reserve
 from ..schedule.sequence import Sequence
-from ..schedule.weights import BucketUses, reserve
 from .from_trace import sequence_from_trace
 from .model_state import Layout, StateFormat, access_events, layout_from_trace, stateless_optimizer
 from .offload_report import OffloadForecast, OffloadResult
@@ -230,7 +238,7 @@ def _result(name: str, prep: Union[_Prepared, str], plan: ModelStatePlan, room: 
     """Schedule ``name``'s result: ``plan`` simulated on ``prep`` (or why it does not fit)."""
     s = SCHEDULES[name]
     r = OffloadResult(name, s.label, False, "", plan=plan, room=room, clipping=s.clipping, timing=timing,
-                      kernel=kernel)
+                      kernel=kernel, buckets=list(buckets))  # fmt: skip
     if isinstance(prep, str):
         r.why = prep
         return r
@@ -256,11 +264,11 @@ def forecast_offload(
     host: HostProfile,
     fmt: Optional[StateFormat] = None,
     schedules: Seq[str] = DEFAULT_SCHEDULES,
-    mode: str = "auto",
+    placement: str = "auto",
     kernel: str = RUNTIME_DEFAULT_KERNEL,
     model_bytes: Optional[int] = None,
     activations: str = "auto",
-    bucket_bytes: int = 32 << 20,
+    bucket_bytes: Optional[int] = None,
     min_bytes: int = 1 << 20,
     in_flight: int = 2,
     name: str = "model",
@@ -269,11 +277,14 @@ def forecast_offload(
     """Every schedule in ``schedules`` (``SCHEDULES``) on ``trace`` (one training step at ``batch``, captured
     with a stateless optimizer: ``swap.forecast.model_state.stateless_optimizer``) under ``budget`` (Note
     [Offload schedules side by side]). ``fmt``: the math the baselines keep (master and state dtypes, the compute
-    dtype); ours keeps it as the runtime does (Note [What the runtime runs]). ``mode`` is ours: "auto",
-    "offload" or "resident" (``plan_model_state``); ``kernel``: ours' host optimizer kernel (``host_kernel``);
+    dtype); ours keeps it as the runtime does (Note [What the runtime runs]). ``placement`` is ours: "auto",
+    "streamed", "host_master" or "resident" (``plan_model_state``); ``bucket_bytes``: None, the runtime's default
+    for these weights under ``budget`` (Note [Bucket size by default]); ``kernel``: ours' host optimizer kernel
+    (``host_kernel``);
     ``model_bytes``: bytes an element of the model's parameters, what ours keeps every role in (None: the master's,
     an fp32 model trained with autocast in ``fmt.weight``'s dtype)."""
     fmt = fmt or StateFormat()
+    placement = placement_named(placement, "placement")
     if kernel not in KERNELS:
         raise ValueError(f"unknown host optimizer kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     for s in schedules:
@@ -285,7 +296,7 @@ def forecast_offload(
         say(f"no saved tensor reaches min_bytes ({min_bytes} bytes): model state placed among all of them")
         min_bytes = 0
     seq = sequence_from_trace(trace, cost=dev, min_bytes=min_bytes)
-    layout = layout_from_trace(trace, model_fn, fmt, bucket_bytes, min_bytes=min_bytes)
+    layout = layout_from_trace(trace, model_fn, fmt, bucket_bytes, min_bytes=min_bytes, budget=budget)
     seq = replace(seq, nonswap=[max(0, a - b) for a, b in zip(seq.nonswap, layout.trace_bytes)])
     table = table_from_trace(trace, min_bytes=min_bytes, seconds=event_seconds(trace, dev))
     acts = _Activations(seq, table, budget, dev, activations, AUTO_EVALUATIONS)
@@ -293,12 +304,15 @@ def forecast_offload(
                           sum(seq.compute), host.memory)  # fmt: skip
     for s in schedules:
         sf = SCHEDULES[s].format(fmt, model_bytes)
-        buckets = rebucket(layout, sf)
         k = SCHEDULES[s].kernel or kernel
-        prices = prices_for(buckets, sf, dev, host, k)
-        if SCHEDULES[s].placement is None:
-            out.results[s] = _ours(s, acts, buckets, layout.uses, sf, prices, host, mode, in_flight, tokens, say, k)
+        if SCHEDULES[s].placement is None:  # ours: packed as the runtime packs the model (Note [One packer])
+            buckets, uses = layout.pack(sf, bucket_bytes)
+            prices = prices_for(buckets, sf, dev, host, k)
+            out.results[s] = _ours(s, acts, buckets, uses, sf, prices, host, placement, in_flight, tokens, say, k,
+                                   layout.accumulation(sf, bucket_bytes))  # fmt: skip
         else:
+            buckets = rebucket(layout, sf)
+            prices = prices_for(buckets, sf, dev, host, k)
             plan = with_bytes(buckets, ModelStatePlan.uniform(len(buckets), SCHEDULES[s].placement), in_flight)
             room = acts.grid(plan.device_bytes)
             spare = host.memory - plan.host_bytes
@@ -313,18 +327,19 @@ def forecast_offload(
 
 
 def _ours(name: str, acts: _Activations, buckets: list[Bucket], uses: list[BucketUses], fmt: StateFormat,
-          prices: ModelStatePrices, host: HostProfile, mode: str, in_flight: int, tokens: int,
-          say: Callable[[str], None], kernel: str) -> OffloadResult:  # fmt: skip
+          prices: ModelStatePrices, host: HostProfile, placement: str, in_flight: int, tokens: int,
+          say: Callable[[str], None], kernel: str, accumulation: int = 0) -> OffloadResult:  # fmt: skip
     """The fastest of our plans over the device rooms and resident shares tried (Note [Offload schedules
     side by side])."""
     best: Optional[OffloadResult] = None
     why = "no plan fits"
     for share in ROOM_SHARES:
         room = acts.grid(int(share * acts.budget))
-        for resident in RESIDENT_SHARES if mode == "auto" else (1.0,):
+        for resident in RESIDENT_SHARES if placement == "auto" else (1.0,):
             try:
-                plan = plan_model_state(buckets, room, mode=mode, resident_room=int(resident * room),
-                                        in_flight=in_flight, host_memory=host.memory)  # fmt: skip
+                plan = plan_model_state(buckets, room, placement=placement, resident_room=int(resident * room),
+                                        in_flight=in_flight, host_memory=host.memory,
+                                        accumulation=accumulation)  # fmt: skip
             except ModelStateDoesNotFit as e:
                 why = str(e)
                 continue
@@ -342,7 +357,7 @@ def _ours(name: str, acts: _Activations, buckets: list[Bucket], uses: list[Bucke
                 elif best is None:
                     best = r
                 why = r.why or why
-            if mode != "auto" or all(p == Placement.RESIDENT for p in plan.placements):
+            if placement != "auto" or all(p == Placement.RESIDENT for p in plan.placements):
                 break
     if best is None:  # no room tried holds a plan: say why (the largest room's refusal is the last)
         s = SCHEDULES[name]
@@ -406,11 +421,11 @@ def host_kernel(optimizer: Optional[OptimizerFn]) -> str:
 
 
 def forecast_model(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], Any], loss_fn: Any, *,
-                   batch: int, budget: int, dev: DeviceProfile, host: HostProfile, mode: str,
+                   batch: int, budget: int, dev: DeviceProfile, host: HostProfile, policy: ModelStatePolicy,
                    optimizer: Optional[OptimizerFn] = None,
                    dtype: Optional[torch.dtype] = None, min_bytes: int = 1 << 20, target: str = "cuda",
                    name: str = "model", say: Callable[[str], None] = lambda _m: None) -> OffloadForecast:  # fmt: skip
-    """``swap.plan(model_state=...)``: one training step at ``batch`` captured with a stateless optimizer
+    """``swap.plan(model_state=policy)``: one training step at ``batch`` captured with a stateless optimizer
     (Note [Model state from a trace]) and every offload schedule forecast on it, in the format the user's
     optimizer and dtype say (``state_format``), ours in the model's own dtype with the host kernel the runtime
     runs for that optimizer (Note [What the runtime runs]). Tokens are the batch's elements of its first input."""
@@ -424,7 +439,8 @@ def forecast_model(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[
         first = first[0]
     tokens = int(first.numel()) if isinstance(first, torch.Tensor) and not first.is_floating_point() else batch
     return forecast_offload(trace, model_fn, batch=batch, tokens=tokens, budget=budget, dev=dev, host=host,
-                            fmt=state_format(optimizer, dtype), mode=mode, min_bytes=min_bytes, name=name, say=say,
+                            fmt=state_format(optimizer, dtype), placement=policy.placement,
+                            bucket_bytes=policy.bucket_bytes, min_bytes=min_bytes, name=name, say=say,
                             kernel=host_kernel(optimizer), model_bytes=model_bytes(dtype))  # fmt: skip
 
 

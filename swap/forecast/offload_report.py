@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..schedule.model_state import ModelStatePlan, Placement
-from ..schedule.model_state_sim import ModelStateSim
+from ..schedule.model_state import Bucket, ModelStatePlan, ModelStateSim, Placement
 from ..units import fmt_size
 
 
@@ -28,6 +27,7 @@ class OffloadResult:
         timing: when its host steps run ("blocking", "before_use", "speculative").
         kernel: the host optimizer's kernel it is priced with (``swap.devices.KERNELS``).
         format: the bytes it keeps each role in (``StateFormat.describe``).
+        buckets: the buckets the plan places (ours: packed as the runtime packs the model, Note [One packer]).
     """
 
     schedule: str
@@ -47,6 +47,7 @@ class OffloadResult:
     timing: str = ""
     kernel: str = ""
     format: str = ""
+    buckets: list[Bucket] = field(default_factory=list)
 
     def placements(self) -> str:
         """resident/host-master/streamed bucket counts."""

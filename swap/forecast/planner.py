@@ -40,7 +40,7 @@ from ..devices import (
 )
 from ..devices import profile as device_profile
 from ..schedule.budget import min_budget
-from ..schedule.model_state import MODES
+from ..schedule.model_state import ModelStatePolicy, policy_of
 from ..schedule.scheduler import POLICIES, InfeasibleBudget
 from ..schedule.scheduler import plan as make_schedule
 from ..schedule.sequence import Sequence
@@ -261,7 +261,7 @@ def plan(
     world_size: int = 1,
     shard: Optional[str] = None,
     interconnect: Optional[Union[str, InterconnectProfile]] = None,
-    model_state: Optional[str] = None,
+    model_state: Union[ModelStatePolicy, str, None] = None,
     host: Union[str, HostProfile, None] = None,
     tf32: Union[str, bool, None] = "auto",
 ) -> Plan:
@@ -299,11 +299,14 @@ def plan(
             (``swap.devices.INTERCONNECTS``: "nvlink4", "ib-ndr400"; default "nvlink4"): the budget and every
             batch are per rank (Note [One rank of FSDP2] in swap/forecast/distributed.py).
         batch: also compare the strategies at this batch size (and forecast model state at it).
-        model_state: plan parameters, gradients and optimizer state under the budget too, at ``batch``: "auto"
-            (placements chosen: resident, host master or streamed), "offload" (every bucket streamed) or
-            "resident" (as today), side by side with other systems' offload schedules
-            (``swap.forecast.offload``); the result's ``model_state``. None: model state stays on the device,
-            unless nothing fits so (Note [Model-state offload unasked]).
+        model_state: plan parameters, gradients and optimizer state under the budget too, at ``batch``, as a
+            ``swap.ModelStatePolicy`` says (the one ``SwapManager`` takes): its placement ("auto": chosen per
+            bucket, resident, host master or streamed; or every bucket "streamed", "host_master" or
+            "resident"), its ``bucket_bytes`` (None: the runtime's default for the weights and the budget) and
+            ``host_memory`` (None: the host profile's), side by side with other systems' offload schedules
+            (``swap.forecast.offload``); the result's ``model_state``. A placement string is the old spelling
+            (a FutureWarning). None: model state stays on the device, unless nothing fits so (Note [Model-state
+            offload unasked]).
         host: the host profile for ``model_state`` (``swap.devices.HOST_PROFILES``: "desktop-ddr5-2ch",
             "server-ddr5-8ch", or a file bench/host_profile.py wrote); giving one implies model_state="auto".
             None: where no batch fits, model-state offload is forecast on ``swap.devices.default_host``'s profile.
@@ -342,7 +345,8 @@ def plan(
     min_bytes_ = parse_size(min_bytes, "min_bytes", none="0, as SwapManager: every saved tensor may move") or 0
     label = name or getattr(model_fn, "__name__", "model")
     ranks = distributed.sharding(model_fn, world_size, shard, interconnect, dtype)
-    host_ = _model_state_host(model_state, host, batch)
+    ms_policy = None if model_state is None else policy_of(model_state, "model_state")
+    host_ = _model_state_host(ms_policy, host, batch)
 
     def capture_at(n: int) -> Trace:
         trace = capture(model_fn, batch_fn, n, loss_fn, optimizer=optimizer, steps=steps, target=target, dtype=dtype,
@@ -393,8 +397,8 @@ def plan(
         assert offload_batch is not None  # _model_state_host checked it
         result.model_state = forecast_model(
             model_fn, batch_fn, loss_fn, batch=offload_batch, budget=budget, dev=dev, host=host_,
-            mode=model_state or "auto", optimizer=optimizer, dtype=dtype, min_bytes=min_bytes_, target=target,
-            name=label, say=say,
+            policy=ms_policy or ModelStatePolicy(), optimizer=optimizer, dtype=dtype, min_bytes=min_bytes_,
+            target=target, name=label, say=say,
         )  # fmt: skip
         if host is None and model_state is None:
             result.notes.append(_offload_unasked(result.model_state, default_host(dev), offload_batch))
@@ -441,20 +445,27 @@ def _smallest_budget(ev: _Evaluator, policies: tuple[str, ...], say: _Progress) 
     return hi, fitting(hi)
 
 
-def _model_state_host(model_state: Optional[str], host: Union[str, HostProfile, None],
+def _model_state_host(model_state: Optional[ModelStatePolicy], host: Union[str, HostProfile, None],
                       batch: Optional[int]) -> Optional[HostProfile]:  # fmt: skip
     """The host profile ``swap.plan``'s model-state forecast runs on (None: no such forecast), or a ValueError
     saying what to pass."""
     if model_state is None and host is None:
         return None
-    if model_state is not None and model_state not in MODES:
-        raise ValueError(f"unknown model_state {model_state!r}: choose one of {', '.join(MODES)}, or None")
+    if model_state is not None and model_state.compute_dtype is not None:
+        raise NotImplementedError(
+            f"ModelStatePolicy(compute_dtype={model_state.compute_dtype}): the forecast does not price the runtime's "
+            "mixed precision (fp32 host masters, compute-dtype copies on the device) yet, and it prices only what "
+            "the runtime does: leave compute_dtype=None here (other systems' schedules are priced in bf16 with fp32 "
+            "masters with dtype=torch.bfloat16)")  # fmt: skip
     if host is None:
         raise ValueError(f"model_state={model_state!r} needs a host profile: host= one of {', '.join(HOST_PROFILES)}, "
                          "or a file bench/host_profile.py wrote")  # fmt: skip
     if batch is None:
         raise ValueError("model state is forecast at one batch: pass batch=N (--at-batch N)")
-    return host_profile(host)
+    profile = host_profile(host)
+    if model_state is not None and model_state.host_memory is not None:  # the policy's cap on what model state takes
+        profile = dataclasses.replace(profile, memory=model_state.host_memory)
+    return profile
 
 
 def _search_all(traces: _Traces, dev: DeviceProfile, budget: int, allocator: Optional[str], min_bytes: int,

@@ -74,7 +74,8 @@ class RegionModel:
     sequence: Sequence
     recompute_seconds: float = 0.0  # per iteration, regions and rebuilds
     # per step of the sequence the plan was applied to, the step of ``sequence`` that runs its compute (a step
-    # the plan removes joins the one before); empty: the same steps (what places weights: swap/schedule/weights.py)
+    # the plan removes joins the one before); empty: the same steps (what places weights:
+    # swap/schedule/model_state/weights.py)
     holds: list[int] = field(default_factory=list)
     recomputed_bytes: dict[str, int] = field(default_factory=dict)  # per region path: saved bytes recomputed
     rebuilt: int = 0  # elementwise rebuilds chosen

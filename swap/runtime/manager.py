@@ -32,6 +32,7 @@ from typing import Any, Optional, Union
 import torch
 
 from ..schedule.budget import InfeasibleBudget
+from ..schedule.model_state import ModelStatePolicy, policy_of
 from ..schedule.scheduler import Schedule, validate
 from ..schedule.sequence import Sequence
 from ..units import Size, parse_size
@@ -106,20 +107,25 @@ class SwapManager:
             is unchanged: ``opt.step()``, an LR scheduler, gradient accumulation, ``zero_grad``,
             ``torch.nn.utils.clip_grad_norm_`` (or ``sm.clip_grad_norm_``) and both state dicts work as in plain
             torch. Adam, AdamW and SGD are supported.
-        model_state: with ``model=``: "offload" streams every parameter through the device and steps it on the
-            host (exact: the very optimizer, bitwise on CPU runs); "resident" keeps the state on the device (as
-            without ``model=``); "auto" (the default) chooses per bucket under the budget, starting offloaded.
-        bucket_bytes: parameters are moved and stepped in buckets of about this many bytes (packed in the order
-            the forward pass reads them); None (the default): the weights over 16 buckets, at most 1/32 of the
-            budget, between 64 KiB and 32 MiB (Note [Bucket size by default] in swap.runtime.model_state.defaults).
-        host_memory: host bytes the offloaded model state may take; None: what the kernel reports available.
-            The manager refuses at construction (``HostMemoryError``) if the state would not fit.
-        compute_dtype: with ``model=`` (``model_state="auto"`` or ``"offload"``) and an fp32 model, mixed precision:
-            fp32 master weights, gradients and optimizer state on the host, the device computing with copies in
-            this dtype (torch.bfloat16 or torch.float16), cast on the host so the link carries half the bytes;
-            the model's floating-point inputs are cast to it. After the manager the parameters are the fp32
-            masters. None (the default): the parameters' own dtype (Note [Mixed precision] in
-            swap.runtime.model_state.precision).
+        model_state: with ``model=``, a ``swap.ModelStatePolicy`` (None: the default policy, ``placement="auto"``):
+            where the model's state lives and how it moves. ``placement="auto"`` chooses per bucket under the
+            budget, starting streamed; ``"streamed"`` streams every parameter through the device and steps it on
+            the host (exact: the very optimizer, bitwise on CPU runs); ``"host_master"`` keeps a device compute
+            copy of every bucket, where it fits; ``"resident"`` keeps the state on the device (as without
+            ``model=``). Its ``bucket_bytes`` (None: the weights over 16 buckets, at most 1/32 of the budget,
+            between 64 KiB and 32 MiB: Note [Bucket size by default]), ``host_memory`` (None: what the kernel
+            reports available; the manager refuses at construction, ``HostMemoryError``, if the state would not
+            fit) and ``host_threads``. The old spellings, a placement string (``"offload"``, ``"auto"``,
+            ``"resident"``) and the ``bucket_bytes=`` / ``host_memory=`` arguments, still work with a
+            FutureWarning naming the new one.
+        bucket_bytes, host_memory: old spellings of ``ModelStatePolicy``'s fields (a FutureWarning).
+        compute_dtype: with ``model=`` (placement "auto" or "streamed") and an fp32 model, mixed precision: fp32
+            master weights, gradients and optimizer state on the host, the device computing with copies in this
+            dtype (torch.bfloat16 or torch.float16), cast on the host so the link carries half the bytes; the
+            model's floating-point inputs are cast to it. After the manager the parameters are the fp32 masters.
+            None (the default): the parameters' own dtype (Note [Mixed precision] in
+            swap.runtime.model_state.precision). The same as ``ModelStatePolicy(compute_dtype=...)``: give it one
+            way.
         group: under DDP or FSDP2, the process group whose ranks choose ``strategy="auto"``'s plan together
             (Note [Ranks agree on a plan] in swap.runtime.auto.ranks): None, the default group when torch.distributed
             is initialised with more than one rank; False, each rank plans alone. Each rank keeps its own budget.
@@ -147,7 +153,7 @@ class SwapManager:
         strategy: Optional[str] = None,
         model: Optional[torch.nn.Module] = None,
         optimizer: Optional[torch.optim.Optimizer] = None,
-        model_state: str = "auto",
+        model_state: Union[ModelStatePolicy, str, None] = None,
         bucket_bytes: Size = None,
         host_memory: Size = None,
         compute_dtype: Optional[torch.dtype] = None,
@@ -180,18 +186,19 @@ class SwapManager:
         self._final: Optional[dict[str, Any]] = None
         self._group = group
         self.model_state: Optional[ModelStateRuntime] = None
-        mode = check_model_state(model, optimizer, model_state)
-        compute_dtype = check_compute_dtype(compute_dtype, mode)
-        if mode in ("auto", "offload"):
+        ms_policy = policy_of(model_state, bucket_bytes=bucket_bytes, host_memory=host_memory)
+        if compute_dtype is not None:  # the argument, or the policy's field (Note [The model-state policy])
+            if ms_policy.compute_dtype is not None and ms_policy.compute_dtype != compute_dtype:
+                raise ValueError(f"compute_dtype={compute_dtype} and ModelStatePolicy(compute_dtype="
+                                 f"{ms_policy.compute_dtype}) disagree: give it once")  # fmt: skip
+            ms_policy = dataclasses.replace(ms_policy, compute_dtype=check_compute_dtype(compute_dtype, "auto"))
+        run = check_model_state(model, optimizer, ms_policy)
+        check_compute_dtype(ms_policy.compute_dtype, run.placement if run is not None else None)
+        if run is not None and run.offloads:
             if policy == "none":
                 raise ValueError("policy='none' turns the manager off, so it cannot place model state: pass another "
-                                 "policy, or model_state='resident'")  # fmt: skip
-            self.model_state = ModelStateRuntime(
-                model, optimizer, self.device,
-                parse_size(bucket_bytes, "bucket_bytes", minimum=1, none="from the weights and the budget"),
-                parse_size(host_memory, "host_memory", minimum=1, none="what the kernel reports available"),
-                model_state, budget=self.budget, compute_dtype=compute_dtype,
-            )  # fmt: skip
+                                 "policy, or model_state=swap.ModelStatePolicy(placement='resident')")  # fmt: skip
+            self.model_state = ModelStateRuntime(model, optimizer, self.device, run, budget=self.budget)
 
     @property
     def joint_view(self) -> JointView:
@@ -251,8 +258,9 @@ class SwapManager:
         ms = self.model_state
         if ms is not None:  # before the operator profiler: its dispatch mode must sit above the guard's
             wiring.attach(ms, self.executor, engine, self.hooks, self.memory, self.budget)
-            if ms.mode == "auto":
-                ms.decide = wiring.placer(self.executor, self.memory, self.budget, self._notices.note)
+            if ms.mode in ("auto", "host_master"):
+                ms.decide = wiring.placer(self.executor, self.memory, self.budget, self._notices.note, ms.mode,
+                                          ms.prediction.accumulation)  # fmt: skip
         self.hooks.install(self.executor, self._joint)
         if self._joint is not None:
             self._joint.start(self.executor, self.hooks)

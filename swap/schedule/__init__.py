@@ -3,23 +3,33 @@
 ``sequence`` (the iteration as the scheduler sees it), ``scheduler`` (``plan``: a policy's schedule under a
 budget), ``simulator`` (the iteration replayed on a compute stream and two copy engines; ``choose_window``;
 ``schedule_for``, the one place that says how a policy gets its schedule), ``budget`` (each step's floor, the
-smallest feasible budget, ``InfeasibleBudget``), and model state: ``model_state`` (parameters in buckets,
-where each lives and is updated, ``plan_model_state``), ``weights`` (buckets in the sequence),
-``model_state_sim`` (the iteration with a host-step lane) and ``model_state_choice`` (``choose_model_state``).
-Pure: no torch, no CUDA, no I/O, so the runtime, the joint search, the forecast and the tests all drive it
-directly. Imports only ``swap.units``.
+smallest feasible budget, ``InfeasibleBudget``), and ``model_state/`` (the one model-state plan of the forecast and
+the runtime: buckets, bytes, placements, the simulated chooser, FSDP2 units, ``ModelStatePolicy``). Pure: no CUDA,
+no I/O (torch only to name a compute dtype), so the runtime, the joint search, the forecast and the tests all
+drive it directly. Imports only ``swap.units``.
 """
 
 from __future__ import annotations
 
 from .budget import InfeasibleBudget
-from .model_state import Bucket, ModelStateDoesNotFit, ModelStatePlan, Placement, UpdateSite, plan_model_state
-from .model_state_choice import ModelStateChoice, choose_model_state
-from .model_state_sim import ModelStatePrices, ModelStateSim, simulate_model_state
+from .model_state import (
+    Bucket,
+    BucketUses,
+    ModelStateChoice,
+    ModelStateDoesNotFit,
+    ModelStatePlan,
+    ModelStatePrices,
+    ModelStateSim,
+    Placement,
+    UpdateSite,
+    choose_model_state,
+    plan_model_state,
+    simulate_model_state,
+    with_weights,
+)
 from .scheduler import POLICIES, Schedule, plan
 from .sequence import Sequence
 from .simulator import Scheduled, SimResult, choose_window, schedule_for, simulate
-from .weights import BucketUses, with_weights
 
 __all__ = [
     "POLICIES", "Bucket", "BucketUses", "InfeasibleBudget", "ModelStateChoice", "ModelStateDoesNotFit",

@@ -53,9 +53,17 @@ def test_a_model_whose_state_outgrows_the_budget_is_planned_with_it_offloaded(tm
     assert "choose a device with more" not in err
 
 
+ONE_WEIGHT_FILE = MLP_FILE.replace("model_fn():  # 4 MiB of parameters: one bucket", "model_fn():  # a 16 MiB weight")
+ONE_WEIGHT_FILE = ONE_WEIGHT_FILE.replace(
+    "nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(512, 512), nn.ReLU())), nn.Linear(512, 10))",
+    "nn.Sequential(nn.Linear(512, 8192), nn.ReLU(), nn.Linear(8192, 10))")  # fmt: skip
+
+
 def test_a_small_model_says_why_offload_does_not_fit(tmp_path, capsys):
-    # It died with a bare AssertionError in swap/forecast/offload.py when no room held a plan.
-    rc = run(tmp_path, MLP_FILE, "--budget", "16MiB", "--device", "rtx4090", "--policies", "none",
+    # It died with a bare AssertionError in swap/forecast/offload.py when no room held a plan. A parameter is never
+    # split, so a 16 MiB weight is a bucket no room of a 16 MiB budget holds in flight, whatever the bucket size.
+    assert "a 16 MiB weight" in ONE_WEIGHT_FILE and "8192" in ONE_WEIGHT_FILE
+    rc = run(tmp_path, ONE_WEIGHT_FILE, "--budget", "16MiB", "--device", "rtx4090", "--policies", "none",
              "--host", "desktop-ddr5-2ch", "--at-batch", "512")  # fmt: skip
     out, err = capsys.readouterr()
     assert rc in (0, NOTHING_FITS) and "Traceback" not in err

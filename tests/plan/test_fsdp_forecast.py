@@ -12,7 +12,7 @@ from swap.capture.trace import ALLOC, TAG, live_peak
 from swap.cli import main
 from swap.devices import INTERCONNECTS, InterconnectProfile, profile
 from swap.forecast.distributed import exposed_collectives, fsdp2, rank_trace, sharding
-from swap.schedule.unit_offload import shard_of
+from swap.schedule.model_state.units import shard_of
 
 LAYERS, D, BATCH = 3, 128, 6
 MODEL = functools.partial(fsdp_cpu.model_fn, LAYERS, D)

@@ -71,7 +71,8 @@ def test_buckets_in_first_use_order_and_where_they_are_read(trace):
     assert lay.params == len(params) and lay.numel() == sum(p.numel() for p in params)
     for b, u in zip(lay.buckets, lay.uses):
         assert u.forward and u.backward and max(u.forward) < u.grad_final, b.params  # read forward, then backward
-    assert lay.buckets[0].weight_bytes == 256 * 64 * 2 and lay.buckets[0].state_bytes == 256 * 64 * 8
+    # two fp32 moments and the step counter (an fp32 scalar a parameter), as the runtime counts them
+    assert lay.buckets[0].weight_bytes == 256 * 64 * 2 and lay.buckets[0].state_bytes == 256 * 64 * 8 + 4
     seq = sequence_from_trace(trace, min_bytes=0)
     assert len(lay.trace_bytes) == len(seq)
     assert all(0 <= m <= n for m, n in zip(lay.trace_bytes, seq.nonswap))  # never more than the step held
@@ -102,7 +103,7 @@ def test_ours_is_priced_with_only_what_the_runtime_does(trace):
     # "ours"; the runtime steps after opt.step(), keeps the parameter as the master, and runs torch's kernel.
     dev, host = profile("rtx4090"), host_profile("desktop-ddr5-2ch")
     f = forecast_offload(trace, tiny, batch=4, tokens=128, budget=2 * MiB, dev=dev, host=host, min_bytes=0,
-                         bucket_bytes=16 * 1024, mode="offload",
+                         bucket_bytes=16 * 1024, placement="streamed",
                          schedules=(*DEFAULT_SCHEDULES, "ours_loop", "ours_pure"))  # fmt: skip
     ours, loop, pure = (f.results[k] for k in ("ours", "ours_loop", "ours_pure"))
     for r in (ours, loop, pure):
@@ -140,17 +141,25 @@ def test_the_format_follows_the_users_optimizer_and_dtype():
 
 
 def test_swap_plan_with_model_state(capsys):
-    p = swap.plan(tiny, tiny_batch, budget="4MiB", device="rtx4090", model_state="auto", host="desktop-ddr5-2ch",
-                  batch=2, policies=("none",), strategies=(), dtype=torch.bfloat16, min_bytes=0,
-                  progress=False)  # fmt: skip
+    p = swap.plan(tiny, tiny_batch, budget="4MiB", device="rtx4090", model_state=swap.ModelStatePolicy(),
+                  host="desktop-ddr5-2ch", batch=2, policies=("none",), strategies=(), dtype=torch.bfloat16,
+                  min_bytes=0, progress=False)  # fmt: skip
     assert p.model_state is not None and p.model_state.results["ours"].fits and p.model_state.tokens == 64
     assert "model state under the budget" in p.table() and p.to_dict()["model_state"]["batch"] == 2
     with pytest.raises(ValueError, match="needs a host profile"):
-        swap.plan(tiny, tiny_batch, budget="4MiB", model_state="auto", batch=2, progress=False)
+        swap.plan(tiny, tiny_batch, budget="4MiB", model_state=swap.ModelStatePolicy(), batch=2, progress=False)
     with pytest.raises(ValueError, match="pass batch=N"):
         swap.plan(tiny, tiny_batch, budget="4MiB", host="desktop-ddr5-2ch", progress=False)
-    with pytest.raises(ValueError, match="unknown model_state 'all'"):
-        swap.plan(tiny, tiny_batch, budget="4MiB", model_state="all", host="desktop-ddr5-2ch", batch=2, progress=False)
+    with pytest.raises(ValueError, match="unknown placement 'all'"):
+        swap.plan(tiny, tiny_batch, budget="4MiB", model_state=swap.ModelStatePolicy(placement="all"),
+                  host="desktop-ddr5-2ch", batch=2, progress=False)  # fmt: skip
+    # the old spelling, a string, still works and says the new one (Note [The model-state policy])
+    with pytest.warns(FutureWarning, match=r"model_state=swap.ModelStatePolicy\(placement='streamed'\)"):
+        with pytest.raises(ValueError, match="needs a host profile"):
+            swap.plan(tiny, tiny_batch, budget="4MiB", model_state="offload", batch=2, progress=False)
+    with pytest.raises(NotImplementedError, match="does not price the runtime.s mixed precision"):
+        swap.plan(tiny, tiny_batch, budget="4MiB", model_state=swap.ModelStatePolicy(compute_dtype=torch.bfloat16),
+                  host="desktop-ddr5-2ch", batch=2, progress=False)  # fmt: skip
 
 
 USER_FILE = """

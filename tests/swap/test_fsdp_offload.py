@@ -17,7 +17,7 @@ from bench.ranks import spawn
 from swap.forecast import zoo
 from swap.runtime.model_state import fsdp2
 from swap.schedule.model_state import Placement
-from swap.schedule.unit_offload import blocks_of, choose_offloaded
+from swap.schedule.model_state.units import blocks_of, choose_offloaded
 
 VOCAB, SEQ = 64, 16
 

@@ -15,6 +15,7 @@ from swap.schedule.model_state import (
     ParamInfo,
     Placement,
     UpdateSite,
+    pack,
     pack_buckets,
     plan_bytes,
     plan_model_state,
@@ -118,20 +119,22 @@ def llm_buckets(n=10, numel=1000):
 def test_pack_buckets_never_splits_a_parameter_and_keeps_the_order():
     params = [ParamInfo(f"p{i}", n, 2 * n, 4 * n, 2 * n, 8 * n) for i, n in enumerate([10, 10, 30, 2, 20, 5, 5, 5])]
     buckets = pack_buckets(params, bucket_bytes=40)
-    assert [b.params for b in buckets] == [("p0", "p1"), ("p2",), ("p3", "p4"), ("p5", "p6", "p7")]
-    # p2 alone is over the size: a bucket of its own; p3 (4 bytes, under a quarter of 40) takes p4 in
-    assert [b.weight_bytes for b in buckets] == [40, 60, 44, 30]
-    assert buckets[0].state_bytes == 160 and [b.index for b in buckets] == [0, 1, 2, 3]
+    assert [b.params for b in buckets] == [("p0", "p1"), ("p2",), ("p3",), ("p4",), ("p5", "p6", "p7")]
+    # p2 alone is over the size: a bucket of its own; no bucket passes the size otherwise (Note [One packer])
+    assert [b.weight_bytes for b in buckets] == [40, 60, 4, 40, 30]
+    assert buckets[0].state_bytes == 160 and [b.index for b in buckets] == [0, 1, 2, 3, 4]
+    # the runtime's storages pack alike: sizes in MiB [4, 40, 20, 20] at 32 MiB, each alone; an order given
+    assert pack([4, 40, 20, 20], 32) == [[0], [1], [2], [3]] and pack([4, 20, 8], 32, order=[2, 0]) == [[2, 0, 1]]
     with pytest.raises(ValueError, match="bucket_bytes must be positive"):
         pack_buckets(params, 0)
 
 
 def test_resident_and_offload_modes():
     buckets = llm_buckets()
-    res = plan_model_state(buckets, 10**9, mode="resident")
+    res = plan_model_state(buckets, 10**9, placement="resident")
     assert set(res.placements) == {Placement.RESIDENT} and set(res.update_sites) == {UpdateSite.DEVICE}
     assert res.device_bytes == 10 * 1000 * 16 and res.host_bytes == 0
-    off = plan_model_state(buckets, 10**9, mode="offload")
+    off = plan_model_state(buckets, 10**9, placement="streamed")
     assert set(off.placements) == {Placement.STREAMED} and set(off.update_sites) == {UpdateSite.HOST}
     assert off.device_bytes == 2 * (2000 + 2000)  # two buckets' weights in flight, two gradients not yet out
     # host: master 4 + grad 2 + state 8 + the bf16 copy the H2D reads 2 = 16 bytes a parameter
@@ -161,19 +164,19 @@ def test_refusals_name_what_would_fit():
     with pytest.raises(ModelStateDoesNotFit, match="raise the budget by 1000 B") as e:
         plan_model_state(buckets, 7000)
     assert e.value.what == "device" and e.value.needed == 8000
-    with pytest.raises(ModelStateDoesNotFit, match="use model_state='auto' or 'offload'"):
-        plan_model_state(buckets, 10**5, mode="resident")
+    with pytest.raises(ModelStateDoesNotFit, match="use placement='auto' or 'streamed'"):
+        plan_model_state(buckets, 10**5, placement="resident")
     with pytest.raises(ModelStateDoesNotFit, match="smallest host that fits is") as e:
         plan_model_state(buckets, 8000, host_memory=10**5)
     assert e.value.what == "host" and e.value.needed == 160000
-    with pytest.raises(ValueError, match="unknown model_state mode"):
-        plan_model_state(buckets, 8000, mode="everything")
+    with pytest.raises(ValueError, match="unknown placement .everything.: choose one of"):
+        plan_model_state(buckets, 8000, placement="everything")
 
 
 def test_speculation_stages_slots_on_the_host():
     buckets = llm_buckets()
-    plain = plan_model_state(buckets, 8000, mode="offload")
-    spec = plan_model_state(buckets, 8000, mode="offload", speculate=True, staging_slots=3)
+    plain = plan_model_state(buckets, 8000, placement="streamed")
+    spec = plan_model_state(buckets, 8000, placement="streamed", speculate=True, staging_slots=3)
     assert spec.speculate and spec.staging_slots == 3
     assert spec.host_bytes - plain.host_bytes == 3 * 12000  # (master, state) per slot
     assert not plan_model_state(buckets, 10**6, speculate=True).speculate  # all resident: nothing to speculate

@@ -9,9 +9,9 @@ from schedule_check import check_schedule
 
 from swap import InfeasibleBudget, Sequence, make_schedule
 from swap.schedule.model_state import Bucket, ModelStatePlan, Placement, UpdateSite, plan_model_state
-from swap.schedule.model_state_sim import Lane, ModelStatePrices, simulate_model_state
+from swap.schedule.model_state.sim import Lane, ModelStatePrices, simulate_model_state
+from swap.schedule.model_state.weights import BucketUses, model_state_bytes, with_weights
 from swap.schedule.simulator import choose_window
-from swap.schedule.weights import BucketUses, model_state_bytes, with_weights
 
 R, H, S = Placement.RESIDENT, Placement.HOST_MASTER, Placement.STREAMED
 
@@ -114,7 +114,7 @@ def test_host_steps_after_the_backward_block_and_before_use_hides_them_behind_th
 
 def test_speculation_starts_staged_host_steps_in_the_backward():
     seq, buckets, uses = layers()
-    plan = plan_model_state(buckets, 10**6, mode="offload", speculate=True, staging_slots=2)
+    plan = plan_model_state(buckets, 10**6, placement="streamed", speculate=True, staging_slots=2)
     assert plan.speculated() == [3, 2]  # the first offloaded buckets the backward finishes
     slow = prices(host=1.5)
     _w, _s, before = run(seq, buckets, uses, plan, slow, timing="before_use")
@@ -187,7 +187,7 @@ def test_the_weighted_schedule_never_plans_above_the_budget(n, room, share, budg
 
 def test_choose_model_state_keeps_the_fastest_plan_that_fits():
     from swap.schedule.model_state import ModelStateDoesNotFit
-    from swap.schedule.model_state_choice import choose_model_state
+    from swap.schedule.model_state.choice import choose_model_state
 
     seq, buckets, uses = layers()
     slow_host = prices(host=3.0)
@@ -195,15 +195,15 @@ def test_choose_model_state_keeps_the_fastest_plan_that_fits():
     assert set(roomy.plan.placements) == {R}  # room for everything: nothing leaves the device, no host steps
     assert roomy.sim.host_seconds == 0 and roomy.placed.schedule.peak <= 10_000
     tight = choose_model_state(seq, buckets, uses, 1010, slow_host)
-    offload = choose_model_state(seq, buckets, uses, 1010, slow_host, mode="offload")
+    offload = choose_model_state(seq, buckets, uses, 1010, slow_host, placement="streamed")
     assert tight.placed.schedule.peak <= 1010 and tight.sim.step_time <= offload.sim.step_time  # never slower
     # a short forward cannot hide every host step after opt.step(), a long backward can hide most of them
     seq.compute[:4] = [0.2] * 4
-    plain = choose_model_state(seq, buckets, uses, 1010, prices(host=0.8), mode="offload")
-    assert choose_model_state(seq, buckets, uses, 1010, prices(host=0.8), mode="offload",
+    plain = choose_model_state(seq, buckets, uses, 1010, prices(host=0.8), placement="streamed")
+    assert choose_model_state(seq, buckets, uses, 1010, prices(host=0.8), placement="streamed",
                               host_memory=10**6).timing == "before_use"  # the runtime's: no speculation unasked
-    spec = choose_model_state(seq, buckets, uses, 1010, prices(host=0.8), mode="offload", host_memory=10**6,
+    spec = choose_model_state(seq, buckets, uses, 1010, prices(host=0.8), placement="streamed", host_memory=10**6,
                               speculative=True)  # fmt: skip
     assert spec.timing == "speculative" and spec.plan.speculate and spec.sim.step_time < plain.sim.step_time
     with pytest.raises(ModelStateDoesNotFit, match="host"):
-        choose_model_state(seq, buckets, uses, 1010, slow_host, mode="offload", host_memory=100)
+        choose_model_state(seq, buckets, uses, 1010, slow_host, placement="streamed", host_memory=100)

@@ -1,6 +1,6 @@
 """The model's parameters as the model-state runtime moves them: one *entry* per device storage (a parameter, or
 several parameters sharing one storage), grouped into buckets in first-use order (Note [Model-state placements]
-in swap.schedule.model_state).
+in swap.schedule.model_state.plan); the packing is the forecast's (Note [One packer]).
 
 Note [Entries and buckets]
 Copies, drops and host masters are per entry (a whole storage: its bytes move once, and every parameter and view
@@ -13,12 +13,12 @@ later one in first-use order.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
 import torch
 
 from ...schedule.model_state import Bucket
+from ...schedule.model_state import state_bytes as ledger_state_bytes
 
 
 class Entry:
@@ -106,27 +106,9 @@ def _check_movable(name: str, p: torch.nn.Parameter, device: torch.device) -> No
     if p.layout != torch.strided or type(p) is not torch.nn.Parameter:
         raise ValueError(f"parameter {name} is a {type(p).__name__} with layout {p.layout}: only dense "
                          "torch.nn.Parameter tensors can be moved; keep this model's state on the device with "
-                         "model_state='resident'")  # fmt: skip
+                         "model_state=swap.ModelStatePolicy(placement='resident')")  # fmt: skip
     if not p.is_floating_point():
         raise ValueError(f"parameter {name} has dtype {p.dtype}: only floating-point parameters are optimized")
-
-
-def pack(sizes: Sequence[int], order: Iterable[int], bucket_bytes: int) -> list[list[int]]:
-    """Entries (indices into ``sizes``) in ``order`` packed greedily into buckets of at most ``bucket_bytes`` (an
-    entry larger than that is a bucket alone: an entry is never split); entries ``order`` omits go last, in index
-    order. Pure."""
-    ordered = list(dict.fromkeys(order))  # first occurrences, in order
-    placed = set(ordered)
-    ordered += [i for i in range(len(sizes)) if i not in placed]
-    buckets: list[list[int]] = []
-    room = 0
-    for i in ordered:
-        if not buckets or sizes[i] > room:
-            buckets.append([])
-            room = bucket_bytes
-        buckets[-1].append(i)
-        room -= sizes[i]
-    return buckets
 
 
 def span_bytes(t: torch.Tensor) -> int:
@@ -136,18 +118,26 @@ def span_bytes(t: torch.Tensor) -> int:
     return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
+def optimizer_kind(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> str:
+    """``optimizer`` with ``group``'s flags as the ledger's table names it (Note [Optimizer state by optimizer] in
+    swap.schedule.model_state.ledger): "adamw"/"adam", "sgd" with momentum, "sgd_plain" without, else its class."""
+    if isinstance(optimizer, torch.optim.AdamW):
+        return "adamw"
+    if isinstance(optimizer, torch.optim.Adam):
+        return "adam"
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd" if group.get("momentum", 0) else "sgd_plain"
+    return type(optimizer).__name__.lower()
+
+
 def state_bytes(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter, group: dict[str, Any],
                 dtype: Optional[torch.dtype] = None) -> int:  # fmt: skip
-    """Bytes of optimizer state ``p`` will have once stepped by ``optimizer`` (its class and ``group``'s flags):
-    Adam/AdamW two moments (three with amsgrad) and a step counter, SGD a momentum buffer when momentum is on;
-    ``dtype``: its master's (None: ``p``'s)."""
+    """Bytes of optimizer state ``p`` will have once stepped by ``optimizer`` (its class and ``group``'s flags),
+    by the ledger's table (``swap.schedule.model_state.state_bytes``); ``dtype``: its master's (None: ``p``'s)."""
+    step = torch.tensor(0.0, dtype=_scalar_dtype()).element_size()
     n = span_bytes(p) // p.element_size() * (dtype or p.dtype).itemsize
-    if isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
-        scalar = torch.tensor(0.0, dtype=_scalar_dtype()).element_size()
-        return (3 if group.get("amsgrad") else 2) * n + scalar
-    if isinstance(optimizer, torch.optim.SGD):
-        return n if group.get("momentum", 0) else 0
-    return 2 * n  # unknown: the common case of two moments
+    return ledger_state_bytes(optimizer_kind(optimizer, group), n, amsgrad=bool(group.get("amsgrad")),
+                              step_bytes=step)  # fmt: skip
 
 
 def _scalar_dtype() -> torch.dtype:

@@ -8,8 +8,8 @@ host] in swap.runtime.model_state.gradients), before DDP's reducer runs: DDP the
 rank's host step applies its own local gradient, so the ranks' parameters drift apart silently. Offloading after
 the all-reduce (from a DDP communication hook) is not built, so the manager refuses at entry. The sharded path is
 FSDP2's (``swap.fsdp2``: each rank offloads its own shard by a byte budget and ``HostSteps`` runs the update on the
-host); with ``model_state='resident'`` the manager leaves parameters, gradients and optimizer state to DDP and
-manages only the activations, which DDP does not touch.
+host); with ``model_state=swap.ModelStatePolicy(placement='resident')`` the manager leaves parameters,
+gradients and optimizer state to DDP and manages only the activations, which DDP does not touch.
 
 Note [Model state and torch.compile]
 Weights are streamed from module forward hooks, saved-tensor hooks and the parameter guard (Note [Weight uses] in
@@ -17,7 +17,7 @@ swap.runtime.model_state.streaming). A model compiled whole runs its forward and
 every weight is one use of the whole graph: streaming would have to hold the whole model, and the manager used to
 answer with an ``InfeasibleBudget`` at any budget below it. So ``model=torch.compile(m)`` is refused at entry,
 naming the two ways that run: the model uncompiled with its state managed, or compiled with
-``model_state='resident'`` (the activations are still managed).
+``model_state=swap.ModelStatePolicy(placement='resident')`` (the activations are still managed).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def refuse_ddp(model: torch.nn.Module) -> None:
                 "ranks would diverge. Offloaded model state is not supported under DDP: shard it with FSDP2 and "
                 "offload each rank's shard (swap.fsdp2.offload_by_budget, swap.fsdp2.shard, swap.fsdp2.HostSteps; "
                 "docs/model_state.md, 'FSDP2 offload'), or keep the model state on the device with "
-                "model_state='resident' (the activations are still managed)"
+                "model_state=swap.ModelStatePolicy(placement='resident') (the activations are still managed)"
             )  # fmt: skip
 
 
@@ -49,5 +49,6 @@ def refuse_compiled(model: torch.nn.Module) -> None:
             "model= is compiled whole with torch.compile: a compiled graph reads every weight at once, so the "
             "SwapManager cannot stream its weights in buckets (it would have to hold the whole model). Pass the "
             "uncompiled module (model=compiled._orig_mod, and run it uncompiled) to place its state under the "
-            "budget, or keep the model state on the device with model_state='resident' to train it compiled"
+            "budget, or keep the model state on the device with model_state=swap.ModelStatePolicy(placement="
+            "'resident') to train it compiled"
         )  # fmt: skip

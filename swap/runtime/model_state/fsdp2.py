@@ -22,7 +22,7 @@ own offload per unit, not by streaming the shard ourselves:
    device after the reduce-scatter (FSDP2's copy) and its update is a host step: the user's optimizer on the
    host shards (on CPU runs the very same kernel, so training is bitwise equal).
 What this module adds:
-- the choice (``offload_by_budget``, swap.schedule.unit_offload): units are offloaded from the last in the
+- the choice (``offload_by_budget``, swap.schedule.model_state.units): units are offloaded from the last in the
   forward order backwards until the resident units' model state, FSDP2's buffers and the activations fit the
   rank's budget. The last units' gradients are the first of the backward (their copy and host step start
   earliest) and their updated shards are needed last in the next forward (their host step has the whole
@@ -55,18 +55,19 @@ from typing import Any, Optional
 
 import torch
 
-from ...schedule.model_state import Placement
-from ...schedule.unit_offload import ShardPlan, blocks_of, choose_offloaded, shard_of
+from ...schedule.model_state import STATE_TENSORS, HostMemoryError, ModelStatePolicy, Placement
+from ...schedule.model_state.units import ShardPlan, blocks_of, choose_offloaded, shard_of
+from ...units import fmt_bytes
 from .fsdp2_steps import HostSteps, gate_updates
 
 
 def default_units(model: torch.nn.Module) -> list[str]:
-    """The blocks ``shard`` makes units of by default (swap.schedule.unit_offload.blocks_of)."""
+    """The blocks ``shard`` makes units of by default (swap.schedule.model_state.units.blocks_of)."""
     return blocks_of([n for n, m in model.named_modules() if any(True for _ in m.parameters())])
 
 
 def unit_bytes(model: torch.nn.Module, units: list[str], world_size: int,
-               state_per_param: float = 2.0) -> dict[str, int]:  # fmt: skip
+               state_per_param: float = STATE_TENSORS["adamw"]) -> dict[str, int]:  # fmt: skip
     """Per unit (and the root ""), the bytes one rank holds of it: its parameters' shards (dim 0 padded to a
     multiple of ``world_size``), as many of gradient, and ``state_per_param`` times as many of optimizer state
     (AdamW: 2)."""
@@ -79,20 +80,49 @@ def unit_bytes(model: torch.nn.Module, units: list[str], world_size: int,
 
 
 def offload_by_budget(model: torch.nn.Module, room: int, world_size: int, units: Optional[list[str]] = None,
-                      state_per_param: float = 2.0) -> ShardPlan:  # fmt: skip
+                      state_per_param: float = STATE_TENSORS["adamw"],
+                      policy: Optional[ModelStatePolicy] = None) -> ShardPlan:  # fmt: skip
     """The units (``default_units`` unless given) to offload so that the resident ones' model state fits
     ``room`` bytes of the rank's budget (what the activations and FSDP2's all-gather buffers leave), in the
-    order Note [Model state under FSDP2] gives. Raises ValueError, saying what to change, if even offloading
-    every unit does not fit."""
+    order Note [Model state under FSDP2] gives. ``policy`` (swap.ModelStatePolicy, the one ``SwapManager`` and
+    ``swap.plan`` take; None: the default): its placement "auto" chooses by the budget, "streamed" offloads every
+    unit, "resident" none; its ``host_memory`` caps the offloaded units' host bytes; its ``host_threads`` are
+    ``HostSteps``'. Raises ValueError, saying what to change, if even offloading every unit does not fit, and
+    for what FSDP2 cannot do (``NotImplementedError``)."""
+    policy = ModelStatePolicy() if policy is None else policy
+    _check_fsdp2_policy(policy)
     units = default_units(model) if units is None else list(units)
     sizes = unit_bytes(model, units, world_size, state_per_param)
     ordered = [("", sizes[""])] + [(u, sizes[u]) for u in units]
-    placements = choose_offloaded(ordered, room)
-    plan = ShardPlan(placements, sizes)
-    if plan.resident_bytes() > room:
+    if policy.placement == "auto":
+        placements = choose_offloaded(ordered, room)
+    else:
+        placements = dict.fromkeys(sizes, Placement(policy.placement))
+    plan = ShardPlan(placements, sizes, policy)
+    if policy.placement != "resident" and plan.resident_bytes() > room:
         raise ValueError(f"no offload fits {room} bytes of model state per rank: the budget must leave room for "
                          "the all-gather buffers and activations; raise the budget or the world size")  # fmt: skip
+    host = sum(b for u, b in sizes.items() if placements[u] is Placement.STREAMED)
+    if policy.host_memory is not None and host > policy.host_memory:
+        raise HostMemoryError(host, policy.host_memory, (
+            f"the offloaded units' model state takes {fmt_bytes(host)} of this rank's host memory, and the policy's "
+            f"host_memory is {fmt_bytes(policy.host_memory)}: raise host_memory, the budget (fewer units offloaded) "
+            "or the world size"))  # fmt: skip
     return plan
+
+
+def _check_fsdp2_policy(policy: ModelStatePolicy) -> None:
+    """What FSDP2's per-unit offload cannot do with ``policy``, refused saying what to use instead."""
+    if policy.placement == "host_master":
+        raise NotImplementedError("FSDP2's CPU offload keeps no device copy of a unit between steps: use placement="
+                                  "'streamed' (every unit offloaded) or 'auto' (units offloaded by the budget)")
+    if policy.bucket_bytes is not None:
+        raise ValueError("under FSDP2 a bucket is a unit (the blocks fully_shard wraps): leave bucket_bytes=None and "
+                         "pass units= to offload_by_budget to choose them")  # fmt: skip
+    if policy.compute_dtype is not None:
+        raise NotImplementedError("under FSDP2, name the compute dtype with FSDP2's own MixedPrecisionPolicy "
+                                  "(swap.fsdp2.shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...))) and leave "
+                                  "the policy's compute_dtype=None")  # fmt: skip
 
 
 def shard(model: torch.nn.Module, plan: ShardPlan, pin_memory: Optional[bool] = None,

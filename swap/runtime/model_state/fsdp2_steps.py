@@ -34,7 +34,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ...schedule.unit_offload import ShardPlan
+from ...schedule.model_state.units import ShardPlan
+from .host_optim import host_worker
 from .host_step import HostStepper, check_optimizer
 
 
@@ -113,7 +114,9 @@ class HostSteps:
         self.params = [p for ps in self.buckets.values() for p in ps]
         self.host_of = {id(p): p.detach() for p in self.params}
         self.taken: dict[int, torch.Tensor] = {}  # id(p) -> the gradient taken at the step in progress
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="swap-fsdp2-host-step")
+        threads = plan.policy.host_threads if plan.policy is not None else None
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="swap-fsdp2-host-step") if threads is None else \
+            host_worker(torch.device("cpu"), threads)[0]  # the policy's threads (Note [Host threads])
         self.stepper = HostStepper(optimizer, self.host_of, self, self.worker)
         self._restore: list[Callable[[], None]] = []
         self._link_shadow()

@@ -114,12 +114,12 @@ def _init_worker(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def host_worker(device: torch.device) -> tuple[ThreadPoolExecutor, int]:
-    """The host step's worker thread with its threads (Note [Host threads]), and their number."""
+def host_worker(device: torch.device, threads: Optional[int] = None) -> tuple[ThreadPoolExecutor, int]:
+    """The host step's worker thread with its threads (``threads``; None: Note [Host threads]), and their number."""
     main = torch.get_num_threads()  # also initialises this thread's own count, before the worker changes torch's
     if "OpenMP" not in torch.__config__.parallel_info():  # one count for all threads: leave it as it is
         return ThreadPoolExecutor(1, thread_name_prefix="swap-host-step"), main
-    threads = host_threads(device, compute=main)
+    threads = host_threads(device, compute=main) if threads is None else threads
     worker = ThreadPoolExecutor(1, thread_name_prefix="swap-host-step", initializer=_init_worker,
                                 initargs=(threads,))  # fmt: skip
     worker.submit(lambda: None).result()  # the worker initialised now ...

@@ -48,11 +48,12 @@ def check_optimizer(optimizer: Any) -> None:
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("LBFGS re-evaluates the model inside step(closure) and keeps state over all parameters at "
                          "once, so its state cannot be stepped bucket by bucket on the host: keep it on the device "
-                         "with model_state='resident', or use Adam, AdamW or SGD")  # fmt: skip
+                         "with model_state=swap.ModelStatePolicy(placement='resident'), or use Adam, AdamW or "
+                         "SGD")  # fmt: skip
     if type(optimizer) not in SUPPORTED:
         raise ValueError(f"{type(optimizer).__name__} is not supported for offloaded model state (supported: "
                          f"{', '.join(c.__name__ for c in SUPPORTED)}): keep the state on the device with "
-                         "model_state='resident'")  # fmt: skip
+                         "model_state=swap.ModelStatePolicy(placement='resident')")  # fmt: skip
 
 
 def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:

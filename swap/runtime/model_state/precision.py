@@ -60,8 +60,8 @@ def check_compute_dtype(compute_dtype: Any, mode: Optional[str]) -> Optional[tor
                          )  # fmt: skip
     if mode == "resident":
         raise ValueError("compute_dtype= keeps fp32 masters and optimizer state on the host, and "
-                         "model_state='resident' keeps the model state on the device as it is: use "
-                         "model_state='auto' or 'offload' with compute_dtype, or torch.autocast with 'resident'"
+                         "ModelStatePolicy(placement='resident') keeps the model state on the device as it is: use "
+                         "placement='auto' or 'streamed' with compute_dtype, or torch.autocast with 'resident'"
                          )  # fmt: skip
     return compute_dtype
 

@@ -15,14 +15,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ...schedule.model_state import ModelStatePlan, Placement, UpdateSite
+from ...schedule.model_state import ModelStatePlan, ModelStatePolicy, Placement, UpdateSite, default_bucket_bytes
 from ...units import fmt_bytes
 from ..machine.host_pool import ALIGN, HostPool, Pinner
 from ..machine.resources import available_host_memory
 from . import clipping, scaling
 from .buckets import collect_entries, specs, trains
 from .data_parallel import refuse_compiled, refuse_ddp
-from .defaults import default_bucket_bytes
 from .gradients import GradSink, set_raw_grad
 from .guard import ParamGuard
 from .host_memory import predict, refuse_over
@@ -33,8 +32,6 @@ from .state_dicts import StateDictHooks, host_state_value
 from .storage import Copies, Masters
 from .streaming import Streamer
 from .weight_hooks import WeightHooks
-
-MODES = ("auto", "resident", "offload")
 
 
 def device_state_value(key: str, value: Any, p: torch.nn.Parameter, group: dict[str, Any]) -> Any:
@@ -49,10 +46,9 @@ def device_state_value(key: str, value: Any, p: torch.nn.Parameter, group: dict[
     return value.to(dtype=p.dtype if p.is_floating_point() else value.dtype, device=p.device, copy=True)
 
 
-def check_model_state(model: Any, optimizer: Any, mode: Any) -> Optional[str]:
-    """``model=``, ``optimizer=``, ``model_state=``: the mode to run (None: no model state managed)."""
-    if mode not in MODES:
-        raise ValueError(f"model_state must be one of {', '.join(map(repr, MODES))}, not {mode!r}")
+def check_model_state(model: Any, optimizer: Any, policy: ModelStatePolicy) -> Optional[ModelStatePolicy]:
+    """``model=``, ``optimizer=`` and the policy (swap.ModelStatePolicy): the policy to run (None: no model state
+    managed). Raises, saying what to change, for a model without its optimizer."""
     if model is None and optimizer is None:
         return None
     if model is None or optimizer is None:
@@ -63,25 +59,27 @@ def check_model_state(model: Any, optimizer: Any, mode: Any) -> Optional[str]:
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
-    if mode != "resident":
+    if policy.offloads:
         check_optimizer(optimizer)
         refuse_ddp(model)
         refuse_compiled(model)
-    return mode
+    return policy
 
 
 class ModelStateRuntime:
     """Streams ``model``'s parameters that ``optimizer`` steps (every bucket ``STREAMED``, host step after
-    confirmation: the conservative plan) in buckets of about ``bucket_bytes`` (None: from the weights and
-    ``budget``, Note [Bucket size by default]), on ``device``. ``host_memory``: host bytes it may use (None: what
-    is available now). ``compute_dtype``: fp32 masters on the host, device copies in this dtype (Note [Mixed
-    precision] in swap.runtime.model_state.precision; None: the parameters' own dtype). Raises
-    ``HostMemoryError`` before allocating anything when the state would not fit."""
+    confirmation: the conservative plan, until the policy's placement is applied) on ``device``, as ``policy``
+    says: buckets of about ``policy.bucket_bytes`` (None: from the weights and ``budget``, Note [Bucket size by
+    default]), ``policy.host_memory`` host bytes at most (None: what is available now), ``policy.host_threads``,
+    ``policy.compute_dtype`` (fp32 masters on the host, device copies in this dtype: Note [Mixed precision] in
+    swap.runtime.model_state.precision; None: the parameters' own dtype). Raises ``HostMemoryError`` before
+    allocating anything when the state would not fit."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 bucket_bytes: Optional[int], host_memory: Optional[int] = None, mode: str = "offload",
-                 budget: Optional[int] = None, compute_dtype: Optional[torch.dtype] = None) -> None:  # fmt: skip
-        self.mode = mode
+                 policy: Optional[ModelStatePolicy] = None, budget: Optional[int] = None) -> None:  # fmt: skip
+        policy = self.policy = policy if policy is not None else ModelStatePolicy(placement="streamed")
+        self.mode = policy.placement
+        bucket_bytes, host_memory, compute_dtype = policy.bucket_bytes, policy.host_memory, policy.compute_dtype
         self.model = model
         self.optimizer = optimizer
         self.device = device
@@ -97,7 +95,7 @@ class ModelStateRuntime:
         self.bucket_bytes = bucket_bytes
         self.prediction = predict(self.entries, optimizer, bucket_bytes)
         limit = host_memory if host_memory is not None else available_host_memory()
-        refuse_over(self.prediction, limit, "host_memory=" if host_memory is not None else
+        refuse_over(self.prediction, limit, "the policy's host_memory=" if host_memory is not None else
                     "the host memory available now (MemAvailable)")  # fmt: skip
         # Note [When to speculate]: on where the rollback copies fit beside the rest (set it False to turn it off)
         self.speculate = self.prediction.total + self.prediction.rollback <= limit
@@ -129,17 +127,17 @@ class ModelStateRuntime:
         more device bytes keep the budget; ``activation_bytes()``: activation bytes (in, out) so far."""
         pinned = self.pinned
         pred = self.prediction
-        # Exact sizes, one block each (Note [Host memory before allocating]); staging may not grow past its own.
-        # Under mixed precision the compute copies and the staging are what the link reads and writes: only they
-        # are pinned.
-        sizes = ((pred.masters, False, not pred.mixed), (pred.grads, False, not pred.mixed), (pred.staging, True, True),
-                 (pred.copies, False, True))  # fmt: skip
+        # Exact sizes, one block each (Note [Host memory before allocating]); the accumulation buffer may not grow
+        # past its own. Under mixed precision the compute copies and the accumulation buffer are what the link
+        # reads and writes: only they are pinned.
+        sizes = ((pred.masters, False, not pred.mixed), (pred.grads, False, not pred.mixed),
+                 (pred.accumulation, True, True), (pred.copies, False, True))  # fmt: skip
         pools = [HostPool(pinned and pin, limit=n if limited else None, block_size=max(n, ALIGN), pinner=self.pinner,
                           device=self.device)
                  for n, limited, pin in sizes]  # fmt: skip
         self.pools = pools
         self.activation_bytes = activation_bytes
-        self.worker, self.host_threads = host_worker(self.device)  # Note [Host threads]
+        self.worker, self.host_threads = host_worker(self.device, self.policy.host_threads)  # Note [Host threads]
         self.lane = ThreadPoolExecutor(1, thread_name_prefix="swap-grad-lane")  # gradients' copies and adds
         entries, copies = self.entries, self.copies
         self.guard = ParamGuard({}, self._dropped, self._demand, self._wrote)

@@ -42,10 +42,10 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from ...schedule.model_state import Placement
+from ...schedule.model_state import Placement, pack
 from ..activations.clean import CleanVariable
 from ..activations.tracer import backward_running, current_autograd_node
-from .buckets import Entry, pack
+from .buckets import Entry
 from .storage import Copies, Masters
 
 
@@ -134,7 +134,7 @@ class Streamer:
     def repack(self, order: Any) -> None:
         """Buckets of entries in ``order`` (Note [Entries and buckets])."""
         self._vars = {}
-        self.buckets = pack([e.nbytes for e in self.entries], order, self.bucket_bytes)
+        self.buckets = pack([e.nbytes for e in self.entries], self.bucket_bytes, order)
         self.placements = [Placement.STREAMED] * len(self.buckets)
         self.bucket_of = [0] * len(self.entries)
         for b, members in enumerate(self.buckets):

@@ -1,5 +1,5 @@
 """How the model-state runtime joins a manager's executor: its weights become variables of the one plan, its
-prefetches ask the budget, and, with ``model_state="auto"``, its placements are chosen from what the activation
+prefetches ask the budget, and, with placement "auto", its placements are chosen from what the activation
 plan leaves (swap.runtime.manager builds these; the runtime itself knows nothing of the executor)."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def fits(executor: Executor, memory: DeviceMemory, budget: int) -> Callable[[int
 
 
 # Note [Placing model state under the budget]
-# With model_state="auto" every bucket starts streamed, the placement that needs least of the device, so
+# With placement "auto" every bucket starts streamed, the placement that needs least of the device, so
 # the profiling iterations keep the budget whatever the model. Once the activations are planned (or the
 # manager declined to swap them), what the plan leaves of the budget at its tightest step is the room
 # (``schedule.peak`` was measured with the streamed weights in flight, so those bytes are counted twice:
@@ -56,10 +56,11 @@ def fits(executor: Executor, memory: DeviceMemory, budget: int) -> Callable[[int
 # of the backward pass, whose host step nothing could hide), then host masters. Applied at that optimizer
 # step (Note [Changing placements]); the activation plan then grows by what became resident
 # (Note [Learning from an overrun] in swap.runtime.activations.lifecycle).
-def placer(executor: Executor, memory: DeviceMemory, budget: int,
-           note: Callable[[str], None]) -> Callable[[list[Bucket]], Optional[ModelStatePlan]]:  # fmt: skip
-    """``ModelStateRuntime.decide`` for ``model_state="auto"``: None while the activations are still profiled
-    (asked again at the next optimizer step), then the placements for what their plan leaves."""
+def placer(executor: Executor, memory: DeviceMemory, budget: int, note: Callable[[str], None], placement: str = "auto",
+           accumulation: int = 0) -> Callable[[list[Bucket]], Optional[ModelStatePlan]]:  # fmt: skip
+    """``ModelStateRuntime.decide`` for ``placement`` "auto" (or "host_master": every bucket, where it fits):
+    None while the activations are still profiled (asked again at the next optimizer step), then the placements
+    for what their plan leaves (``accumulation``: the host's gradient-accumulation buffer, in its host bytes)."""
 
     def decide(buckets: list[Bucket]) -> Optional[ModelStatePlan]:
         ex = executor
@@ -70,7 +71,7 @@ def placer(executor: Executor, memory: DeviceMemory, budget: int,
         else:
             return None
         try:
-            plan = plan_model_state(buckets, max(0, budget - peak), mode="auto")
+            plan = plan_model_state(buckets, max(0, budget - peak), placement=placement, accumulation=accumulation)
         except ModelStateDoesNotFit as e:
             plan = ModelStatePlan.uniform(len(buckets), Placement.STREAMED)
             plan.notes.append(f"every bucket stays streamed: {e}")

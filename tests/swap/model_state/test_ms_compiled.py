@@ -8,6 +8,8 @@ from ms_training import gpt
 
 import swap
 
+RESIDENT = swap.ModelStatePolicy(placement="resident")
+
 
 @pytest.mark.parametrize("model_state", ["auto", "offload"])
 def test_a_model_compiled_whole_is_refused_with_the_ways_that_run(model_state):
@@ -16,6 +18,6 @@ def test_a_model_compiled_whole_is_refused_with_the_ways_that_run(model_state):
     with pytest.raises(ValueError, match="torch.compile") as e:
         swap.SwapManager(budget="1GiB", device="cpu", model=torch.compile(model), optimizer=opt,
                          model_state=model_state)  # fmt: skip
-    assert "model_state='resident'" in str(e.value) and "uncompiled" in str(e.value)
+    assert "placement='resident'" in str(e.value) and "uncompiled" in str(e.value)
     # Kept on the device, the compiled model's state is torch's: the manager is built.
-    swap.SwapManager(budget="1GiB", device="cpu", model=torch.compile(model), optimizer=opt, model_state="resident")
+    swap.SwapManager(budget="1GiB", device="cpu", model=torch.compile(model), optimizer=opt, model_state=RESIDENT)

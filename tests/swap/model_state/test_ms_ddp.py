@@ -32,7 +32,8 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
             except ValueError as e:
                 outcome.append(str(e))
         # Kept on the device, the model state is DDP's own: the manager is built (activations only).
-        swap.SwapManager(budget="1GiB", device="cpu", model=ddp, optimizer=opt, model_state="resident")
+        swap.SwapManager(budget="1GiB", device="cpu", model=ddp, optimizer=opt,
+                         model_state=swap.ModelStatePolicy(placement="resident"))
         Path(out_dir, f"{rank}.txt").write_text("\n".join(outcome))
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - reported to the parent through the file
@@ -48,4 +49,4 @@ def test_offloaded_model_state_under_ddp_is_refused_at_entry(tmp_path):
         assert len(messages) == 2, messages
         for message in messages:
             assert "DistributedDataParallel" in message and "FSDP2" in message, message
-            assert "model_state='resident'" in message
+            assert "placement='resident'" in message

@@ -11,7 +11,7 @@ from ms_training import assert_bitwise, train
 from torch import nn
 
 import swap
-from swap.runtime.model_state.defaults import default_bucket_bytes
+from swap.schedule.model_state import default_bucket_bytes
 
 
 class MLP(nn.Module):

@@ -11,13 +11,14 @@ import torch
 from ms_training import batch, gpt, host_kernel, loss_of
 
 import swap
-from swap.runtime.model_state.host_memory import HostMemoryError
+from swap import HostMemoryError
+
+RESIDENT = swap.ModelStatePolicy(placement="resident")
 
 
 def manager(model, opt, **kw):
-    kw.setdefault("model_state", "offload")
-    return swap.SwapManager(budget="1GiB", device="cpu", policy="window", model=model, optimizer=opt,
-                            bucket_bytes="64KiB", **kw)  # fmt: skip
+    kw.setdefault("model_state", swap.ModelStatePolicy(placement="streamed", bucket_bytes="64KiB"))
+    return swap.SwapManager(budget="1GiB", device="cpu", policy="window", model=model, optimizer=opt, **kw)
 
 
 def test_model_and_optimizer_go_together():
@@ -43,19 +44,20 @@ def test_a_submodule_is_not_the_model():
 
 
 @pytest.mark.parametrize("make, what", [
-    (lambda ps: torch.optim.LBFGS(ps), "LBFGS re-evaluates the model.*model_state='resident'"),
-    (lambda ps: torch.optim.Adagrad(ps), "Adagrad is not supported.*Adam, AdamW, SGD.*model_state='resident'"),
+    (lambda ps: torch.optim.LBFGS(ps), "LBFGS re-evaluates the model.*placement='resident'"),
+    (lambda ps: torch.optim.Adagrad(ps), "Adagrad is not supported.*Adam, AdamW, SGD.*placement='resident'"),
 ])  # fmt: skip
 def test_unsupported_optimizers_say_what_to_do(make, what):
     m = gpt()
     with pytest.raises(ValueError, match=what):
         manager(m, make(m.parameters()))
-    swap.SwapManager(budget="1GiB", device="cpu", model=m, optimizer=make(m.parameters()), model_state="resident")
+    swap.SwapManager(budget="1GiB", device="cpu", model=m, optimizer=make(m.parameters()), model_state=RESIDENT)
 
 
 def test_bad_model_state_value():
     m = gpt()
-    with pytest.raises(ValueError, match="model_state must be one of 'auto', 'resident', 'offload', not 'host'"):
+    with pytest.raises(ValueError, match="unknown placement 'host': choose one of 'auto', 'resident', 'host_master', "
+                                         "'streamed'"):  # fmt: skip
         manager(m, torch.optim.AdamW(m.parameters()), model_state="host")
 
 
@@ -81,7 +83,8 @@ def test_host_memory_refused_before_allocating_names_what_fits():
     opt = torch.optim.AdamW(m.parameters())
     n = sum(p.numel() for p in m.parameters())
     with pytest.raises(HostMemoryError) as err:
-        manager(m, opt, host_memory=1 << 20)
+        manager(m, opt, model_state=swap.ModelStatePolicy(placement="streamed", bucket_bytes="64KiB",
+                                                          host_memory=1 << 20))  # fmt: skip
     text = str(err.value)
     assert "needs" in text and "host_memory=" in text and "largest model that fits is about" in text
     # AdamW: weights, gradients and two moments, 16 bytes a parameter, plus a bucket of staging

@@ -10,10 +10,12 @@ from ms_training import OPTIMIZERS, TiedGPT, assert_bitwise, gpt, train
 import swap
 from swap.runtime.model_state.gradients import raw_grad
 
+STREAMED_64K = swap.ModelStatePolicy(placement="streamed", bucket_bytes="64KiB")
+
 
 def offload(model, opt, **kw):
     return swap.SwapManager(budget="1GiB", device="cpu", policy="window", model=model, optimizer=opt,
-                            model_state="offload", bucket_bytes="64KiB", **kw)  # fmt: skip
+                            model_state=STREAMED_64K, **kw)  # fmt: skip
 
 
 @functools.cache

@@ -12,6 +12,8 @@ import swap
 import swap.runtime.manager as manager_module
 from swap.runtime.machine.engines import HostEngine
 
+STREAMED = swap.ModelStatePolicy(placement="streamed")
+
 
 class LateEngine(HostEngine):
     """A host engine whose copies to the device, once ``late`` is set, run behind a delay on their worker, and whose
@@ -68,7 +70,7 @@ def train_two_steps(engine) -> torch.nn.Module:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)  # no state: nothing else waits at the exit
     sm = None
     if engine is not None:
-        sm = swap.SwapManager(budget="1GiB", device="cpu", model=model, optimizer=opt, model_state="offload")
+        sm = swap.SwapManager(budget="1GiB", device="cpu", model=model, optimizer=opt, model_state=STREAMED)
     with sm if sm is not None else torch.enable_grad():
         if engine is not None:
             engine.pools = sm.model_state.pools

@@ -7,10 +7,12 @@ from ms_loops import assert_same, batch, gpt, loss_of, run
 
 import swap
 
+STREAMED_64K = swap.ModelStatePolicy(placement="streamed", bucket_bytes="64KiB")
+
 
 def offload(model, opt):
-    return swap.SwapManager(budget="64MiB", device="cpu", model=model, optimizer=opt, model_state="offload",
-                            bucket_bytes="64KiB", min_bytes="4KiB")  # fmt: skip
+    return swap.SwapManager(budget="64MiB", device="cpu", model=model, optimizer=opt, model_state=STREAMED_64K,
+                            min_bytes="4KiB")  # fmt: skip
 
 
 def logging_step(model, opt, it, log):

@@ -9,6 +9,8 @@ from ms_loops import assert_same, batch, gpt, loss_of, run
 
 import swap
 
+STREAMED = swap.ModelStatePolicy(placement="streamed")
+
 
 class ScaledLoop:
     """The AMP recipe: autocast fp16, ``scale(loss).backward()``, ``unscale_``, clip, ``step``, ``update``. The
@@ -61,7 +63,7 @@ def test_grad_scaler_unscales_and_checks_host_gradients():
     scales = ref["log"]["scale"]
     skipped = [b < a for a, b in zip([2.0**20] + scales, scales)]
     assert any(skipped) and not all(skipped), f"the run must skip steps, and step: scales {scales}"
-    got = run(gpt, loop(), iters=8, manager=manager(model_state="offload"))
+    got = run(gpt, loop(), iters=8, manager=manager(model_state=STREAMED))
     assert_same(ref, got)
     assert list(got["manager"].report()["model_state"]["placements"]) == ["streamed"]
 

@@ -13,10 +13,12 @@ from ms_training import assert_bitwise, groups, same_bits, train
 import swap
 from swap.runtime.model_state import host_optim
 
+STREAMED_64K = swap.ModelStatePolicy(placement="streamed", bucket_bytes="64KiB")
+
 
 def offload(model, opt):
     return swap.SwapManager(budget="1GiB", device="cpu", policy="window", model=model, optimizer=opt,
-                            model_state="offload", bucket_bytes="64KiB")  # fmt: skip
+                            model_state=STREAMED_64K)  # fmt: skip
 
 
 def adamw(**flags):

@@ -11,6 +11,8 @@ from ms_training import TiedGPT, assert_bitwise, gpt, train
 import swap
 from swap.runtime.machine.host_pool import PinningUnavailable
 
+STREAMED_64K = swap.ModelStatePolicy(placement="streamed", bucket_bytes="64KiB")
+
 MODEL = functools.partial(gpt, n_layer=2, d_model=64)
 
 
@@ -22,8 +24,8 @@ def plain():
 
 def offload(budget, pinner=None):
     def make(model, opt):
-        sm = swap.SwapManager(budget=budget, device="cpu", model=model, optimizer=opt, model_state="offload",
-                              bucket_bytes="64KiB", min_bytes="4KiB")  # fmt: skip
+        sm = swap.SwapManager(budget=budget, device="cpu", model=model, optimizer=opt, model_state=STREAMED_64K,
+                              min_bytes="4KiB")  # fmt: skip
         sm.model_state.pinner = pinner
         return sm
 
@@ -86,7 +88,7 @@ def test_weights_are_clean_variables_the_window_prefetches():
     budget = int(0.3 * peak)
     got = train(MODEL, meter=swap.LiveBytesMeter("cpu"),
                 manager=lambda m, o: swap.SwapManager(budget=budget, device="cpu", model=m, optimizer=o,
-                                                      policy="window", model_state="offload", bucket_bytes="64KiB",
+                                                      policy="window", model_state=STREAMED_64K,
                                                       min_bytes="4KiB"))  # fmt: skip
     assert_bitwise(ref, got)
     assert max(got["peaks"]) <= budget
@@ -115,7 +117,7 @@ def test_a_read_outside_its_module_becomes_a_planned_use():
     budget = int(0.3 * meter.peak)
     got = train(TiedGPT, meter=swap.LiveBytesMeter("cpu"),
                 manager=lambda m, o: swap.SwapManager(budget=budget, device="cpu", model=m, optimizer=o,
-                                                      policy="window", model_state="offload", bucket_bytes="64KiB",
+                                                      policy="window", model_state=STREAMED_64K,
                                                       min_bytes="4KiB"))  # fmt: skip
     assert_bitwise(ref, got)
     assert max(got["peaks"]) <= budget, got["peaks"]

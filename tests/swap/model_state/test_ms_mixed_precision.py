@@ -286,7 +286,7 @@ def test_host_memory_counts_fp32_masters_and_the_bf16_copies():
     slack = 512 * len(list(model.parameters()))  # the host pool's alignment, at most a block's worth each
     assert 4 * n <= pred.masters <= 4 * n + slack and 4 * n <= pred.grads <= 4 * n + slack
     assert 2 * n <= pred.copies <= 2 * n + slack and pred.state >= 8 * n
-    assert pred.pinned == pred.copies + pred.staging  # only what the link reads and writes is page-locked
+    assert pred.pinned == pred.copies + pred.accumulation  # only what the link reads and writes is page-locked
     with pytest.raises(swap.HostMemoryError, match="compute-dtype copies"):
         swap.SwapManager(budget="1GiB", device="cpu", model=model, optimizer=adamw(model), model_state="offload",
                          compute_dtype=BF16, host_memory=pred.total - 1)  # fmt: skip
@@ -309,7 +309,7 @@ def test_the_report_names_the_format():
     ({"compute_dtype": torch.int8}, ValueError, "not a half-precision float dtype"),
     ({"compute_dtype": torch.float32}, ValueError, "needs no compute_dtype"),
     ({"compute_dtype": "bf16"}, TypeError, "must be a torch.dtype"),
-    ({"compute_dtype": BF16, "model_state": "resident"}, ValueError, "model_state='auto' or 'offload'"),
+    ({"compute_dtype": BF16, "model_state": "resident"}, ValueError, "placement='auto' or 'streamed'"),
     ({"compute_dtype": BF16, "bf16_model": True}, ValueError, "already in half precision"),
     ({"compute_dtype": BF16, "no_model": True}, ValueError, "needs model= and optimizer="),
 ])  # fmt: skip

@@ -11,6 +11,8 @@ import swap
 from swap.runtime.model_state.gradients import raw_grad
 from swap.schedule.model_state import ModelStatePlan, Placement, UpdateSite
 
+STREAMED_64K = swap.ModelStatePolicy(placement="streamed", bucket_bytes="64KiB")
+
 
 def mixed(n: int) -> ModelStatePlan:
     """The first third resident, the next third host masters, the rest streamed (forward order)."""
@@ -23,7 +25,7 @@ def mixed(n: int) -> ModelStatePlan:
 
 def manager(model, opt):
     return swap.SwapManager(budget="1GiB", device="cpu", policy="window", model=model, optimizer=opt,
-                            model_state="offload", bucket_bytes="64KiB")  # fmt: skip
+                            model_state=STREAMED_64K)  # fmt: skip
 
 
 def propose_after_first_step(step, model, opt, sched, holder):

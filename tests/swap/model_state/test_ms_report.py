@@ -6,11 +6,12 @@ from ms_training import gpt, train
 
 import swap
 
+STREAMED_64K = swap.ModelStatePolicy(placement="streamed", bucket_bytes="64KiB")
+
 
 def test_per_step_rows_add_up_to_the_totals_and_the_model():
     got = train(steps=3, accum=2, manager=lambda m, o: swap.SwapManager(
-        budget="1GiB", device="cpu", policy="window", model=m, optimizer=o, model_state="offload",
-        bucket_bytes="64KiB"))  # fmt: skip
+        budget="1GiB", device="cpu", policy="window", model=m, optimizer=o, model_state=STREAMED_64K))  # fmt: skip
     report = got["manager"].report()
     ms = report["model_state"]
     params = list(gpt().parameters())

@@ -9,12 +9,14 @@ from ms_training import assert_bitwise, assert_same_state, same_bits, state_arra
 
 import swap
 
+STREAMED_64K = swap.ModelStatePolicy(placement="streamed", bucket_bytes="64KiB")
+
 SPLIT = 2  # steps before the checkpoint; as many after
 
 
 def offload(model, opt):
     return swap.SwapManager(budget="1GiB", device="cpu", policy="window", model=model, optimizer=opt,
-                            model_state="offload", bucket_bytes="64KiB")  # fmt: skip
+                            model_state=STREAMED_64K)  # fmt: skip
 
 
 @functools.cache

@@ -1,7 +1,7 @@
 """The iteration with model state, simulated: a compute stream, H2D and D2H copy engines, and a host-step lane.
 
 Note [Model-state simulation]
-``simulate_model_state`` replays a schedule of a sequence with weights (swap/schedule/weights.py) for a few
+``simulate_model_state`` replays a schedule of a sequence with weights (``weights``) for a few
 iterations back to back and reports the last (the steady state: the host steps of one iteration gate the next).
 It follows ``Schedule.actions`` as ``swap.schedule.simulator.simulate`` does (releases wait for the D2H copy
 of what is not clean; swap-ins queue H2D copies; a use waits for its copy; swap-outs queue D2H copies; then the
@@ -42,8 +42,8 @@ from collections import defaultdict, deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from .model_state import Bucket, ModelStatePlan, Placement
-from .scheduler import Schedule
+from ..scheduler import Schedule
+from .plan import Bucket, ModelStatePlan, Placement
 from .weights import BucketUses, Weighted
 
 TIMINGS = ("blocking", "before_use", "speculative")

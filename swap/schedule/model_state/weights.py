@@ -11,11 +11,11 @@ the device for that compute: they are one group, held together like the saved te
 unpacked (``node_last`` of the group is its last step), and the window fetches them ahead like any other use.
 
 Every other device byte of model state is not ours to move, so it joins ``nonswap`` (Note [Model-state bytes]
-in swap/schedule/model_state.py): resident buckets' weights, masters and state at every step and their
+in ``ledger``): resident buckets' weights, masters and state at every step and their
 gradients from their first backward step on; host masters' compute copies at every step; offloaded buckets'
 gradients while their backward makes them (first to final step), then the gradients not yet copied out,
 bounded by ``in_flight`` of the largest from the first offloaded gradient on (the simulator holds the bound:
-swap/schedule/model_state_sim.py).
+``sim``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from .model_state import Bucket, ModelStatePlan, Placement, device_bytes_of
-from .sequence import USE, Sequence
+from ..sequence import USE, Sequence
+from .ledger import device_bytes_of
+from .plan import Bucket, ModelStatePlan, Placement
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
-from .model_state import Placement
+from .plan import Placement
+from .policy import ModelStatePolicy
 
 
 def blocks_of(paths: Sequence[str]) -> list[str]:
@@ -44,11 +46,13 @@ def choose_offloaded(units: Sequence[tuple[str, int]], room: int) -> dict[str, P
 
 @dataclass
 class ShardPlan:
-    """What ``shard`` did: each unit's path ("" for the root) and placement, in forward (module) order, and the
-    rank's model-state bytes per unit it was chosen on."""
+    """What ``shard`` did: each unit's path ("" for the root) and placement, in forward (module) order, the
+    rank's model-state bytes per unit it was chosen on, and the policy it was made by (its ``host_threads`` are
+    the host steps')."""
 
     placements: dict[str, Placement]
     model_state: dict[str, int]
+    policy: Optional[ModelStatePolicy] = None
 
     @property
     def offloaded(self) -> list[str]:

@@ -21,12 +21,14 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from .budget import InfeasibleBudget
-from .model_state import MODES, Bucket, ModelStateDoesNotFit, ModelStatePlan, Placement, plan_bytes, plan_model_state
-from .model_state_sim import ModelStatePrices, ModelStateSim, simulate_model_state
-from .scheduler import Schedule
-from .sequence import Sequence
-from .simulator import choose_window
+from ..budget import InfeasibleBudget
+from ..scheduler import Schedule
+from ..sequence import Sequence
+from ..simulator import choose_window
+from .ledger import ModelStateDoesNotFit, plan_bytes
+from .placing import plan_model_state
+from .plan import Bucket, ModelStatePlan, Placement, placement_named
+from .sim import ModelStatePrices, ModelStateSim, simulate_model_state
 from .weights import BucketUses, Weighted, with_weights
 
 ROOM_SHARES = (0.15, 0.3, 0.45, 0.6)  # of what the activations leave: rooms tried (Note [Choosing model state])
@@ -120,7 +122,7 @@ def choose_model_state(
     budget: int,
     prices: ModelStatePrices,
     *,
-    mode: str = "auto",
+    placement: str = "auto",
     rooms: Optional[Seq[int]] = None,
     resident_shares: Seq[float] = RESIDENT_SHARES,
     host_memory: Optional[int] = None,
@@ -130,13 +132,12 @@ def choose_model_state(
 ) -> ModelStateChoice:
     """The fastest model-state plan for the activation sequence ``seq`` (its ``nonswap`` without model state)
     under ``budget`` (Note [Choosing model state]). ``rooms``: device rooms to try (default ``ROOM_SHARES`` of
-    what the activations leave: the budget less the largest ``nonswap``); ``mode`` as ``plan_model_state``;
+    what the activations leave: the budget less the largest ``nonswap``); ``placement`` as ``plan_model_state``;
     ``speculative``: also try host steps during the backward (not what the runtime does today).
 
     Raises ``ModelStateDoesNotFit`` (no placement fits a room, or the host's memory) or ``InfeasibleBudget``
     (every placement's schedule exceeds the budget), saying what was tried."""
-    if mode not in MODES:
-        raise ValueError(f"unknown model_state mode {mode!r}: choose one of {', '.join(MODES)}")
+    mode = placement_named(placement, "placement")
     left = budget - max(seq.nonswap, default=0)
     if rooms is None:
         rooms = sorted({int(share * left) for share in ROOM_SHARES if share * left > 0}) or [max(0, left)]
@@ -145,7 +146,7 @@ def choose_model_state(
     for room in rooms:
         for resident in resident_shares if mode == "auto" else (1.0,):
             try:
-                plan = plan_model_state(buckets, room, mode=mode, resident_room=int(resident * room),
+                plan = plan_model_state(buckets, room, placement=mode, resident_room=int(resident * room),
                                         in_flight=in_flight, host_memory=host_memory)  # fmt: skip
                 placed = place(seq, buckets, uses, plan, budget, prices, in_flight=in_flight, fetch_bytes=fetch_bytes)
             except (ModelStateDoesNotFit, InfeasibleBudget) as e:

@@ -1,0 +1,155 @@
+"""One model-state plan (issue 37 item 1): the forecast (``swap.plan``'s path: a capture on the meta device, its
+parameters packed by swap/schedule/model_state/) and the runtime (``SwapManager``'s: the user's storages, packed by
+the same room) make the same buckets, predict the same host bytes and place the same way for the same room; and
+``swap.ModelStatePolicy`` is what every entry point takes, the old spellings warning."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import swap
+from swap.capture import capture
+from swap.devices import host_profile, profile
+from swap.forecast.model_state import stateless_optimizer
+from swap.forecast.offload import forecast_offload
+from swap.schedule.model_state import ModelStatePolicy, Placement, plan_model_state
+
+BUDGET = 1 << 30
+
+
+def model_fn() -> nn.Module:
+    # every parameter a multiple of 512 bytes in fp32, the host pool's alignment: the runtime's prediction is then
+    # exactly the bytes the plan counts
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(128, 128), nn.LayerNorm(128), nn.GELU(), nn.Linear(128, 256), nn.GELU(),
+                         nn.Linear(256, 128), nn.LayerNorm(128), nn.Linear(128, 128))  # fmt: skip
+
+
+def batch_fn(n: int):
+    return torch.randn(n, 128), torch.randint(0, 128, (n,))
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def run(policy: ModelStatePolicy, steps: int = 3) -> swap.SwapManager:
+    model = model_fn()
+    opt = adamw(model.parameters())
+    x, y = batch_fn(8)
+    with swap.SwapManager(budget=BUDGET, device="cpu", policy="window", model=model, optimizer=opt,
+                          model_state=policy) as sm:  # fmt: skip
+        for _ in range(steps):
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return sm
+
+
+@pytest.fixture(scope="module")
+def forecast():
+    trace = capture(model_fn, batch_fn, 8, optimizer=stateless_optimizer, target="cpu")
+    f = forecast_offload(trace, model_fn, batch=8, tokens=8, budget=BUDGET, dev=profile("rtx4090"),
+                         host=host_profile("desktop-ddr5-2ch"), schedules=("ours",), placement="streamed",
+                         min_bytes=0)  # fmt: skip
+    return f.results["ours"]
+
+
+def test_forecast_and_runtime_make_the_same_buckets_and_host_bytes(forecast):
+    sm = run(ModelStatePolicy(placement="streamed"))
+    ms = sm.report()["model_state"]
+    assert ms["mode"] == "streamed" and ms["placements"] == {"streamed": ms["buckets"]}
+    runtime = [(tuple(b["params"]), b["weight_bytes"], b["grad_bytes"], b["state_bytes"]) for b in ms["bucket_specs"]]
+    planned = [(b.params, b.weight_bytes, b.grad_bytes, b.state_bytes) for b in forecast.buckets]
+    assert len(planned) > 3  # the default bucket size (Note [Bucket size by default]) splits this model
+    assert planned == runtime
+    # the forecast's host bytes of an all-streamed plan are what the runtime predicted, and allocated (all but the
+    # accumulation buffer, taken only when a backward adds to a gradient not yet stepped: none here)
+    assert set(forecast.plan.placements) == {Placement.STREAMED}
+    assert forecast.plan.host_bytes == ms["host_bytes_predicted"]
+    assert ms["host_bytes"] == ms["host_bytes_predicted"] - sm.model_state.prediction.accumulation > 0
+
+
+def test_the_runtime_places_as_the_plan_does_for_its_room(forecast):
+    sm = run(ModelStatePolicy())  # placement="auto": chosen once the activations are planned
+    applied = sm.model_state.plan
+    assert applied is not None and applied.room > 0
+    again = plan_model_state(forecast.buckets, applied.room, placement="auto",
+                             accumulation=sm.model_state.prediction.accumulation)  # fmt: skip
+    assert again.placements == applied.placements
+    assert (again.device_bytes, again.host_bytes, again.pinned_bytes) == \
+        (applied.device_bytes, applied.host_bytes, applied.pinned_bytes)  # fmt: skip
+
+
+def test_the_policy_is_taken_without_a_warning_and_validated():
+    model = model_fn()
+    opt = adamw(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        sm = swap.SwapManager(budget=BUDGET, device="cpu", model=model, optimizer=opt,
+                              model_state=swap.ModelStatePolicy(placement="streamed", bucket_bytes="64KiB",
+                                                                host_memory="1GiB", host_threads=1))  # fmt: skip
+    assert sm.model_state.policy == ModelStatePolicy("streamed", 64 << 10, 1 << 30, None, 1)
+    assert sm.model_state.bucket_bytes == 64 << 10
+    resident = swap.SwapManager(budget=BUDGET, device="cpu", model=model, optimizer=opt,
+                                model_state=ModelStatePolicy(placement="resident"))  # fmt: skip
+    assert resident.model_state is None  # the state stays the user's, on the device
+    with pytest.raises(ValueError, match="unknown placement 'gpu': choose one of 'auto', 'resident'"):
+        ModelStatePolicy(placement="gpu")
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        ModelStatePolicy(bucket_bytes=0)
+    with pytest.raises(ValueError, match="host_threads must be a positive int"):
+        ModelStatePolicy(host_threads=0)
+    with pytest.raises(ValueError, match="compute_dtype must be torch.bfloat16 or torch.float16"):
+        ModelStatePolicy(compute_dtype=torch.int8)
+    with pytest.raises(TypeError, match="model_state must be a swap.ModelStatePolicy"):
+        swap.SwapManager(budget=BUDGET, device="cpu", model=model, optimizer=opt, model_state=3)
+    with pytest.raises(ValueError, match="given both as an argument and in the policy"):
+        swap.SwapManager(budget=BUDGET, device="cpu", model=model, optimizer=opt, bucket_bytes="1MiB",
+                         model_state=ModelStatePolicy(bucket_bytes="64KiB"))  # fmt: skip
+    with pytest.raises(TypeError, match="compute_dtype must be a torch.dtype"):
+        ModelStatePolicy(compute_dtype="bf16")
+    # the policy's compute dtype is the manager's compute_dtype= (Note [Mixed precision]); given both ways, they agree
+    mixed = swap.SwapManager(budget=BUDGET, device="cpu", model=model, optimizer=opt,
+                             model_state=ModelStatePolicy(placement="streamed", compute_dtype=torch.bfloat16))
+    assert mixed.model_state.compute_dtype == torch.bfloat16 and mixed.model_state.prediction.mixed
+    with pytest.raises(ValueError, match="disagree: give it once"):
+        swap.SwapManager(budget=BUDGET, device="cpu", model=model, optimizer=opt, compute_dtype=torch.float16,
+                         model_state=ModelStatePolicy(compute_dtype=torch.bfloat16))  # fmt: skip
+    with pytest.raises(FutureWarning, match="placement='offload' is now spelled 'streamed'"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            ModelStatePolicy(placement="offload")
+
+
+def test_old_spellings_keep_working_and_name_the_new_one():
+    model = model_fn()
+    opt = adamw(model.parameters())
+    with pytest.warns(FutureWarning, match=r"model_state=swap.ModelStatePolicy\(placement='streamed'\)"):
+        sm = swap.SwapManager(budget=BUDGET, device="cpu", model=model, optimizer=opt, model_state="offload")
+    assert sm.model_state.mode == "streamed"
+    with pytest.warns(FutureWarning, match=r"model_state=swap.ModelStatePolicy\(bucket_bytes='64KiB'\)"):
+        sm = swap.SwapManager(budget=BUDGET, device="cpu", model=model, optimizer=opt, bucket_bytes="64KiB")
+    assert sm.model_state.policy.bucket_bytes == 64 << 10 and sm.model_state.mode == "auto"
+    with pytest.warns(FutureWarning, match=r"ModelStatePolicy\(host_memory=1073741824\)"):
+        swap.SwapManager(budget=BUDGET, device="cpu", model=model, optimizer=opt, host_memory=1 << 30)
+
+
+def test_the_fsdp2_path_takes_the_policy():
+    model = model_fn()
+    streamed = ModelStatePolicy(placement="streamed")
+    plan = swap.fsdp2.offload_by_budget(model, BUDGET, 2, policy=streamed)
+    assert plan.policy is streamed and set(plan.placements.values()) == {Placement.STREAMED}
+    assert not swap.fsdp2.offload_by_budget(model, BUDGET, 2).offloaded  # "auto": the room holds every unit
+    sizes = swap.fsdp2.unit_bytes(model, swap.fsdp2.default_units(model), 2)
+    last = swap.fsdp2.default_units(model)[-1]
+    tight = swap.fsdp2.offload_by_budget(model, sum(sizes.values()) - 1, 2)  # one byte short: the last unit goes
+    assert tight.offloaded == [last]
+    with pytest.raises(swap.HostMemoryError, match="the policy's host_memory is 1.00 KiB"):
+        swap.fsdp2.offload_by_budget(model, BUDGET, 2, policy=ModelStatePolicy(placement="streamed", host_memory=1024))
+    with pytest.raises(NotImplementedError, match="keeps no device copy"):
+        swap.fsdp2.offload_by_budget(model, BUDGET, 2, policy=ModelStatePolicy(placement="host_master"))
+    with pytest.raises(ValueError, match="a bucket is a unit"):
+        swap.fsdp2.offload_by_budget(model, BUDGET, 2, policy=ModelStatePolicy(bucket_bytes="1MiB"))
