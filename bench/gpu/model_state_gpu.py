@@ -8,13 +8,17 @@ CPU-offload-optimizer baseline.
 Runs, each from the same seeded weights, the same batches and the same loop (``ACCUM`` micro-batches a step,
 AdamW with two param groups):
 - ``plain``: everything on the device, the user's AdamW there; unbounded. The throughput ceiling.
+  (``--fp32-masters``: fp32 masters and bf16 compute copies, both on the device: Note [Model state dtype].)
 - ``ours``: ``ModelStatePolicy(placement="streamed")``: every bucket streamed, the host steps it.
 - ``reference``: the oracle. The same forward and backward on the device, then the gradients copied to the host
   and torch's AdamW run over host copies of the parameters with the kernel the runtime's host step reported
-  (Note [The host kernel]), and the parameters copied back. ``ours`` must equal it bitwise: every loss, the
-  final parameters and the final AdamW state. Its speed is the naive offload's.
+  (Note [The host kernel]), and the parameters copied back (``--fp32-masters``: each backward's bf16 gradients
+  upcast and accumulated into fp32 host masters, which are cast back to bf16: Note [Model state dtype]).
+  ``ours`` must equal it bitwise: every loss, the final parameters and the final AdamW state. Its speed is the
+  naive offload's.
 - ``auto``: ``placement="auto"`` (some buckets may stay resident and step on the device: not bitwise; the
-  largest loss difference against the reference is given).
+  largest loss difference against the reference is given. With ``--fp32-masters`` no bucket stays resident:
+  the plan's resident buckets become host masters, Note [Mixed precision]).
 - ``sgd_exit`` (asked for by the late-copies phase): row 6 of the model-state review, the weights copied back at
   exit with stateless SGD, bitwise against SGD on host copies.
 - ``cpu_offload``: torchao's ``CPUOffloadOptimizer`` schedule, written here (bench/gpu/cpu_offload.py): the
@@ -22,10 +26,15 @@ AdamW with two param groups):
   per parameter and each parameter copied back. Unbounded; its peak is given.
 
 Note [Model state dtype]
-The issue asks for bf16 compute with fp32 masters and state on the host. The runtime has no compute dtype
-(the host master *is* the parameter, in its own dtype: ../shared/notes/model-state-review.md row 4), so the
-model is built in bf16 and its AdamW state is bf16 too; ``compute_dtype`` in the results says which ran. If
-``SwapManager`` grows a ``compute_dtype``, ``--fp32-masters`` passes it (the oracle then keeps fp32 masters).
+Users train in mixed precision: an fp32 model, bf16 compute, fp32 masters, gradients and AdamW state
+(``ModelStatePolicy(compute_dtype=torch.bfloat16)``, Note [Mixed precision] in
+swap/runtime/model_state/precision.py). ``--fp32-masters`` runs that format (the lease asks for it): the model is
+built in fp32, ``ours`` and ``auto`` pass ``compute_dtype=torch.bfloat16``, and ``plain`` and ``reference`` train
+in the same format by hand (bench/gpu/mixed_precision.py, Note [The bench's mixed-precision oracle]; plain with
+its masters on the device, the oracle with them on the host), so the oracle stays bitwise. ``cpu_offload`` keeps
+torchao's schedule (parameters resident in the model's dtype): under ``--fp32-masters`` it computes in fp32, and
+the results' ``notes`` say so. Without the flag the model is built in bf16 and trains pure bf16 (bf16 masters and
+AdamW state). ``compute_dtype`` in the results says which ran.
 
 Deterministic kernels, strictly (Note [Deterministic kernels, strictly] in tests/gpu/swap_worker.py), so that
 the oracle and ours can be compared bit for bit. Results are written to DIR/NAME.json after every run, so a run
@@ -48,6 +57,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from bench.gpu import common
+from bench.gpu.mixed_precision import MixedPrecision
 
 GiB = 1 << 30
 # layers, d_model, heads, kv heads, d_ff, vocab; seq, micro-batches a step, default budget
@@ -156,10 +166,11 @@ def sync(cfg: Config) -> None:
 
 
 def train(cfg: Config, model: Any, opt: Any, step_fn: Callable[[], None], manager: Any = None,
-          after_backward: Callable[[], None] = lambda: None,
+          after_backward: Callable[[], None] = lambda: None, after_micro: Callable[[], None] = lambda: None,
           before_exit: Callable[[], None] = lambda: None) -> dict[str, Any]:  # fmt: skip
-    """The loop every run shares: ``cfg.steps`` steps of ``cfg.accum`` micro-batches, ``step_fn()`` for the
-    optimizer step. Returns losses (repr), step seconds, per micro-batch timings."""
+    """The loop every run shares: ``cfg.steps`` steps of ``cfg.accum`` micro-batches, ``after_micro()`` after each
+    one's backward, ``step_fn()`` for the optimizer step. Returns losses (repr), step seconds, per micro-batch
+    timings."""
     import contextlib
 
     import torch
@@ -189,6 +200,7 @@ def train(cfg: Config, model: Any, opt: Any, step_fn: Callable[[], None], manage
                     return loss.detach()
 
                 step_losses.append(timer(micro_batch))
+                after_micro()
             after_backward()
             step_fn()
             sync(cfg)
@@ -216,8 +228,21 @@ def finish(out: dict[str, Any], model: Any, opt: Any) -> dict[str, Any]:
 # -- the runs -------------------------------------------------------------------------------------------------
 def run_plain(cfg: Config, found: dict[str, Any]) -> dict[str, Any]:
     model = cfg.build()
-    opt = adamw(list(model.parameters()))
-    return finish(train(cfg, model, opt, opt.step), model, opt)
+    if not cfg.fp32_masters:
+        opt = adamw(list(model.parameters()))
+        return finish(train(cfg, model, opt, opt.step), model, opt)
+    import torch
+
+    mp = MixedPrecision(model, cfg.device, torch.bfloat16)  # masters on the device (Note [Model state dtype])
+    opt = adamw(mp.masters)
+
+    def step() -> None:
+        opt.step()
+        mp.publish()
+
+    out = train(cfg, model, opt, step, after_micro=mp.accumulate)
+    out["params_sha256"], out["state_sha256"] = digest(mp.masters), digest(state_tensors(opt))
+    return out
 
 
 def manager(cfg: Config, model: Any, opt: Any, mode: str, budget: int) -> Any:
@@ -292,24 +317,32 @@ def run_reference(cfg: Config, found: dict[str, Any], make: Callable[..., Any] =
     import torch
 
     model = cfg.build()
-    params = list(model.parameters())
-    master_dtype = torch.float32 if cfg.fp32_masters else None
-    masters = [p.detach().to("cpu", dtype=master_dtype or p.dtype, copy=True) for p in params]
     kernel = kernel or (found.get("ours") or {}).get("host_kernel")
+    if cfg.fp32_masters:  # bf16 gradients accumulated in fp32 on the host after each backward
+        mp = MixedPrecision(model, "cpu", torch.bfloat16)
+        masters, after_micro, gather = mp.masters, mp.accumulate, lambda: None
+    else:  # the device accumulates the micro-batches' gradients; the step copies them to the host
+        params = list(model.parameters())
+        masters = [p.detach().to("cpu", copy=True) for p in params]
+        after_micro = lambda: None  # noqa: E731
+
+        def gather() -> None:
+            for p, m in zip(params, masters):
+                m.grad = p.grad.to("cpu", copy=True)
+                p.grad = None  # the loop's zero_grad clears the host optimizer's gradients, not the model's
+
     host_opt = make(masters, **host_kernel_flags(kernel))
 
     def step() -> None:
-        for p, m in zip(params, masters):
-            m.grad = p.grad.to("cpu", dtype=m.dtype, copy=True)
-            p.grad = None  # the loop's zero_grad clears the host optimizer's gradients, not the model's
+        gather()
         host_opt.step()
         with torch.no_grad():
-            for p, m in zip(params, masters):
+            for p, m in zip(model.parameters(), masters):
                 p.copy_(m)
 
-    out = train(cfg, model, host_opt, step)
+    out = train(cfg, model, host_opt, step, after_micro=after_micro)
     out["host_kernel"] = kernel or "for-loop"
-    out["params_sha256"] = digest(params)
+    out["params_sha256"] = digest(masters)
     out["state_sha256"] = digest(state_tensors(host_opt))
     return out
 
@@ -462,6 +495,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     compute = ("bf16 compute, fp32 masters and state (compute_dtype)" if cfg.fp32_masters else
                "bf16 parameters, bf16 AdamW state: " + ("--fp32-masters not asked" if has_compute_dtype else
                                                          "the runtime has no compute_dtype (Note [Model state dtype])"))
+    if cfg.fp32_masters and "cpu_offload" in args.runs:
+        notes.append("cpu_offload keeps torchao's schedule, parameters resident in the model's dtype: with "
+                     "--fp32-masters it computes in fp32, not bf16 (Note [Model state dtype])")
     result: dict[str, Any] = {
         "environment": common.environment(), "size": cfg.size, "shape": dict(zip(
             ("layers", "d_model", "heads", "kv_heads", "d_ff", "vocab"), cfg.shape)),

@@ -65,7 +65,10 @@ def test_model_state_and_allocator_results_carry_their_figures(smoke):
     assert set(ms["runs"]) == {"plain", "ours", "reference", "auto", "cpu_offload"}
     assert ms["compare"]["ours_vs_reference_bitwise"] == {"losses": True, "params_sha256": True, "state_sha256": True}
     assert ms["runs"]["ours"]["within_budget"] and ms["ok"]
-    assert "compute_dtype" in ms and ms["runs"]["ours"]["bytes_per_kind"]["weights_in_bytes"] > 0
+    assert ms["runs"]["ours"]["bytes_per_kind"]["weights_in_bytes"] > 0
+    # the users' format: fp32 masters, bf16 compute (the oracle and plain follow it, hence bitwise above)
+    assert ms["compute_dtype"].startswith("bf16 compute, fp32 masters")
+    assert ms["compare"]["determinism_precheck_step0_loss_equal"]
     ar = json.loads((out / "alloc_ratio.json").read_text())
     natives = [row for row in ar["rows"] if row["allocator"] == "native"]
     assert natives and all(row["throughput"] > 0 and row["alloc_free_ns"]["4KiB"] > 0 for row in natives)
@@ -106,7 +109,9 @@ def test_the_gpu_commands_parse_and_name_what_exists(tmp_path):
     for ph in lease.PHASES:
         argv = ph.argv(run)
         if argv[1:2] == ["-m"] and argv[2] in parsers:
-            parsers[argv[2]].parse_args(argv[3:])  # exits (a failure here) on a flag it does not take
+            args = parsers[argv[2]].parse_args(argv[3:])  # exits (a failure here) on a flag it does not take
+            if argv[2] == "bench.gpu.model_state_gpu":
+                assert args.fp32_masters, argv  # model state runs in the format users train in
             checked += 1
     assert checked == 3  # model state, its late-copies run, the allocators
     assert set(lease.QUICK_REST) <= {c.name for c in quick_checks.CHECKS}
