@@ -3,7 +3,8 @@ its weights + AdamW state, bitwise against an oracle, and its speed against plai
 CPU-offload-optimizer baseline.
 
     python -m bench.gpu.model_state_gpu [--size 1b|200m|tiny] [--device cuda|cpu] [--budget 4GiB] [--lag]
-        [--allocator native|vmalloc] [--runs plain ours reference auto cpu_offload] [--out DIR] [--name NAME]
+        [--allocator native|vmalloc] [--fp32-masters] [--runs plain ours reference auto cpu_offload] [--out DIR]
+        [--name NAME]
 
 Runs, each from the same seeded weights, the same batches and the same loop (``ACCUM`` micro-batches a step,
 AdamW with two param groups):
