@@ -12,9 +12,11 @@ parametrized with backend "cuda" (or marked cuda_fake) runs in a child pytest wi
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import random
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import numpy as np
@@ -146,3 +148,18 @@ class FakeCudaMemory:
 
 def memory_for(backend: str) -> Any:
     return HostMemory() if backend == "host" else FakeCudaMemory()
+
+
+CHUNK_SIZES = {"host": 64 * 1024, "cuda": 2 * 1024 * 1024}  # the emulator's granularity is 2 MiB
+
+
+@contextlib.contextmanager
+def driver(backend: str) -> Iterator[int]:
+    """The stream to use; on the emulated driver, checked for races at the end (in the child process)."""
+    if backend == "host":
+        yield 0
+        return
+    assert in_fake_driver_process()
+    mem = FakeCudaMemory()
+    yield mem.own[0]
+    mem.finish()

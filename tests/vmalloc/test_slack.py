@@ -5,31 +5,19 @@ early), then freed in reverse while differently sized gradients come and go; the
 next ones repeat it. On the host backend, and on the cuda backend against the emulated driver (a child
 process, Note [cuda tests in a child process] in backends.py)."""
 
-import contextlib
 import random
 
 import pytest
-from backends import FakeCudaMemory, in_fake_driver_process
+from backends import CHUNK_SIZES, driver
 
 import vmalloc
 
 KiB, MiB = 1024, 1024 * 1024
-CHUNKS = {"host": 64 * KiB, "cuda": 2 * MiB}  # the emulator's granularity is 2 MiB
+CHUNKS = CHUNK_SIZES
 
 
 BACKENDS = pytest.mark.parametrize("backend", ["host", "cuda"])
 
-
-@contextlib.contextmanager
-def driver(backend):
-    """The stream to use; on the emulated driver, checked for races at the end (in the child process)."""
-    if backend == "host":
-        yield 0
-        return
-    assert in_fake_driver_process()
-    mem = FakeCudaMemory()
-    yield mem.own[0]
-    mem.finish()
 
 
 def replay(backend, stream, iterations=10, **options):

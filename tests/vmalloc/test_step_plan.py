@@ -6,29 +6,17 @@ before its free, so two live allocations that shared a chunk would show; on the 
 emulated driver (a child process, Note [cuda tests in a child process] in backends.py), which checks the
 calls."""
 
-import contextlib
 import random
 
 import pytest
-from backends import FakeCudaMemory, in_fake_driver_process
+from backends import CHUNK_SIZES, driver
 
 import vmalloc
 
 KiB, MiB = 1024, 1024 * 1024
-CHUNKS = {"host": 64 * KiB, "cuda": 2 * MiB}  # the emulator's granularity is 2 MiB
+CHUNKS = CHUNK_SIZES
 BACKENDS = pytest.mark.parametrize("backend", ["host", "cuda"])
 
-
-@contextlib.contextmanager
-def driver(backend):
-    """The stream to use; on the emulated driver, checked for races at the end (in the child process)."""
-    if backend == "host":
-        yield 0
-        return
-    assert in_fake_driver_process()
-    mem = FakeCudaMemory()
-    yield mem.own[0]
-    mem.finish()
 
 
 class Step:
