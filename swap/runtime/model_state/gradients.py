@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
@@ -49,6 +50,9 @@ from ..machine.host_pool import HostBlock, HostPool, HostPoolExhausted
 from .buckets import Entry, trains
 from .storage import Copies, grad_span, host_tensor
 
+# Buckets of gradients on their way to the host the plan prices (``plan_bytes``' ``in_flight`` in
+# swap.schedule.model_state), and so the most the lane may hold (Note [Gradients in flight])
+IN_FLIGHT = 2
 _RAW = torch._C.TensorBase.grad  # the attribute torch keeps (Note [p.grad of an offloaded parameter])
 _sinks: dict[int, GradSink] = {}  # id(parameter) -> the sink holding its host gradient
 _classes: dict[type, type] = {}  # a parameter class -> its subclass with the routed ``grad``
@@ -91,13 +95,14 @@ class GradSink:
     filled over ``engine`` with the copies' host work on ``worker`` (a lane of its own: a gradient lands without
     waiting behind host steps). ``gate(entry)`` waits until no host step reads the entry's bucket's gradients;
     ``reading(entry)``: the host steps that may read them now; ``in_backward()`` is told when a gradient arrives (a
-    backward pass runs), ``arrived(p)`` once ``p``'s copy is under way."""
+    backward pass runs), ``arrived(p)`` once ``p``'s copy is under way. ``bucket_bytes``: the largest a bucket
+    packs (Note [Gradients in flight]: at most ``IN_FLIGHT`` times that, or the largest gradient's, in flight)."""
 
     def __init__(self, entries: list[Entry], pool: HostPool, staging: HostPool, engine: Any,
                  worker: ThreadPoolExecutor, gate: Callable[[int], None], in_backward: Callable[[], None],
                  copies: Copies, busy: Callable[[], Any],
                  arrived: Callable[[torch.nn.Parameter], None] = lambda p: None,
-                 reading: Callable[[int], list[Future]] = lambda entry: []) -> None:  # fmt: skip
+                 reading: Callable[[int], list[Future]] = lambda entry: [], bucket_bytes: int = 0) -> None:  # fmt: skip
         self.pool, self.staging, self.engine, self.worker = pool, staging, engine, worker
         self.gate, self.in_backward, self.copies, self.busy = gate, in_backward, copies, busy
         self.arrived, self.reading = arrived, reading
@@ -119,6 +124,11 @@ class GradSink:
         self.stepping = False  # the user's opt.step() runs: it must see torch's attribute
         self.compute_dtype: Optional[torch.dtype] = None  # Note [Mixed precision]: the gradients arriving
         self._swapped: list[tuple[torch.nn.Parameter, type]] = []
+        # Note [Gradients in flight]: (the lane's work holding a device gradient, its bytes), oldest first
+        largest = max((e.nbytes for e in entries), default=0)  # a bucket's gradients are at most its weights
+        self.cap = IN_FLIGHT * max(bucket_bytes, largest)
+        self.flying: deque[tuple[Future, int]] = deque()
+        self.flying_bytes = 0
 
     def allocate(self) -> None:
         """A host gradient buffer for every parameter, in its master's dtype (fp32 under Note [Mixed precision]:
@@ -244,19 +254,24 @@ class GradSink:
                 nbytes = g.numel() * g.element_size()
                 if not self.has[k] and earlier is not None:
                     earlier.result()  # nothing else may be writing the buffer
-                if self.engine.done(ticket):  # copied already (a small copy runs inline): the memory goes now
-                    g = None
-                self.tasks[k] = self.worker.submit(self._add, ticket, g, host, staged, block, self.has[k])
+                box = self._hand_over(ticket, g, nbytes)
+                g = None
+                task = self.worker.submit(self._add, ticket, box, host, staged, block, self.has[k])
+                self.tasks[k] = task
+                self._flying(task, box, nbytes)
                 self.has[k] = True
             else:
                 if earlier is not None:
                     earlier.result()  # nothing else may be writing the buffer
                 ticket = self.engine.d2h(host, g)
                 nbytes = g.numel() * g.element_size()
-                if self.engine.done(ticket):  # copied already (a small copy runs inline): nothing to wait for
+                box = self._hand_over(ticket, g, nbytes)
+                g = None
+                if not box:  # copied already (a small copy runs inline): nothing to wait for
                     self.tasks.pop(k, None)
                 else:
-                    self.tasks[k] = self.worker.submit(self._landed, ticket, g)
+                    self.tasks[k] = task = self.worker.submit(self._landed, ticket, box)
+                    self._flying(task, box, nbytes)
                 self.has[k] = True
             self.copies.grads_out += nbytes
 
@@ -270,16 +285,39 @@ class GradSink:
                 t.result()
             return self.staging.alloc(nbytes)
 
-    def _landed(self, ticket: Any, g: torch.Tensor) -> None:
-        self.engine.wait_host(ticket)
-        del g  # the device memory goes only once the copy has read it (Note [Copies without record_stream])
+    def _hand_over(self, ticket: Any, g: torch.Tensor, nbytes: int) -> list[torch.Tensor]:
+        """A box holding ``g`` for the lane, empty if its copy is done already (it ran inline: the memory goes
+        now); else, first, room for its ``nbytes`` among the gradients in flight (Note [Gradients in flight])."""
+        if self.engine.done(ticket):
+            return []
+        while self.flying and self.flying_bytes + nbytes > self.cap:
+            task, n = self.flying.popleft()
+            self.flying_bytes -= n
+            try:
+                task.result()
+            except Exception:  # noqa: S110 -- raised again to whoever waits for the buffer (settle, a read)
+                pass
+        return [g]
 
-    def _add(self, ticket: Any, g: Optional[torch.Tensor], host: torch.Tensor, staged: torch.Tensor,
+    def _flying(self, task: Future, box: list[torch.Tensor], nbytes: int) -> None:
+        """``task`` holds ``box``'s device gradient until it has landed (Note [Gradients in flight])."""
+        if box:
+            self.flying.append((task, nbytes))
+            self.flying_bytes += nbytes
+        while self.flying and self.flying[0][0].done():  # the landed ones leave at once (no wait)
+            self.flying_bytes -= self.flying.popleft()[1]
+
+    def _landed(self, ticket: Any, box: list[torch.Tensor]) -> None:
+        self.engine.wait_host(ticket)
+        box.clear()  # the device memory goes only once the copy has read it (Note [Copies without record_stream])
+
+    def _add(self, ticket: Any, box: list[torch.Tensor], host: torch.Tensor, staged: torch.Tensor,
              block: HostBlock, accumulate: bool = True) -> None:  # fmt: skip
         """``host += staged`` (``accumulate``) or ``host = staged``, in ``host``'s dtype (an fp32 buffer upcasts a
-        compute-dtype gradient exactly, then adds in fp32), once the copy into ``staged`` has landed."""
+        compute-dtype gradient exactly, then adds in fp32), once the copy into ``staged`` has landed (``box``:
+        the device gradient, if its copy was still running, let go of then)."""
         self.engine.wait_host(ticket)
-        del g
+        box.clear()
         if accumulate:
             host.add_(staged)
         else:

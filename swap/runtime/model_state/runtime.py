@@ -147,7 +147,8 @@ class ModelStateRuntime:
         self.grads = GradSink(entries, pools[1], pools[2], engine, self.lane,
                               lambda i: self.stepper.quiet(self.streamer.bucket_of[i]),
                               lambda: self.streamer.in_backward(), copies, self.busy, self._grad_arrived,
-                              lambda i: self.stepper.reading(self.streamer.bucket_of[i]))  # fmt: skip
+                              lambda i: self.stepper.reading(self.streamer.bucket_of[i]),
+                              self.bucket_bytes)  # fmt: skip
         self.grads.allocate()
         host_of = {id(p): self.masters.host_param(e, p) for e in entries for _, p in e.params}
         self.host_of = host_of
