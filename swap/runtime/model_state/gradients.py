@@ -255,7 +255,6 @@ class GradSink:
                 if not self.has[k] and earlier is not None:
                     earlier.result()  # nothing else may be writing the buffer
                 box = self._hand_over(ticket, g, nbytes)
-                g = None
                 task = self.worker.submit(self._add, ticket, box, host, staged, block, self.has[k])
                 self.tasks[k] = task
                 self._flying(task, box, nbytes)
@@ -266,7 +265,6 @@ class GradSink:
                 ticket = self.engine.d2h(host, g)
                 nbytes = g.numel() * g.element_size()
                 box = self._hand_over(ticket, g, nbytes)
-                g = None
                 if not box:  # copied already (a small copy runs inline): nothing to wait for
                     self.tasks.pop(k, None)
                 else:
