@@ -67,7 +67,11 @@ test: setup-test test-python test-sanitize
 # processes: what they measure is their own process's (live storages, RSS), gloo ranks meet through files in
 # their own tmp_path, the emulated driver is built before pytest starts (fakecuda), and build/trace-cache is
 # written by rename (bench/traces.py). PYTEST_WORKERS=0 runs everything in this one process.
-PYTEST_WORKERS ?= auto
+# The default is 0, for now: the first whole-suite run on 2 workers (a fresh clone, 2026-11-28) had 9 failures and
+# 2 errors where serial runs pass, nearly all InfeasibleBudget with megabytes "not swappable" — tests that measure
+# the CPU budget (every live storage in the process) ran after other files than they do in one process. Parallel
+# runs come back as the default once `make test PYTEST_WORKERS=auto` passes on a fresh clone.
+PYTEST_WORKERS ?= 0
 PYTEST_PARALLEL = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
 test-python: fakecuda

@@ -35,6 +35,9 @@ ALLOWED = {
     "folds their inf check into the device's flag (Note [Unscaling host gradients]); it has no public hook",
     "_amp_foreach_non_finite_check_and_unscale_": "the kernel GradScaler unscales with, so host gradients are "
     "unscaled and checked exactly as the device's are",
+    "_get_fsdp_state": "an FSDP2 module's state: every path that unshards a unit ends in its parameter group's "
+    "unshard, which has no public hook (Note [Every unshard gated])",
+    "_fsdp_param_group": "the FSDP2 state's parameter group, whose unshard is gated (Note [Every unshard gated])",
     # tensors, storages, operators and autograd nodes
     "_base": "a view's base tensor (parameters are recognised through their views)",
     "_version": "a tensor's version counter: in-place writes to saved tensors are detected with it",
