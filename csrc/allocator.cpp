@@ -270,6 +270,7 @@ std::uintptr_t Allocator::try_malloc(std::size_t nbytes, Stream stream, bool cac
   }
   if (!p) return 0;
   high_water_chunks_ = std::max(high_water_chunks_, chunks_in_use());
+  held_peak_chunks_ = std::max(held_peak_chunks_, held_chunks());  // Note [Held bytes]
   slack_peak_chunks_ = std::max(slack_peak_chunks_, slack_chunks());
   Allocation& a = live_.emplace(p, Allocation{nbytes, size, stream, small || mid, {}, slot}).first->second;
   stats_.requested_bytes.increase(static_cast<std::int64_t>(nbytes));
@@ -335,8 +336,29 @@ std::size_t Allocator::slack_chunks() const {
 
 // Chunks held that no request can have now: in allocated or pending ranges, in slabs with a block in use,
 // or quarantined.
+//
+// Note [Held bytes]
+// allocated_bytes counts what allocations hold (512 B steps in a slab, whole chunks otherwise), but not the
+// free space inside slabs that a block in use keeps mapped: a large request cannot use it. So a caller that
+// keeps allocated_bytes within the capacity can still be refused: on an H200 the swap runtime, planning the
+// small ResNet in allocated bytes under a capacity equal to its budget, asked for 2.25 MiB (two 2 MiB chunks)
+// with 205.75 of 210 MiB allocated and 4.25 MiB free, fewer than two chunks of it whole. held_bytes is
+// chunks_in_use() in bytes: every chunk that is not free for any request (allocated and pending ranges, slabs
+// with a block in use, the step plan's busy slots, quarantined chunks), and the step plan's idle chunks while
+// any of its slots is busy: a plan gives its chunks back only once none is (Note [Step plan]), so until then
+// they serve its slots alone. The rest, capacity - held, is what the ladder serves any request from (the
+// pool, cached ranges, empty slabs, a plan with no slot busy, chunks still creatable), so held_bytes +
+// allocation_size(n) <= capacity means malloc(n) finds enough free chunks (on the host and sim backends it
+// succeeds; on cuda the device itself may still refuse, device_full_; during a capture nothing is reclaimed).
+// Its peak rises only in malloc (nothing else puts a free chunk in use or makes a slot busy), so it is kept
+// there, and reset_peak_stats() resets it, as torch resets its peaks. The swap runtime measures vmalloc's memory in held bytes (ArenaMemory
+// in swap/runtime/machine/memory.py): a budget given is then physical memory held, slabs included.
 std::size_t Allocator::chunks_in_use() const {
   return num_chunks_ - pool_.size() - cached_chunks_ - empty_slab_chunks_ - plan_idle_chunks_;
+}
+
+std::size_t Allocator::held_chunks() const {
+  return chunks_in_use() + (plan_ && plan_->busy_slots > 0 ? plan_idle_chunks_ : 0);
 }
 
 std::uintptr_t Allocator::malloc_large(std::size_t k, Stream stream, bool cached_only) {

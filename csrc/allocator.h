@@ -134,6 +134,10 @@ class VMALLOC_API Allocator {
   std::int64_t allocated_bytes() const;       // stats()["allocated_bytes.all.current"]
   std::int64_t peak_allocated_bytes() const;  // stats()["allocated_bytes.all.peak"]
   std::int64_t reserved_bytes() const;        // stats()["reserved_bytes.all.current"]
+  // Bytes of the chunks no request can have now (Note [Held bytes] in allocator.cpp): stats()["held_bytes.all
+  // .current"], and its peak since reset_peak_stats(). What a budget on physical memory must count.
+  std::int64_t held_bytes() const;
+  std::int64_t peak_held_bytes() const;
   // The largest request that can succeed now without the OOM handler: idle chunks (the pool, cached ranges,
   // empty slabs) stitch into one range, plus what may still be created under the capacity, at most
   // `creatable_cap` bytes of it (the device's free memory), and no more than the workspace limit leaves
@@ -293,6 +297,7 @@ class VMALLOC_API Allocator {
   std::size_t creatable_chunks() const;
   std::size_t growable_chunks(std::size_t need) const;  // Note [Reuse before growth]
   std::size_t chunks_in_use() const;
+  std::size_t held_chunks() const;  // Note [Held bytes]
   std::size_t slack_chunks() const;  // Note [Slack reported apart]
   // allocator_plan.cpp (Note [Step plan])
   std::uintptr_t plan_malloc(std::size_t size, Stream stream, bool cached_only, std::int32_t* slot);
@@ -333,6 +338,7 @@ class VMALLOC_API Allocator {
   std::size_t high_water_chunks_ = 0;                         // the most chunks_in_use() after any malloc
   std::size_t growth_credit_ = 0;                             // chunks reclaimed not yet grown (Note [Reuse before growth])
   std::size_t slack_peak_chunks_ = 0;                         // the most slack_chunks() (Note [Slack reported apart])
+  std::size_t held_peak_chunks_ = 0;                          // the most chunks_in_use() since reset_peak_stats (Note [Held bytes])
   std::size_t cached_chunks_ = 0;                             // chunks in kCached ranges
   std::map<std::uintptr_t, Range> ranges_;                    // every mapped range, by address
   std::unordered_map<Stream, SizeSet> cached_;                // cached free ranges per stream: (nchunks, addr)

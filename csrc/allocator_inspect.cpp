@@ -1,6 +1,7 @@
 // Allocator: statistics, segments, trace, messages and the invariant check (see allocator.h).
 #include "allocator.h"
 
+#include <algorithm>
 #include <set>
 #include <sstream>
 
@@ -59,6 +60,16 @@ std::int64_t Allocator::reserved_bytes() const {
   return stats_.reserved_bytes.current;
 }
 
+std::int64_t Allocator::held_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<std::int64_t>(held_chunks() * chunk_);
+}
+
+std::int64_t Allocator::peak_held_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<std::int64_t>(std::max(held_peak_chunks_, held_chunks()) * chunk_);
+}
+
 std::vector<std::pair<std::string, std::int64_t>> Allocator::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::pair<std::string, std::int64_t>> out;
@@ -82,6 +93,9 @@ std::vector<std::pair<std::string, std::int64_t>> Allocator::stats() const {
   // Note [Slack reported apart]
   out.emplace_back("slack_bytes.all.current", static_cast<std::int64_t>(slack_chunks() * chunk_));
   out.emplace_back("slack_bytes.all.peak", static_cast<std::int64_t>(slack_peak_chunks_ * chunk_));
+  // Note [Held bytes] in allocator.cpp
+  out.emplace_back("held_bytes.all.current", static_cast<std::int64_t>(held_chunks() * chunk_));
+  out.emplace_back("held_bytes.all.peak", static_cast<std::int64_t>(std::max(held_peak_chunks_, held_chunks()) * chunk_));
   const auto mapped = stats_.mapped_bytes.current, active = stats_.active_bytes.current;
   out.emplace_back("inactive_split_bytes.all.current", mapped - active);
   out.emplace_back("cached_free_bytes", stats_.reserved_bytes.current - active);

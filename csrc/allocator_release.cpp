@@ -151,6 +151,7 @@ void Allocator::reset_peak_stats() {
                           &stats_.active})
     s->reset_peak();
   slack_peak_chunks_ = slack_chunks();
+  held_peak_chunks_ = held_chunks();
 }
 
 

@@ -293,6 +293,12 @@ PYBIND11_MODULE(_C, m) {
                              "stats()['allocated_bytes.all.peak'] (since reset_peak_stats()), read alone.")
       .def_property_readonly("reserved_bytes", &Allocator::reserved_bytes,
                              "stats()['reserved_bytes.all.current'], read alone.")
+      .def_property_readonly("held_bytes", &Allocator::held_bytes,
+                             "stats()['held_bytes.all.current'], read alone: bytes of the chunks no request can have "
+                             "now (allocated, pending, slabs with a block in use); held_bytes + allocation_size(n) "
+                             "<= capacity means malloc(n) finds enough free chunks.")
+      .def_property_readonly("peak_held_bytes", &Allocator::peak_held_bytes,
+                             "stats()['held_bytes.all.peak'] (since reset_peak_stats()), read alone.")
       .def_property_readonly("last_backend_error", &Allocator::last_backend_error)
       .def_property_readonly("backend", [](Allocator& a) { return std::string(a.backend().name()); })
       .def_property_readonly("granularity", [](Allocator& a) { return a.backend().granularity(); })

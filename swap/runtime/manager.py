@@ -80,10 +80,12 @@ class SwapManager:
     Args:
         budget: device bytes the run may use (int or "12GiB"). None: vmalloc's capacity when vmalloc is the
             CUDA allocator, else the device's free memory less 10% (CPU runs: available host memory less 10%).
-            On a GPU it is the allocator's allocated bytes. On the CPU it counts every live CPU tensor storage in
-            the process, between operators, not only the training's: tensors made before the manager (another
-            model, data, an unused ``torch.zeros``) count as soon as it is entered; delete them first or raise
-            the budget by their size (Note [What the CPU budget counts] in swap.runtime.machine.memory).
+            On a GPU it is the allocator's allocated bytes (vmalloc's held chunks: a slab counts whole while
+            a block in it lives, so a budget equal to vmalloc's capacity fits). On the CPU it counts every live
+            CPU tensor storage in the process, between operators, not only the training's: tensors made
+            before the manager (another model, data, an unused ``torch.zeros``) count as soon as it is entered;
+            delete them first or raise the budget by their size (Note [What the CPU budget counts] in
+            swap.runtime.machine.memory).
         window: the window policy's look-ahead in bytes, or "auto" (chosen by simulating the profiled iteration on
             the measured link bandwidth and step times).
         policy: swap only, by this policy: "window" (the look-ahead window), "fixed_distance" (TFLMS:

@@ -41,6 +41,35 @@ def test_allocation_size_is_what_allocated_bytes_counts(make_arena, mid_chunks):
         a.allocation_size(-1)
 
 
+def test_held_bytes_and_not_allocated_bytes_say_whether_a_request_fits(make_arena):
+    # Note [Held bytes] in csrc/allocator.cpp: the free halves of slabs that keep a block in use count in no
+    # allocation's bytes, and a large request cannot use them. Six 1 MiB slabs each keep one 512 KiB block:
+    # 3 MiB allocated of an 8 MiB capacity, 6 MiB held.
+    a = make_arena(capacity="8MiB", chunk_size="1MiB", small_max="512KiB")
+    blocks = [a.malloc(512 * KiB) for _ in range(12)]
+    for p in blocks[::2]:
+        a.free(p)
+    assert a.allocated_bytes == 3 * MiB and a.held_bytes == 6 * MiB == a.reserved_bytes
+    assert a.allocated_bytes + a.allocation_size(3 * MiB) <= a.capacity  # fits by allocated bytes, yet:
+    with pytest.raises(vmalloc.OutOfMemoryError):
+        a.malloc(3 * MiB)
+    assert a.held_bytes == 6 * MiB
+    assert a.held_bytes + a.allocation_size(2 * MiB) <= a.capacity  # fits by held bytes, and is served
+    big = a.malloc(2 * MiB)
+    s = a.stats()
+    assert a.held_bytes == s["held_bytes.all.current"] == 8 * MiB
+    assert a.peak_held_bytes == s["held_bytes.all.peak"] == 8 * MiB
+    a.free(big)
+    for p in blocks[1::2][:3]:  # three slabs empty: their chunks are free again
+        a.free(p)
+    assert a.held_bytes == 3 * MiB and a.peak_held_bytes == 8 * MiB  # a peak lasts until reset_peak_stats
+    a.reset_peak_stats()
+    assert a.peak_held_bytes == 3 * MiB
+    for p in blocks[1::2][3:]:
+        a.free(p)
+    assert a.held_bytes == 0
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

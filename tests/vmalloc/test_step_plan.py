@@ -151,6 +151,28 @@ def test_idle_plan_chunks_yield_to_a_request_at_the_capacity():
     a.check_invariants()
 
 
+def test_held_bytes_count_the_plans_idle_chunks_while_a_slot_is_busy():
+    # Note [Held bytes] in csrc/allocator.cpp: a plan gives its chunks back only once no slot is busy, so until
+    # then its idle chunks serve no other request and are held; between steps they are free for any request.
+    chunk = CHUNKS["host"]
+    a = arena("host")
+    step = Step(a, "host", 0)
+    weights = step.malloc(4 * chunk)
+    for _ in range(5):
+        step.run()
+    s = a.stats()
+    assert s["num_plans"] == 1 and s["plan_idle_chunks"] == s["plan_chunks"] > 0
+    assert a.held_bytes == 4 * chunk  # between steps: the weights alone
+    hits = s["num_plan_hits"]
+    first = step.malloc(step.sizes[0] * chunk)  # the period's first malloc, served from its slot
+    s = a.stats()
+    assert s["num_plan_hits"] == hits + 1 and s["plan_idle_chunks"] < s["plan_chunks"]
+    assert a.held_bytes == (4 + s["plan_chunks"]) * chunk == s["held_bytes.all.current"]
+    step.free(first)
+    step.free(weights)
+    a.check_invariants()
+
+
 def test_no_plan_when_turned_off():
     a = arena("host", step_plan=False)
     step = Step(a, "host", 0)

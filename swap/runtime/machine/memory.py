@@ -1,9 +1,9 @@
 """Device memory as the allocator sees it: what the budget is measured against.
 
-``window_peak()`` returns the highest allocated bytes since the previous call (the profiling iteration
-calls it at every access, to learn each step's peak); ``peak`` is the highest seen overall; ``current()``
-the bytes allocated now. ``sees_inside_ops`` says whether a peak inside one operator is seen (an
-allocator's count) or only live tensors between operators (the CPU meter).
+``window_peak()`` returns the highest bytes in use (allocated, or vmalloc's held chunks) since the previous
+call (the profiling iteration calls it at every access, to learn each step's peak); ``peak`` is the highest
+seen overall; ``current()`` the bytes in use now. ``sees_inside_ops`` says whether a peak inside one operator
+is seen (an allocator's count) or only live tensors between operators (the CPU meter).
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def torch_block_bytes(nbytes: int) -> int:
     return size + TORCH_UNSPLIT_REMAINDER if size > TORCH_SMALL_REQUEST else size
 
 # Note [Sizes as the allocator counts them]
-# The budget is measured in the allocator's own bytes (vmalloc's allocated_bytes, torch's), and an allocator
+# The budget is measured in the allocator's own bytes (vmalloc's held chunks, torch's allocated bytes), and an allocator
 # hands out more than a tensor asks for: vmalloc rounds a large request up to whole chunks (a 2.25 MiB
 # activation holds 4 MiB: two 2 MiB chunks), torch rounds to 512 B and may hand out a large-pool block up to
 # 1 MiB bigger than that when the left-over is too small to split. Planned with their own sizes, the saved
@@ -203,10 +203,21 @@ def torch_block_bytes(nbytes: int) -> int:
 # the tensor's own bytes.
 
 
-class ArenaMemory(DeviceMemory):
-    """vmalloc is the allocator: its allocated bytes (whole chunks) are what the device holds for tensors."""
+# Note [vmalloc's budget is held chunks]
+# With vmalloc as torch's allocator the budget is measured in its held bytes (Note [Held bytes] in
+# csrc/allocator.cpp): the chunks no request can have, a slab of small blocks counted whole while any block in it
+# lives. Measured in allocated bytes, the free parts of slabs counted nowhere: on an H200 the small ResNet's plan
+# held 205.75 MiB allocated under a budget of 210 MiB, vmalloc's capacity, and the next 2.25 MiB activation (two
+# chunks) was refused with 4.25 MiB free, fewer than two chunks of it whole; torch's allocator and a vmalloc pool
+# under torch's allocator trained in the same budget. In held bytes the profile sees the slabs' free parts (in
+# what is not swappable), the plan swaps enough more to leave whole chunks free, and a budget given is physical
+# memory held: at a capacity equal to the budget, a request the plan allows finds its chunks.
 
-    name = "vmalloc allocated_bytes"
+
+class ArenaMemory(DeviceMemory):
+    """vmalloc is the allocator: the chunks it holds for tensors (Note [vmalloc's budget is held chunks])."""
+
+    name = "vmalloc held_bytes"
 
     def __init__(self, arena: Any) -> None:
         super().__init__()
@@ -214,12 +225,12 @@ class ArenaMemory(DeviceMemory):
         arena.reset_peak_stats()
 
     def _window_peak(self) -> int:
-        p = self.arena.peak_allocated_bytes  # single counters: stats() builds a dict of all (~10 us)
+        p = self.arena.peak_held_bytes  # single counters: stats() builds a dict of all (~10 us)
         self.arena.reset_peak_stats()
         return p
 
     def current(self) -> int:
-        return self.arena.allocated_bytes
+        return self.arena.held_bytes
 
     def allocation_bytes(self, nbytes: int) -> int:
         return self.arena.allocation_size(nbytes)  # whole chunks for a large tensor
