@@ -75,7 +75,10 @@ def pinned_host(ptr: int) -> bool:
 # which the driver grows when a kernel needs a larger stack, library handles). So the poller also reads the
 # allocator's reserved bytes at each sample (``held``): ``outside_peak`` is the most the driver held beyond
 # them. An oracle above the budget with the allocator's own peak within it is memory outside the allocator,
-# and its growth over the run says how much.
+# and its growth over the run says how much. The poller also keeps its first sample (``start_used``,
+# ``start_held``): measured from there, a one-time growth before it (the driver's, on the swap runtime's first
+# iteration) is left out, and what grows while it runs is not (Note [The oracle from the last iteration's start]
+# in tests/gpu/swap_worker.py).
 class UsedMemoryPoller:
     """Polls cuMemGetInfo on a thread while active; ``peak`` is the most device memory seen in use, and, given
     ``held`` (the allocator's reserved bytes, read at each sample), ``outside_peak`` the most beyond it."""
@@ -86,6 +89,8 @@ class UsedMemoryPoller:
         self.peak = 0
         self.outside_peak = 0
         self.samples = 0
+        self.start_used: Optional[int] = None  # the first sample: device memory in use, the allocator's part
+        self.start_held: Optional[int] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -96,6 +101,8 @@ class UsedMemoryPoller:
         self.peak = max(self.peak, used)
         self.outside_peak = max(self.outside_peak, used - held)
         self.samples += 1
+        if self.start_used is None:
+            self.start_used, self.start_held = used, held
 
     def _run(self) -> None:
         make_context_current(self.device)

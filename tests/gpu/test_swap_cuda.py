@@ -16,6 +16,8 @@ MiB = 1 << 20
 # kernels, local memory: Note [What the oracle counts] in cuda_oracle.py): the oracle must stay within the
 # budget plus this.
 ORACLE_SLACK = 64 * MiB
+# How much reserved memory, or memory outside the allocator, may move between planned iterations.
+FLAT_SLACK = 8 * MiB
 
 
 @cache
@@ -38,16 +40,23 @@ def test_swapped_gradients_are_bitwise_equal_and_within_budget(allocator, model)
     assert rep["peak_device_bytes"] <= r["budget"], rep
     assert r["allocator_peak_allocated"] <= r["budget"], r
     if allocator == "vmalloc":
-        assert rep["memory_source"] == "vmalloc allocated_bytes"
+        # Note [vmalloc's budget is held chunks] in swap/runtime/machine/memory.py: the budget counts the chunks
+        # vmalloc holds, so a capacity equal to the budget serves every request the plan allows.
+        assert rep["memory_source"] == "vmalloc held_bytes"
         assert r["base"]["params_vmm_backed"], "tensors should live in vmalloc's VMM mappings"
         assert r["allocator_peak_reserved"] <= r["budget"], "vmalloc's capacity was the budget"
         assert r["oracle_samples"] > 10
-        # On an H200 the oracle read 70 MiB above the budget while vmalloc's own peak held it: the keys below
-        # say whether that memory was the driver's, outside vmalloc (its growth, the stack limit), or ours.
-        why = {k: r.get(k) for k in ("oracle_peak_bytes", "budget", "allocator_peak_reserved", "oracle_outside_growth",
-                                     "stack_size_before_after")}  # fmt: skip
-        why["outside_per_iteration"] = r["swapped"].get("outside_per_iteration")
+        # The oracle is measured from the last iteration's start (Note [The oracle from the last iteration's
+        # start] in swap_worker.py): on an H200 the driver grew once by 70 MiB as the swap runtime began, with
+        # torch's allocator as with vmalloc. The keys below say where any excess lies.
+        keys = ("oracle_peak_bytes", "budget", "allocator_peak_reserved", "oracle_outside_growth",
+                "oracle_outside_setup", "outside_setup_at_enter", "stack_size_before_after")
+        why = {k: r.get(k) for k in keys}
+        outside = r["swapped"]["outside_per_iteration"]
+        why["outside_per_iteration"] = outside
         assert r["oracle_peak_bytes"] <= r["budget"] + ORACLE_SLACK, why
+        # Memory outside the allocator that grows from one planned iteration to the next would be a leak.
+        assert max(outside[2:]) <= outside[2] + FLAT_SLACK, why
     elif allocator == "vmalloc_pool":
         assert rep["memory_source"] == "torch.cuda.max_memory_allocated"  # torch's allocator counts the pool
         assert r["base"]["params_vmm_backed"], "inside vmalloc.use_mem_pool tensors live in vmalloc's mappings"
@@ -56,8 +65,7 @@ def test_swapped_gradients_are_bitwise_equal_and_within_budget(allocator, model)
 
 
 # Reserved memory may settle for an iteration or two after the plan starts (the allocator's caches fill);
-# after that, a repeated training step must not make the allocator hold more.
-FLAT_SLACK = 8 * MiB
+# after that, a repeated training step must not make the allocator hold more (FLAT_SLACK is defined above).
 
 
 @pytest.mark.parametrize("allocator", ["vmalloc", "vmalloc_pool", "native"])
