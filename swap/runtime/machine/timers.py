@@ -6,9 +6,18 @@ inside the intervals these timers measure. A planned step runs without it, and t
 operator from these intervals (on a GPU the operator table is scaled to the measured forward: ``calibrated``
 in swap.joint.ops), so the bookkeeping is handed to the timer (``exclude``) and taken out of its interval. On
 the host that is exact. On a GPU the device idles for the bookkeeping only while it waits for the host (the
-usual case under a Python profiler): the bookkeeping is taken out of an interval the device measured no
-longer than the host did; one it measured longer (the device behind, its own work the bottleneck) is kept
-whole. Between the two the subtraction can err low, never high.
+usual case under a Python profiler), so what is taken out depends on whether the device had caught up with
+the host: ``stop`` asks whether the interval's start event has run yet (``Event.query``, no wait). If it has
+not, the device was behind by more than the whole interval: everything the host did in it hid behind the
+device's queue, and the device time is the kernels' alone, kept whole. If it has, the device ran the
+interval while the host was still in it, idling whenever the host was busy, and the bookkeeping is taken
+out. That can err low (bookkeeping that hid behind a short backlog is taken out too), never high.
+
+The rule was "kept whole when the device measured the interval longer than the host did". A starved device
+always measures it longer, by the last kernel's run after the host recorded the end event (tens of
+microseconds for a convolution against a launch latency of a few), so the bookkeeping was almost never taken
+out: on an H200 the small ResNet of ``make gpu-quick`` profiled 88.5 ms of compute for a 10.4 ms step (the
+2026-11-28 lease, bench/gpu/quick_checks.py's profiled_time). ``interval_seconds`` is the rule.
 """
 
 from __future__ import annotations
@@ -17,6 +26,15 @@ import time
 from typing import Any
 
 import torch
+
+
+def interval_seconds(device: float, ours: float, caught_up: bool) -> float:
+    """The model's compute in an interval the device measured as ``device`` seconds, ``ours`` of the host's
+    time in it being our bookkeeping; ``caught_up``: the device had begun the interval before the host ended it
+    (Note [Our own time is not the model's])."""
+    if not caught_up:  # the whole interval was queued before the device reached it: its kernels back to back
+        return device
+    return max(device - ours, 0.0)
 
 
 class HostStepTimer:
@@ -58,7 +76,6 @@ class CudaStepTimer:
 
     def start(self) -> None:
         self.begin = self._event()
-        self.t = time.perf_counter()
         self.excluded = 0.0
 
     def exclude(self, seconds: float) -> None:
@@ -66,15 +83,13 @@ class CudaStepTimer:
         self.excluded += seconds
 
     def stop(self) -> Any:
-        return (self.begin, self._event(), time.perf_counter() - self.t, self.excluded)
+        caught_up = self.begin.query()  # before the end event: has the device begun this interval yet?
+        return (self.begin, self._event(), caught_up, self.excluded)
 
     def resolve(self, mark: Any) -> float:
-        begin, end, host, ours = mark
+        begin, end, caught_up, ours = mark
         end.synchronize()
-        device = begin.elapsed_time(end) / 1e3
-        if device > host:  # the device was behind the host: the bookkeeping hid behind its work
-            return device
-        return max(device - ours, 0.0)  # Note [Our own time is not the model's]
+        return interval_seconds(begin.elapsed_time(end) / 1e3, ours, caught_up)
 
     def done(self, mark: Any) -> bool:
         """Whether the device has passed ``mark``'s end (``resolve`` then makes the host wait for nothing)."""
