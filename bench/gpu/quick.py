@@ -160,7 +160,7 @@ def default_log_dir() -> Path:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", nargs="+", metavar="NAME", help="run only these checks")
+    p.add_argument("--only", nargs="+", metavar="NAME", help="run only these checks, in this order")
     p.add_argument("--out", type=Path, help="where the logs go (default $GPU_OUT, else build/gpu-logs)")
     p.add_argument("--seconds", type=float, default=240, help="time for the whole run (default 240)")
     p.add_argument("--list", action="store_true", help="list the checks and stop")
@@ -178,7 +178,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if unknown:
         p.error(f"no check named {', '.join(sorted(unknown))}: --list names them")
     common.require_gpu()
-    chosen = [c for c in checks if not args.only or c.name in args.only]
+    by_name = {c.name: c for c in checks}
+    chosen = [by_name[n] for n in dict.fromkeys(args.only)] if args.only else list(checks)  # in the order given
     log_dir = args.out or default_log_dir()
     t0 = time.monotonic()
     results = run_checks(chosen, args.checks, log_dir, seconds=args.seconds)

@@ -114,3 +114,14 @@ def test_the_host_waits_check_runs_in_its_own_process_on_the_cpu(tmp_path):
     assert r["status"] == "PASS", r
     planned = [n for mode, n in r["data"]["per_iteration"] if mode == "planned"]
     assert planned and not any(planned)
+
+
+@pytest.mark.cpu
+def test_the_region_events_check_reruns_regions_on_the_cpu(tmp_path):
+    """The real check's code path: the checkpoint it forces must make regions that rerun, else the check proves
+    nothing (on the 2026-11-28 H200 lease it ran no region: "0 marks ... 0 regions, 0 reruns")."""
+    check = next(c for c in quick.importlib.import_module("bench.gpu.quick_checks").CHECKS if c.name == "region_events")
+    r = quick.run_check(check, "bench.gpu.quick_checks", tmp_path, child_env())
+    assert r["status"] == "PASS", r
+    assert r["data"]["regions"] > 0 and r["data"]["reruns"] > 0, r
+    assert r["data"]["marks"] <= 2 * r["data"]["regions"]
