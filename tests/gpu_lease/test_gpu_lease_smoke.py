@@ -54,7 +54,7 @@ def test_the_summary_lists_every_phase_with_its_status(smoke):
         assert rows[name]["status"] == lease.NO_CUDA, rows[name]
     for name in ("env", "build", "model_state", "alloc"):
         assert rows[name]["status"] == "passed", (rows[name], r.stdout[-3000:])
-    assert all(0 < row["box_seconds"] <= 150 for row in rows.values())
+    assert all(0 < row["box_seconds"] <= 180 for row in rows.values())
     assert data["seconds_used"] < data["seconds_allowed"]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
@@ -117,6 +117,16 @@ def test_the_gpu_commands_parse_and_name_what_exists(tmp_path):
     assert set(lease.QUICK_REST) <= {c.name for c in quick_checks.CHECKS}
     assert {"adapter", "resnet_vmalloc_swap"}.isdisjoint(lease.QUICK_REST)  # run by earlier phases
     # The failure tests' ids: the smoke run's failures phase runs them (pytest fails on an id it cannot find).
+
+
+def test_the_phases_expected_seconds_fit_the_lease():
+    """Note [The lease's time]: what each phase took on the first lease (or is estimated to take) adds up to less
+    than the run's time less what is kept for the summary; a phase added or grown past that says so here."""
+    assert all(ph.expect > 0 or ph.name == "adapter" for ph in lease.PHASES)  # the adapter compiles in the background
+    assert all(ph.expect <= ph.box for ph in lease.PHASES)
+    assert sum(ph.expect for ph in lease.PHASES) <= lease.SECONDS - lease.RESERVE
+    names = [ph.name for ph in lease.PHASES]
+    assert names.index("adapter") < min(names.index("failures"), names.index("quick"))  # they need the adapter
 
 
 def test_allocator_ratios_are_to_the_first_native_run_and_the_repeat_shows_drift():
