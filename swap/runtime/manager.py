@@ -45,7 +45,13 @@ from .arguments import check_arena, check_device, check_flag, check_steps, check
 from .auto.joint import JointRuntime
 from .auto.ranks import Ranks
 from .machine.memory import DeviceMemory, vmalloc_arena
-from .machine.resources import default_budget, host_block_bytes, open_resources, refuse_budget_above_memory
+from .machine.resources import (
+    default_budget,
+    host_block_bytes,
+    note_refused,
+    open_resources,
+    refuse_budget_above_memory,
+)
 from .model_state import wiring
 from .model_state.precision import check_compute_dtype
 from .model_state.runtime import ModelStateRuntime, check_model_state
@@ -273,6 +279,8 @@ class SwapManager:
         with _active_lock:
             if self in _active:
                 _active.remove(self)
+        if exc_type is not None and issubclass(exc_type, InfeasibleBudget):
+            note_refused()  # Note [Retrying after except InfeasibleBudget] (swap.runtime.machine.resources)
         if self.executor is None:
             self._final = self._snapshot()
             return

@@ -8,6 +8,8 @@ from ..units import fmt_size as _bytes
 class SwapReport(dict):
     """``sm.report()``: keys include status ("not started", "profiling", "planned", "declined", ...),
     iterations, swapped_out_bytes, swapped_in_bytes, demand_fetches, stall_seconds, peak_device_bytes,
+    entry_peak_bytes (the peak from the manager's entry to its first iteration, part of peak_device_bytes: Note
+    [The memory before the first iteration] in swap.runtime.activations.executor; None before that iteration),
     budget_bytes, window_bytes, profiling_iterations, replans (plans remade or fallen back from; profiling
     iterations apart), plan_events (``(iteration, "profile" | "replan" | "refine")`` from iteration 0: where
     that work fell), shapes_seen, plans_kept, plans_reused, plans_derived and plans_refined (Note [Plans by
@@ -32,6 +34,7 @@ class SwapReport(dict):
         ("iterations", "iterations", str),
         ("budget_bytes", "budget", _bytes),
         ("peak_device_bytes", "peak device memory", _bytes),
+        ("entry_peak_bytes", "peak before iteration 1", _bytes),
         ("planned_peak_bytes", "planned peak", _bytes),
         ("no_swap_peak_bytes", "peak without swapping", _bytes),
         ("min_budget_bytes", "smallest budget", _bytes),

@@ -45,6 +45,7 @@ def snapshot(policy: str, device: torch.device, budget: int, window: Optional[in
         "demand_fetches": c.demand_fetches,
         "stall_seconds": c.stall_seconds,
         "peak_device_bytes": memory.peak if c.iterations or ex.iteration else None,
+        "entry_peak_bytes": ex.entry_peak,  # Note [The memory before the first iteration] (activations.executor)
         "replans": c.replans,
         "profiling_iterations": c.profiling_iterations,
         "plan_events": list(c.plan_events),

@@ -24,6 +24,7 @@ import torch
 
 from ...schedule.scheduler import Schedule
 from ...schedule.sequence import SAVE, USE, Sequence
+from ...units import fmt_bytes
 from ..machine.host_pool import HostPool
 from ..machine.memory import DeviceMemory
 from ..machine.timers import CudaStepTimer, HostStepTimer
@@ -76,6 +77,10 @@ class Executor:
         self.transfers = Transfers(device, engine, pool, self.counters, self._acct, self.residency.copy_coming,
                                    self.steps.log)  # fmt: skip
         self.closed, self.iteration = False, 0
+        # Note [The memory before the first iteration]: its peak, once the first iteration begins; ``entry_note``
+        # says what the manager itself did there (the model-state runtime's wiring sets it)
+        self.entry_peak: Optional[int] = None
+        self.entry_note = ""
         self.modules = ModulePaths()
         self.kept = KeptTensors(self._acct)  # profiling: saved tensors kept on the device (min_bytes, exclude)
         self.clean: dict[int, CleanVariable] = {}  # bucket -> its variable (Note [Clean variables at run time])
@@ -298,6 +303,8 @@ class Executor:
         """The first access after a backward (of ``first_size`` bytes, shape key ``key``): judge the iteration
         that ended, choose the next one's plan and start it."""
         peak, shadow = self.memory.window_peak(), self.memory.shadow_window_peak()
+        if self.iteration == 0:
+            self._judge_entry()
         if self.iteration > 0 and self.step > 0:
             self.steps.close(peak, tail=True)
         self._release_leftovers()
@@ -327,6 +334,30 @@ class Executor:
                 self.clean[var.key] = var
                 if self.recorder is not None:
                     self.recorder.held_until[var.id] = 0  # nothing but us holds it: releasing frees it at once
+
+    # Note [The memory before the first iteration]
+    # From the manager's entry to its first iteration's first access the device holds what the user brought in
+    # (the model as built on the device, a batch) and, under model state, the weights while the runtime takes them
+    # off (Note [The model as it enters] in swap.runtime.model_state.storage). No plan covers that stretch: the
+    # plan holds the budget from the first iteration on. Its windows count in the report's peak and over-budget
+    # count like any other (Note [What the over-budget count counts]); the report gives their peak as
+    # ``entry_peak_bytes``, and a peak there above the budget is a BudgetWarning at the first iteration, so that it
+    # is said out loud. On an H200 a 1B Llama built in fp32 (4.4 GB) entered a 4 GiB budget: the report's peak was
+    # above the budget, its status "planned", and nothing warned, since only windows inside iterations were judged.
+    def _judge_entry(self) -> None:
+        """The first iteration begins: the memory before it is judged (Note [The memory before the first
+        iteration])."""
+        self.entry_peak = peak = self.memory.peak
+        if peak <= self.budget:
+            return
+        what = self.entry_note or "what was alive on the device when the manager was entered"
+        self.lifecycle.warn(
+            "entry-over-budget",
+            f"before its first training iteration the device held up to {fmt_bytes(peak)}, over the budget of "
+            f"{fmt_bytes(self.budget)} by {fmt_bytes(peak - self.budget)}: {what}. The budget is planned and held "
+            f"from the first iteration on; to hold it from the start, raise it to {fmt_bytes(peak)} or enter the "
+            "manager with less on the device",
+        )
 
     def _backward_end(self) -> None:
         """Autograd finished a backward pass (engine callback)."""

@@ -18,7 +18,9 @@ from .meter import LiveBytesMeter
 # The report's "steps over budget" (``overruns``) counts the windows of measured memory whose peak was above
 # the budget: each interval between two saved-tensor accesses of a profiled or planned iteration (its last one
 # through the optimizer step), each declined iteration (backward end to backward end), a report taken mid-run,
-# and what is left at exit. Every window is read through ``window_peak``, which is also the only thing that
+# what is left at exit, and the memory before the first iteration (one window, or one per entry the model-state
+# runtime takes off the device: Note [The memory before the first iteration] in swap.runtime.activations.executor).
+# Every window is read through ``window_peak``, which is also the only thing that
 # raises ``peak``, so the count is above zero exactly when the report's peak is above the budget. Counted at
 # the executor's steps alone, a declined run (nothing it may move, memory grown after profiling) printed a peak
 # over the budget beside "steps over budget 0".
@@ -171,6 +173,12 @@ class TorchCudaMemory(DeviceMemory):
 #   and then frees the workspace, and otherwise an upper bound (a window of many operators, each freeing what
 #   the one before allocated), never above torch's peak. An upper bound makes a plan hold more room than it
 #   needs, never less.
+# That cap is torch's peak for the whole process, not the manager's: a peak reached before the manager was
+# entered (an earlier run in the same process) caps nothing, and a long window reads up to it. On an H200 the
+# bench's "auto" run reported a peak of exactly the previous run's torch peak (6,392,730,624 bytes): its
+# entry window, a bound over many allocations, was capped by the earlier run's peak (Note [The model as it
+# enters] in swap.runtime.model_state.storage splits that window). A script that wants the bound tight from
+# the start resets torch's peak before entering the manager, as bench/gpu/model_state_gpu.py does.
 # vmalloc's arena has its own counters (ArenaMemory), exact in every window.
 
 # torch's caching allocator (CUDACachingAllocator.cpp): every request is rounded up to 512 B; a request above

@@ -68,15 +68,39 @@ def refuse_budget_above_memory(budget: int, device: torch.device, arena: Any) ->
 # to the frames still running (the one that caught it, and its callers), and collects the garbage: the failed
 # run's frames go with their tensors, and the traceback, if printed later, ends where it was caught. Clearing
 # the frames' locals instead (traceback.clear_frames) leaves the closures, and with them a module's input.
+#
+# Note [Retrying after except InfeasibleBudget]
+# A retry after the except block (a loop's next pass: ``for attempt in ...: try: train(...) except
+# InfeasibleBudget as e: budget = e.min_budget``) finds no exception being handled, yet the failed run is still
+# alive: its frames, the traceback and the manager's hooks refer to one another, and only Python's cycle
+# collector frees them, whenever it next runs. The refused manager's exit put the model back on the device (its
+# weights in the master dtype, with the gradients of the micro-batch it ran), so the retry counted them as memory
+# it could not move: on an H200 a 200M model measured 1.20 GiB, was retried at 1.26 GiB and refused at 2.69 GiB
+# ("1.53 GiB not swappable": about its fp32 weights and gradients, 2 x 803 MB). So a manager that exits
+# with an InfeasibleBudget marks it (``note_refused``), and the next manager to start collects the garbage first.
+# An exception the caller still holds after its except block (``err = e``) keeps its frames: nothing here can
+# cut a traceback it no longer sees being handled; delete it before retrying.
+_refused = [False]
+
+
+def note_refused() -> None:
+    """A manager exits with an ``InfeasibleBudget`` (Note [Retrying after except InfeasibleBudget])."""
+    _refused[0] = True
+
+
 def release_failed_run() -> bool:
-    """Note [Retrying inside except InfeasibleBudget]; whether an ``InfeasibleBudget`` was being handled."""
+    """Note [Retrying inside except InfeasibleBudget] and Note [Retrying after except InfeasibleBudget];
+    whether an ``InfeasibleBudget`` was being handled, or a manager had exited with one since the last start."""
     chain: list[BaseException] = []
     handled = sys.exc_info()[1]
     while handled is not None and all(handled is not e for e in chain):
         chain.append(handled)
         handled = handled.__cause__ or handled.__context__
+    refused, _refused[0] = _refused[0], False
     if not any(isinstance(e, InfeasibleBudget) for e in chain):
-        return False
+        if refused:
+            gc.collect()
+        return refused
     running: set[int] = set()  # the frames of this thread's stack, which must keep their entries
     frame: Any = sys._getframe()
     while frame is not None:

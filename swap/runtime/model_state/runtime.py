@@ -121,10 +121,12 @@ class ModelStateRuntime:
 
     # -- starting ---------------------------------------------------------------------------------------
     def start(self, engine: Any, own_work: Callable[[], Any], fits: Callable[[int], bool],
-              activation_bytes: Callable[[], tuple[int, int]]) -> None:  # fmt: skip
+              activation_bytes: Callable[[], tuple[int, int]],
+              settle: Callable[[], Any] = lambda: None) -> None:  # fmt: skip
         """Host masters and buffers allocated, weights dropped off the device, hooks installed. ``own_work()``: a
         context in which the saved-tensor hooks know the runtime's own operators run; ``fits(n)``: whether ``n``
-        more device bytes keep the budget; ``activation_bytes()``: activation bytes (in, out) so far."""
+        more device bytes keep the budget; ``activation_bytes()``: activation bytes (in, out) so far;
+        ``settle()``: reads the device memory's window (Note [The model as it enters] in storage)."""
         pinned = self.pinned
         pred = self.prediction
         # Exact sizes, one block each (Note [Host memory before allocating]); the accumulation buffer may not grow
@@ -160,7 +162,9 @@ class ModelStateRuntime:
         self._specced: set[int] = set()  # buckets speculated in this backward
         self._needed: tuple[Any, dict[int, list[torch.nn.Parameter]]] = (None, {})
         self._absorb_optimizer_state()
-        self.masters.to_compute()  # Note [Mixed precision]: host buffers are shaped, the device copies change dtype
+        # Note [Mixed precision]: host buffers are shaped, the device copies change dtype (Note [The model as it
+        # enters]: a window an entry)
+        self.masters.to_compute(settle)
         self.streamer = Streamer(entries, self.masters, self.bucket_bytes, self.stepper.wait, self.stepper.updated,
                                  fits, copies, backward_ended=self._backward_ended,
                                  before_repack=self.stepper.flush)  # fmt: skip

@@ -109,13 +109,26 @@ class Masters:
         """Whether ``e``'s device copy has another dtype than its master (Note [Mixed precision])."""
         return e.dtype != e.master_dtype
 
-    def to_compute(self) -> None:
+    def to_compute(self, settle: Callable[[], Any] = lambda: None) -> None:
         """Every mixed entry's parameters become views of a device storage of the compute dtype, holding the
         masters cast (Note [Mixed precision]); their master-dtype device storage is let go. After ``allocate``,
-        once the host buffers were shaped from the parameters as the user made them."""
+        once the host buffers were shaped from the parameters as the user made them. ``settle()`` after each
+        entry: the device memory's window is read there (Note [The model as it enters])."""
         for e in self.entries:
             if self.mixed(e):
                 self._retype(e, e.dtype, e.nbytes, self.cast[e.index])
+                settle()
+
+    # Note [The model as it enters]
+    # The model enters the manager on the device, as the user built it (fp32 under a compute dtype); the runtime
+    # then makes each mixed entry's compute copy (a fresh device storage) and lets its fp32 storage go, entry by
+    # entry, before streaming drops the copies. So the device's peak there is the weights as built plus the first
+    # entry's copy (on CPU at test sizes: exactly that, as the meter sees it), a figure no plan covers (Note [The
+    # memory before the first iteration] in swap.runtime.activations.executor). Measured as one window, torch's
+    # allocator bounds it by the memory at its start plus every byte allocated in it (Note [Window peaks without
+    # resetting torch's peak]): every entry's copy, as if none of the fp32 storages had gone. The 1B Llama on an
+    # H200 read 6.67 GB there, 4.40 GB of fp32 weights plus 2.20 GB of bf16 copies. So the window is read after
+    # each entry (``settle``): one allocation a window, which torch's statistics measure exactly.
 
     def to_master(self, e: Entry) -> None:
         """``e``'s parameters back in their master dtype on the device, holding the masters (the manager exits)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from ...schedule.model_state import Bucket, ModelStateDoesNotFit, ModelStatePlan, Placement, plan_model_state
+from ...units import fmt_bytes
 from ..activations.executor import DECLINED, PLANNED, Executor
 from ..activations.hooks import SavedTensorHooks
 from ..machine.memory import DeviceMemory
@@ -21,7 +22,8 @@ def attach(ms: ModelStateRuntime, executor: Executor, engine: Any, hooks: SavedT
     run time])."""
     counters = executor.counters
     ms.start(engine, hooks.own_work, fits(executor, memory, budget),
-             lambda: (counters.swapped_in_bytes, counters.swapped_out_bytes))  # fmt: skip
+             lambda: (counters.swapped_in_bytes, counters.swapped_out_bytes), memory.window_peak)  # fmt: skip
+    executor.entry_note = entry_note(ms)
     hooks.manage_params(ms.weight_hooks, ParamPacked)
     streamer = ms.streamer
     streamer.step_hook = lambda bucket, nbytes, module: executor.use_clean(bucket, nbytes, streamer, module)
@@ -32,6 +34,17 @@ def attach(ms: ModelStateRuntime, executor: Executor, engine: Any, hooks: SavedT
             hooks.listener.boundary()
 
     executor.on_boundary = boundary
+
+
+def entry_note(ms: ModelStateRuntime) -> str:
+    """What the device held at entry because of the model (Note [The memory before the first iteration] in
+    swap.runtime.activations.executor; Note [The model as it enters] in swap.runtime.model_state.storage)."""
+    entries = ms.entries
+    built = sum(e.master_nbytes for e in entries)
+    first = next((e.nbytes for e in entries if e.dtype != e.master_dtype), 0)
+    also = f", plus {fmt_bytes(first)} of the first compute copy made beside them" if first else ""
+    return (f"the model entered on the device with {fmt_bytes(built)} of weights as built{also}, which the manager "
+            "moved to the host as it started (the manager takes the model on its device)")
 
 
 def fits(executor: Executor, memory: DeviceMemory, budget: int) -> Callable[[int], bool]:
