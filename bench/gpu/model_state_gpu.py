@@ -437,6 +437,11 @@ def run_managed(cfg: Config, found: dict[str, Any], mode: str, make: Callable[..
                                                      "state_in_bytes", "activations_in_bytes",
                                                      "activations_out_bytes")}  # fmt: skip
     out["host_kernel"] = ms.get("host_kernel")
+    # What strategy="auto" chose: recompute regions rerun their weights' reads in the backward (Note [Reads of
+    # weights in flight] in swap/runtime/model_state/guard.py), and which it chose depends on the run's timings.
+    jv = sm.joint_view
+    out["joint"] = {"regions": {p: {"calls": r.calls, "reruns": r.reruns} for p, r in jv.regions.items()},
+                    "rebuilding": jv.rebuilding, "rebuilt": jv.rebuilt}  # fmt: skip
     seconds, exposed = ms.get("host_step_seconds"), ms.get("host_step_exposed_seconds")
     if seconds is not None and exposed is not None:
         out["host_step"] = {"seconds": seconds, "exposed_seconds": exposed,

@@ -10,8 +10,23 @@ operator's tensor arguments while the manager runs: one that aliases a watched s
 fetched before the operator runs (a *demand fetch*, counted, and recorded so the next iteration fetches it ahead),
 and one the operator writes marks its entry dirty, so its drop copies it back instead of losing the write. The
 runtime's own operators (copies) run inside ``busy()``, which the guard lets through. Like the meter it
-sees operators between autograd and the kernels, so backward's operators pass through it too (they read
-parameters only through saved tensors, which the saved-tensor hooks have fetched already).
+sees operators between autograd and the kernels, so backward's operators pass through it too (most read
+parameters through saved tensors, which the saved-tensor hooks have fetched already; Note [Reads of weights in
+flight] covers those that do not).
+
+Note [Reads of weights in flight]
+A fetch only *starts* a bucket's copy to the device: the compute stream waits for it (``Masters.ready``, a
+device-side wait) at the bucket's next *use*. A prefetch (the streamer's look-ahead, the executor's window) makes
+the weights current before any use, so an operator that reads them without a use of its own in between would run
+before the copy has landed and read whatever the fresh allocation held, with nothing on the CPU to show it (a host
+engine's copies land long before). Such reads are real: the backward of a checkpointed region (the manager's
+recompute regions, a user's ``torch.utils.checkpoint``) reruns the region's operators and reads its weights through
+the checkpoint's own saved tensors, and a custom ``autograd.Function`` may keep a weight on ``ctx``. Only the
+backward reads early there, so the step's losses are right and its gradients, and the update, are not (the symptom
+of the GPU bench's model-state run that was not bitwise its oracle). So the guard makes every operator that touches
+a watched storage that is not dropped wait for that entry's copy in flight, if any (``ready``: a no-op once it was
+waited for, device-side otherwise), as a use would. tests/swap/model_state/test_ms_late_copies.py holds this with
+copies made as late as they may be.
 """
 
 from __future__ import annotations
@@ -28,17 +43,19 @@ from ..auto.op_facts import written_args
 
 
 class ParamGuard(TorchDispatchMode):
-    """Calls ``demand(key)`` before an operator reads a dropped watched storage (``dropped(key)`` says which are)
-    and ``wrote(key)`` after one writes a watched storage; ``watched`` maps storage identities (``_cdata``) to
-    whatever the caller keys entries by."""
+    """Calls ``demand(key)`` before an operator reads a dropped watched storage (``dropped(key)`` says which are),
+    ``ready(key)`` before one touches a watched storage that is not dropped (its copy in flight waited for: Note
+    [Reads of weights in flight]) and ``wrote(key)`` after one writes a watched storage; ``watched`` maps storage
+    identities (``_cdata``) to whatever the caller keys entries by."""
 
     def __init__(self, watched: dict[int, Any], dropped: Callable[[Any], bool], demand: Callable[[Any], None],
-                 wrote: Callable[[Any], None]) -> None:  # fmt: skip
+                 wrote: Callable[[Any], None], ready: Callable[[Any], None] = lambda key: None) -> None:  # fmt: skip
         super().__init__()
         self.watched = watched
         self.dropped = dropped
         self.demand = demand
         self.wrote = wrote
+        self.ready = ready
         self._local = threading.local()
 
     @classmethod
@@ -81,6 +98,8 @@ class ParamGuard(TorchDispatchMode):
         for key in hits:
             if self.dropped(key):
                 self.demand(key)
+            else:  # Note [Reads of weights in flight]
+                self.ready(key)
         out = func(*args, **kwargs)
         written = written_args(func, args, kwargs)
         if written:

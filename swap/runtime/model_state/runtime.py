@@ -142,7 +142,7 @@ class ModelStateRuntime:
         self.worker, self.host_threads = host_worker(self.device, self.policy.host_threads)  # Note [Host threads]
         self.lane = ThreadPoolExecutor(1, thread_name_prefix="swap-grad-lane")  # gradients' copies and adds
         entries, copies = self.entries, self.copies
-        self.guard = ParamGuard({}, self._dropped, self._demand, self._wrote)
+        self.guard = ParamGuard({}, self._dropped, self._demand, self._wrote, self._landed)
         self._own_work = own_work
         self.masters = Masters(entries, pools[0], engine, self.device, self.busy, copies, compute=pools[3])
         self.masters.allocate()
@@ -247,6 +247,11 @@ class ModelStateRuntime:
 
     def _demand(self, entry: int) -> None:
         self.streamer.demand(entry)
+
+    def _landed(self, entry: int) -> None:
+        """An operator reads ``entry``'s device copy: its copy in flight, if any, is waited for first (Note [Reads
+        of weights in flight] in swap.runtime.model_state.guard)."""
+        self.masters.ready(self.entries[entry])
 
     def _wrote(self, entry: int) -> None:
         self.masters.dirty[entry] = True
