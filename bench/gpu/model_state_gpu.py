@@ -415,7 +415,9 @@ def run_managed(cfg: Config, found: dict[str, Any], mode: str, make: Callable[..
         opt = make(list(model.parameters()))
         sm = manager(cfg, model, opt, mode, budget)
         try:
-            out.update(train(cfg, model, opt, opt.step, sm, before_exit=lambda o=opt: before_exit(o)))
+            grads0 = first_grads(lambda m=model, s=sm: managed_grads(s, m), out)
+            out.update(train(cfg, model, opt, opt.step, sm, after_backward=grads0,
+                             before_exit=lambda o=opt: before_exit(o)))  # fmt: skip
             break
         except swap.InfeasibleBudget as e:
             if attempt:
@@ -483,11 +485,43 @@ def run_reference(cfg: Config, found: dict[str, Any], make: Callable[..., Any] =
             for p, m in zip(model.parameters(), masters):
                 p.copy_(m)
 
-    out = train(cfg, model, host_opt, step, after_micro=after_micro)
+    found_grads: dict[str, Any] = {}
+    grads0 = first_grads(lambda: [m.grad for m in masters] if cfg.fp32_masters else
+                         [p.grad for p in model.parameters()], found_grads)  # fmt: skip
+    out = train(cfg, model, host_opt, step, after_micro=after_micro, after_backward=grads0)
+    out.update(found_grads)
     out["host_kernel"] = kernel or "for-loop"
     out["params_sha256"] = digest(masters)
     out["state_sha256"] = digest(state_tensors(host_opt))
     return out
+
+
+# Note [The first step's gradients]
+# Losses equal through the first step and different after it say the first update differs, not whether its
+# gradients (the backward, the copies off the device, the fp32 accumulation) or the host step did. So ours and the
+# oracle digest the gradients the first optimizer step is about to read: the fp32 ones accumulated over its
+# micro-batches (the host buffers' for ours, read without touching the speculation's counters; the masters' for
+# the oracle), or the parameters' own without --fp32-masters.
+def first_grads(grads: Callable[[], list[Any]], into: dict[str, Any]) -> Callable[[], None]:
+    """An ``after_backward`` for ``train`` putting the digest of ``grads()`` at the first step into
+    ``into["step0_grads_sha256"]`` (Note [The first step's gradients])."""
+
+    def after_backward() -> None:
+        if "step0_grads_sha256" not in into:
+            import torch
+
+            into["step0_grads_sha256"] = digest([g if g is not None else torch.zeros(0) for g in grads()])
+
+    return after_backward
+
+
+def managed_grads(sm: Any, model: Any) -> list[Any]:
+    """The managed run's gradients as its optimizer step reads them: host buffers for offloaded parameters, once
+    every copy and accumulation landed, the device's for the others."""
+    ms = sm.model_state
+    ms.grads.settle()
+    with ms.grads.raw():
+        return [ms.grads.grad(p) if ms.grads.manages(p) else p.grad for p in model.parameters()]
 
 
 def run_cpu_offload(cfg: Config, found: dict[str, Any]) -> dict[str, Any]:
@@ -538,6 +572,8 @@ def compare(found: dict[str, Any]) -> dict[str, Any]:
     ref, ours = found.get("reference"), found.get("ours")
     if ref and ours and "losses" in ref and "losses" in ours:
         out["ours_vs_reference_bitwise"] = {k: ref[k] == ours[k] for k in ("losses", "params_sha256", "state_sha256")}
+        if "step0_grads_sha256" in ref and "step0_grads_sha256" in ours:  # Note [The first step's gradients]
+            out["ours_vs_reference_bitwise"]["step0_grads"] = ref["step0_grads_sha256"] == ours["step0_grads_sha256"]
     if ref and found.get("plain") and "losses" in found["plain"]:
         n = found["plain"]["losses"][:1]
         out["determinism_precheck_step0_loss_equal"] = n == ref["losses"][:1]

@@ -63,7 +63,8 @@ def test_model_state_and_allocator_results_carry_their_figures(smoke):
     out, _ = smoke
     ms = json.loads((out / "model_state_gpu.json").read_text())
     assert set(ms["runs"]) == {"plain", "ours", "reference", "auto", "cpu_offload"}
-    assert ms["compare"]["ours_vs_reference_bitwise"] == {"losses": True, "params_sha256": True, "state_sha256": True}
+    assert ms["compare"]["ours_vs_reference_bitwise"] == {"losses": True, "params_sha256": True, "state_sha256": True,
+                                                          "step0_grads": True}  # fmt: skip
     assert ms["runs"]["ours"]["within_budget"] and ms["ok"]
     assert ms["runs"]["ours"]["bytes_per_kind"]["weights_in_bytes"] > 0
     # the users' format: fp32 masters, bf16 compute (the oracle and plain follow it, hence bitwise above)
