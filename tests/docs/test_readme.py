@@ -74,7 +74,7 @@ def test_every_link_resolves(doc):
 def test_the_numbers_link_their_results_files():
     section = README.read_text().split("## Numbers", 1)[1].split("\n## ", 1)[0]
     rows = [r for r in section.splitlines() if r.startswith("| ") and "bench/results/" in r]
-    assert len(rows) == 5, section
+    assert len(rows) >= 5, section
     for row in rows:
-        assert re.search(r"\]\(bench/results/[\w/]+\.md\)", row), row
+        assert re.search(r"\]\(bench/results/[\w/.-]+\.md\)", row), row
         assert row.startswith(("| simulated", "| measured")), f"say whether it is simulated: {row}"
