@@ -211,6 +211,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--model-state", default=None, choices=PLACEMENTS + tuple(OLD_SPELLINGS),
                     help="with --host: where model state lives (swap.ModelStatePolicy's placement; default auto; "
                     "'offload' is the old spelling of 'streamed')")
+    ap.add_argument("--compute-dtype", default=None, choices=DTYPES[1:],
+                    help="with --host: mixed precision, as SwapManager(compute_dtype=) trains an fp32 model "
+                    "(swap.ModelStatePolicy's compute_dtype): the device computes in this dtype, the host keeps fp32 "
+                    "masters, gradients and optimizer state")
     ap.add_argument("--tf32", default="auto", choices=TF32_SETTINGS,
                     help="fp32 convolutions and matmuls on TF32 tensor cores: auto (PyTorch's flags: convolutions "
                          "yes, matmuls after torch.backends.cuda.matmul.allow_tf32 = True), on (both), off (neither)")
@@ -242,6 +246,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.model_state and not args.host:
         ap.error(f"--model-state needs --host (one of {', '.join(HOST_PROFILES)}, or a file bench/host_profile.py "
                  "wrote)")
+    if args.compute_dtype and not args.host:
+        ap.error(f"--compute-dtype needs --host (one of {', '.join(HOST_PROFILES)}, or a file bench/host_profile.py "
+                 "wrote)")
     if args.at_batch is not None and not strategies and not args.host:
         ap.error("--at-batch compares the strategies at a batch: drop --strategies off, or drop --at-batch")
     if (args.host or args.model_state) and args.at_batch is None:
@@ -265,7 +272,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             w = ZOO[args.model]
             model_fn, batch_fn, name = w.model_fn(), w.batch_fn(args.size), args.model
             optimizer = optimizer or w.optimizer
-            dtype = dtype or w.dtype
+            if not args.compute_dtype:  # under --compute-dtype the model is fp32, cast for compute
+                dtype = dtype or w.dtype
             if args.batch:
                 batch_fn = load_callable(args.batch, "batch_fn")
         else:
@@ -287,7 +295,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             optimizer=optimizer, dtype=dtype, profile=args.profile, policies=policies, min_bytes=args.min_bytes,
             name=name, progress=not args.quiet, strategies=strategies, batch=args.at_batch,
             world_size=args.world_size, shard=args.shard, interconnect=args.interconnect,
-            model_state=ModelStatePolicy(placement=args.model_state or "auto") if args.host else None,
+            model_state=ModelStatePolicy(placement=args.model_state or "auto",
+                                         compute_dtype=getattr(torch, args.compute_dtype) if args.compute_dtype
+                                         else None) if args.host else None,
             host=args.host, tf32=args.tf32,
         )  # fmt: skip
     except (CaptureError, ValueError) as e:

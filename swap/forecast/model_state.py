@@ -20,7 +20,7 @@ and again at those running their backward (or recompute) operators (``BucketUses
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -48,7 +48,9 @@ class StateFormat:
 
     The default is the full fine-tune of a large model: bf16 weights and gradients on the device, fp32 master
     and AdamW state on the host (``cast``: where the master is cast to the weights' dtype, "host" or
-    "device")."""
+    "device"). ``mixed``: as ``SwapManager(compute_dtype=)`` keeps it (Note [Mixed precision] in
+    swap.runtime.model_state.precision): the gradients cross the link in the weights' dtype and are upcast into
+    host buffers in the master's, only the compute copy is pinned, and no bucket is resident."""
 
     optimizer: str = "adamw"
     weight: int = 2
@@ -56,6 +58,7 @@ class StateFormat:
     grad: int = 2
     state: int = 4  # bytes per element of each optimizer state tensor
     cast: str = "host"
+    mixed: bool = False  # the runtime's mixed precision (``Bucket.mixed``: fp32 gradient buffers on the host)
 
     def __post_init__(self) -> None:
         if self.optimizer not in STATE_TENSORS:
@@ -72,6 +75,10 @@ class StateFormat:
         def dtype(n: int) -> str:
             return {2: "bf16", 4: "fp32", 8: "fp64", 1: "8-bit"}.get(n, f"{n}-byte")
 
+        if self.mixed:
+            return (f"mixed {dtype(self.weight)} compute / {dtype(self.master)} master: {dtype(self.weight)} weights "
+                    f"and gradients on the device, {dtype(self.master)} master, gradients and {self.optimizer} state "
+                    "on the host, cast on the host")  # fmt: skip
         return (f"{dtype(self.weight)} weights and gradients, {dtype(self.master)} master and {self.optimizer} "
                 f"state, cast on the {self.cast}")  # fmt: skip
 
@@ -106,6 +113,8 @@ class Layout:
         if bucket_bytes is None:
             bucket_bytes = default_bucket_bytes(sum(p.weight_bytes for p in infos), self.budget)
         buckets = pack_buckets(infos, bucket_bytes)
+        if fmt.mixed:
+            buckets = [replace(b, mixed=True) for b in buckets]
         module_of = {name: m for name, _n, m in self.order}
         uses = []
         for bucket in buckets:

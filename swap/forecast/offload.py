@@ -47,7 +47,32 @@ A forecast prices only what the runtime does. Today ``SwapManager(model=, optimi
 - runs the user's optimizer class on the host with the kernel ``host_kernel`` names: torch's fused CPU kernel
   where the user left torch's default (``RUNTIME_DEFAULT_KERNEL``; Note [The host kernel] in
   swap/runtime/model_state/host_optim.py), the user's own kernel where the user chose one (``foreach=``,
-  ``fused=False``) or asked for ``differentiable=True``.
+  ``fused=False``) or asked for ``differentiable=True``;
+- with ``compute_dtype`` (``ModelStatePolicy(compute_dtype=)``), trains an fp32 model in mixed precision: Note
+  [Mixed precision pricing].
+
+Note [Mixed precision pricing]
+``swap.plan(model_state=ModelStatePolicy(compute_dtype=torch.bfloat16))`` prices what the runtime does in that
+mode (Note [Mixed precision] in swap/runtime/model_state/precision.py), ours in ``mixed_format`` (``StateFormat``
+and every ``Bucket`` ``mixed``), through the ledger and packer the runtime calls (swap/schedule/model_state/):
+
+- the capture: the model at ``compute_dtype`` (the runtime casts the weights and the root's floating-point inputs,
+  no autocast: the activations are those of the model in that dtype);
+- buckets: packed by the compute copies' bytes (the runtime's ``Entry.nbytes``), the bucket size by default from
+  them; no bucket resident (``plan_model_state``), and "resident" refused, as the runtime refuses it;
+- device bytes: the compute copies of host-master buckets and of streamed ones in flight, gradients in the
+  compute dtype until they leave;
+- host bytes (``ledger.host_bytes_of``, ``predict_host``'s figures): fp32 masters, fp32 gradient buffers, fp32
+  optimizer state, the pinned compute-dtype copy each master is cast into, and the accumulation buffer (a bucket
+  of the compute copies' size, or the largest compute-dtype gradient: every gradient arrives through it); pinned:
+  the copies and the accumulation buffer only;
+- the link: compute-dtype weights in (cast on the host), compute-dtype gradients out;
+- host work: the fp32 step reads the fp32 gradient, and each bucket's arriving gradient is upcast into its fp32
+  buffer (``compute_dtype`` bytes read, fp32 written), counted with its host step's bytes (the runtime does it on
+  its gradient lane during the backward: counted on the host-step lane it may only err slow); the cast into the
+  compute copy is counted once a step with the host step (``copy``), though the runtime casts at each fetch of a
+  streamed bucket (twice an iteration), on the thread that fetches: that second cast is not priced.
+The baselines keep their own formats in ``compute_dtype`` with fp32 masters (``state_format``).
 """
 
 from __future__ import annotations
@@ -106,11 +131,13 @@ class OffloadSchedule:
     def format(self, fmt: StateFormat, model_bytes: Optional[int] = None) -> StateFormat:
         """``fmt`` (the math: master and state dtypes, the compute dtype) as this system keeps it; ours for a
         model whose parameters take ``model_bytes`` an element (None: the master's, an fp32 model with autocast)."""
+        if self.model_dtype == "model" and fmt.mixed:
+            return fmt  # the runtime's mixed precision, as the user asked for it (Note [What the runtime runs])
         if self.model_dtype:
             return runtime_format(fmt, (model_bytes or fmt.master) if self.model_dtype == "model" else fmt.weight)
         weight = fmt.master if self.weight_in_master_dtype else fmt.weight
         grad = fmt.master if self.grad_in_master_dtype else fmt.grad
-        return replace(fmt, weight=weight, grad=grad, cast=self.cast or fmt.cast)
+        return replace(fmt, weight=weight, grad=grad, cast=self.cast or fmt.cast, mixed=False)
 
 
 def runtime_format(fmt: StateFormat, param_bytes: int) -> StateFormat:
@@ -118,7 +145,8 @@ def runtime_format(fmt: StateFormat, param_bytes: int) -> StateFormat:
     (Note [What the runtime runs]): every role in that dtype; cast on the device (autocast) where the compute
     dtype (``fmt.weight``) is narrower."""
     cast = "device" if fmt.weight < param_bytes else "host"
-    return replace(fmt, weight=param_bytes, master=param_bytes, grad=param_bytes, state=param_bytes, cast=cast)
+    return replace(fmt, weight=param_bytes, master=param_bytes, grad=param_bytes, state=param_bytes, cast=cast,
+                   mixed=False)
 
 
 SCHEDULES = {
@@ -152,7 +180,11 @@ def prices_for(buckets: Seq[Bucket], fmt: StateFormat, dev: DeviceProfile, host:
     memory bandwidth."""
     copy = fmt.weight if fmt.cast == "host" and fmt.weight != fmt.master else 0
     dev_bw = dev.mem_bandwidth * dev.efficiency
-    host_bytes = [host_step_bytes(fmt.optimizer, b.numel, fmt.master, fmt.grad, copy) for b in buckets]
+    if fmt.mixed:  # Note [Mixed precision pricing]: the fp32 step reads the fp32 gradient, after its upcast
+        host_bytes = [host_step_bytes(fmt.optimizer, b.numel, fmt.master, fmt.master, copy)
+                      + b.numel * (fmt.grad + fmt.master) for b in buckets]  # fmt: skip
+    else:
+        host_bytes = [host_step_bytes(fmt.optimizer, b.numel, fmt.master, fmt.grad, copy) for b in buckets]
     rate = host.optimizer_rate(fmt.optimizer, kernel)
     own = fmt.weight if fmt.weight != fmt.master else 0  # the device step writes the compute copy too
     device_step = [host_step_bytes(fmt.optimizer, b.numel, fmt.master, fmt.grad, own) / dev_bw for b in buckets]
@@ -380,7 +412,7 @@ def rebucket(layout: Layout, fmt: StateFormat) -> list[Bucket]:
     for b in layout.buckets:
         p = fmt.param("", b.numel)
         out.append(replace(b, weight_bytes=p.weight_bytes, master_bytes=p.master_bytes, grad_bytes=p.grad_bytes,
-                           state_bytes=p.state_bytes))  # fmt: skip
+                           state_bytes=p.state_bytes, mixed=fmt.mixed))  # fmt: skip
     return out
 
 
@@ -429,8 +461,11 @@ def forecast_model(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[
     (Note [Model state from a trace]) and every offload schedule forecast on it, in the format the user's
     optimizer and dtype say (``state_format``), ours in the model's own dtype with the host kernel the runtime
     runs for that optimizer (Note [What the runtime runs]). Tokens are the batch's elements of its first input."""
-    trace = capture(model_fn, batch_fn, batch, loss_fn, optimizer=stateless_optimizer, dtype=dtype, target=target,
-                    name=name)  # fmt: skip
+    mixed = policy.compute_dtype is not None
+    if mixed:  # Note [Mixed precision pricing]: the device computes as a model in compute_dtype does
+        check_mixed(dtype, policy)
+    trace = capture(model_fn, batch_fn, batch, loss_fn, optimizer=stateless_optimizer,
+                    dtype=policy.compute_dtype if mixed else dtype, target=target, name=name)  # fmt: skip
     say(f"model state: captured batch {batch} ({len(trace)} events)")
     first = batch_fn(batch)
     if isinstance(first, dict):
@@ -438,10 +473,30 @@ def forecast_model(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[
     elif isinstance(first, (tuple, list)):
         first = first[0]
     tokens = int(first.numel()) if isinstance(first, torch.Tensor) and not first.is_floating_point() else batch
-    return forecast_offload(trace, model_fn, batch=batch, tokens=tokens, budget=budget, dev=dev, host=host,
-                            fmt=state_format(optimizer, dtype), placement=policy.placement,
-                            bucket_bytes=policy.bucket_bytes, min_bytes=min_bytes, name=name, say=say,
-                            kernel=host_kernel(optimizer), model_bytes=model_bytes(dtype))  # fmt: skip
+    fmt = mixed_format(optimizer, policy.compute_dtype) if mixed else state_format(optimizer, dtype)
+    return forecast_offload(trace, model_fn, batch=batch, tokens=tokens, budget=budget, dev=dev, host=host, fmt=fmt,
+                            placement=policy.placement, bucket_bytes=policy.bucket_bytes, min_bytes=min_bytes,
+                            name=name, say=say, kernel=host_kernel(optimizer),
+                            model_bytes=model_bytes(None if mixed else dtype))  # fmt: skip
+
+
+def mixed_format(optimizer: Optional[OptimizerFn], compute_dtype: torch.dtype) -> StateFormat:
+    """What ``SwapManager(compute_dtype=)`` keeps for an fp32 model (Note [Mixed precision pricing]): weights and
+    gradients on the device in ``compute_dtype``, fp32 master, gradient buffers and optimizer state on the host,
+    the master cast on the host; ``mixed``."""
+    return replace(state_format(optimizer, compute_dtype), cast="host", mixed=True)
+
+
+def check_mixed(dtype: Optional[torch.dtype], policy: ModelStatePolicy) -> None:
+    """Refuses, as the runtime does (``swap.runtime.model_state.precision``), what mixed precision cannot train: a
+    model in half precision (it keeps fp32 masters) and the "resident" placement (the host steps the masters)."""
+    if dtype is not None and dtype != torch.float32:
+        raise ValueError(f"compute_dtype={policy.compute_dtype} keeps fp32 masters, and dtype={dtype} trains the model "
+                         "in another dtype: leave dtype None (an fp32 model) with compute_dtype, or compute_dtype None "
+                         "to train the model as it is")  # fmt: skip
+    if policy.placement == "resident":
+        raise ValueError("compute_dtype= keeps fp32 masters and optimizer state on the host, and placement='resident' "
+                         "keeps the model state on the device: use placement='auto' or 'streamed' with compute_dtype")
 
 
 def model_bytes(dtype: Optional[torch.dtype]) -> int:

@@ -50,7 +50,7 @@ from ..units import fmt_size as fmt_bytes
 from . import distributed
 from .arguments import check_functions, check_model_fn, check_names, with_parameters
 from .from_trace import sequence_from_trace
-from .offload import forecast_model
+from .offload import check_mixed, forecast_model
 from .pricing import iteration_seconds, tf32_note
 from .replay import ALLOCATORS, CHUNK_SIZE, fitting_budget, measure
 from .result import Plan, PolicyResult
@@ -303,10 +303,11 @@ def plan(
             ``swap.ModelStatePolicy`` says (the one ``SwapManager`` takes): its placement ("auto": chosen per
             bucket, resident, host master or streamed; or every bucket "streamed", "host_master" or
             "resident"), its ``bucket_bytes`` (None: the runtime's default for the weights and the budget) and
-            ``host_memory`` (None: the host profile's), side by side with other systems' offload schedules
-            (``swap.forecast.offload``); the result's ``model_state``. A placement string is the old spelling
-            (a FutureWarning). None: model state stays on the device, unless nothing fits so (Note [Model-state
-            offload unasked]).
+            ``host_memory`` (None: the host profile's) and ``compute_dtype`` (mixed precision of an fp32 model, as
+            the runtime trains it: Note [Mixed precision pricing] in swap/forecast/offload.py), side by side with
+            other systems' offload schedules (``swap.forecast.offload``); the result's ``model_state``. A
+            placement string is the old spelling (a FutureWarning). None: model state stays on the device, unless
+            nothing fits so (Note [Model-state offload unasked]).
         host: the host profile for ``model_state`` (``swap.devices.HOST_PROFILES``: "desktop-ddr5-2ch",
             "server-ddr5-8ch", or a file bench/host_profile.py wrote); giving one implies model_state="auto".
             None: where no batch fits, model-state offload is forecast on ``swap.devices.default_host``'s profile.
@@ -346,7 +347,7 @@ def plan(
     label = name or getattr(model_fn, "__name__", "model")
     ranks = distributed.sharding(model_fn, world_size, shard, interconnect, dtype)
     ms_policy = None if model_state is None else policy_of(model_state, "model_state")
-    host_ = _model_state_host(ms_policy, host, batch)
+    host_ = _model_state_host(ms_policy, host, batch, dtype)
 
     def capture_at(n: int) -> Trace:
         trace = capture(model_fn, batch_fn, n, loss_fn, optimizer=optimizer, steps=steps, target=target, dtype=dtype,
@@ -446,17 +447,13 @@ def _smallest_budget(ev: _Evaluator, policies: tuple[str, ...], say: _Progress) 
 
 
 def _model_state_host(model_state: Optional[ModelStatePolicy], host: Union[str, HostProfile, None],
-                      batch: Optional[int]) -> Optional[HostProfile]:  # fmt: skip
+                      batch: Optional[int], dtype: Optional[torch.dtype] = None) -> Optional[HostProfile]:  # fmt: skip
     """The host profile ``swap.plan``'s model-state forecast runs on (None: no such forecast), or a ValueError
-    saying what to pass."""
+    saying what to pass (before any capture)."""
     if model_state is None and host is None:
         return None
     if model_state is not None and model_state.compute_dtype is not None:
-        raise NotImplementedError(
-            f"ModelStatePolicy(compute_dtype={model_state.compute_dtype}): the forecast does not price the runtime's "
-            "mixed precision (fp32 host masters, compute-dtype copies on the device) yet, and it prices only what "
-            "the runtime does: leave compute_dtype=None here (other systems' schedules are priced in bf16 with fp32 "
-            "masters with dtype=torch.bfloat16)")  # fmt: skip
+        check_mixed(dtype, model_state)  # Note [Mixed precision pricing]: what the runtime refuses
     if host is None:
         raise ValueError(f"model_state={model_state!r} needs a host profile: host= one of {', '.join(HOST_PROFILES)}, "
                          "or a file bench/host_profile.py wrote")  # fmt: skip

@@ -88,3 +88,16 @@ def test_min_bytes_0_is_taken_as_the_manager_takes_it(tmp_path, capsys):
     for zero in (0, "0", "0MiB"):  # read before anything is captured: the host profile is refused after it
         with pytest.raises(ValueError, match="unknown host profile 'laptop'"):
             swap.plan(tiny, tiny_batch, budget="1GiB", min_bytes=zero, host="laptop", batch=1, progress=False)
+
+
+def test_compute_dtype_is_forecast_as_the_runtime_trains_it(tmp_path, capsys):
+    # issue 37: the forecast refused compute_dtype; --compute-dtype now prices the runtime's mixed precision
+    rc = run(tmp_path, MLP_FILE, "--budget", "64MiB", "--device", "rtx4090", "--policies", "none",
+             "--host", "desktop-ddr5-2ch", "--at-batch", "2", "--compute-dtype", "bfloat16", "--json",
+             str(tmp_path / "p.json"))  # fmt: skip
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "mixed bf16 compute / fp32 master" in out and "ours (the runtime)" in out
+    with pytest.raises(SystemExit):
+        run(tmp_path, MLP_FILE, "--budget", "64MiB", "--compute-dtype", "bfloat16")
+    assert "--compute-dtype needs --host" in capsys.readouterr().err

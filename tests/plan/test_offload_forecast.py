@@ -157,9 +157,23 @@ def test_swap_plan_with_model_state(capsys):
     with pytest.warns(FutureWarning, match=r"model_state=swap.ModelStatePolicy\(placement='streamed'\)"):
         with pytest.raises(ValueError, match="needs a host profile"):
             swap.plan(tiny, tiny_batch, budget="4MiB", model_state="offload", batch=2, progress=False)
-    with pytest.raises(NotImplementedError, match="does not price the runtime.s mixed precision"):
-        swap.plan(tiny, tiny_batch, budget="4MiB", model_state=swap.ModelStatePolicy(compute_dtype=torch.bfloat16),
-                  host="desktop-ddr5-2ch", batch=2, progress=False)  # fmt: skip
+    # mixed precision (Note [Mixed precision pricing]) is priced as the runtime trains it, no longer refused
+    mixed = swap.plan(tiny, tiny_batch, budget="4MiB", device="rtx4090",
+                      model_state=swap.ModelStatePolicy(compute_dtype=torch.bfloat16), host="desktop-ddr5-2ch",
+                      batch=2, policies=("none",), strategies=(), min_bytes=0, progress=False)  # fmt: skip
+    ours, pure = mixed.model_state.results["ours"], p.model_state.results["ours"]
+    assert ours.fits and ours.format.startswith("mixed bf16 compute / fp32 master")
+    assert all(b.mixed for b in ours.buckets) and "resident" not in {pl.value for pl in ours.plan.placements}
+    n = sum(b.numel for b in ours.buckets)
+    assert sum(b.weight_bytes for b in ours.buckets) == sum(b.weight_bytes for b in pure.buckets) == 2 * n
+    # bf16 weights in and bf16 gradients out, as the pure bf16 model's; fp32 master, gradients and state on the host
+    assert ours.plan.host_bytes > pure.plan.host_bytes + 2 * 4 * n
+    for refused, match in ((dict(dtype=torch.bfloat16), "keeps fp32 masters"),
+                           (dict(placement="resident"), "placement='auto' or 'streamed'")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            swap.plan(tiny, tiny_batch, budget="4MiB", host="desktop-ddr5-2ch", batch=2, progress=False,
+                      dtype=refused.get("dtype"), model_state=swap.ModelStatePolicy(
+                          placement=refused.get("placement", "auto"), compute_dtype=torch.bfloat16))  # fmt: skip
 
 
 USER_FILE = """

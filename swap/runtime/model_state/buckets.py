@@ -171,6 +171,7 @@ def specs(entries: list[Entry], buckets: list[list[int]], optimizer: Optional[to
         grad = sum(span_bytes(p) // p.element_size() * e.dtype.itemsize for _, p, e in params if trains(p))
         state = sum(stepped_state_bytes(optimizer, p, groups, e.master_dtype) for _, p, e in params
                     if optimizer is not None)  # fmt: skip
+        mixed = any(entries[i].dtype != entries[i].master_dtype for i in members)
         out.append(Bucket(b, tuple(n for n, _, _ in params), sum(p.numel() for _, p, _ in params), weight, master,
-                          grad, state))  # fmt: skip
+                          grad, state, mixed))  # fmt: skip
     return out

@@ -12,6 +12,11 @@ What each placement holds, per bucket, on the device between steps and on the ho
   copy in the compute dtype when the master has another dtype (what the update's H2D copy reads).
 - ``STREAMED``: nothing on the device between uses; on the host as ``HOST_MASTER``.
 
+A bucket in mixed precision (``Bucket.mixed``; Note [Mixed precision] in swap.runtime.model_state.precision) is
+never ``RESIDENT``; on the host its gradient buffers are in the master's dtype (``host_grad_bytes``: the gradients
+arrive in the compute dtype and are upcast there), and only its compute copy is pinned (the masters, gradient
+buffers and state are pageable), as ``HostPrediction`` counts the runtime's.
+
 Besides, while buckets move: streamed weights in flight (the one in use and the one arriving: ``in_flight``
 of the largest streamed bucket), and gradients of offloaded buckets not yet copied out (``in_flight`` of the
 largest). Speculative host steps stage (master, state) of the buckets they step, one slot each: the first
@@ -95,7 +100,10 @@ def host_bytes_of(b: Bucket, placement: Placement) -> tuple[int, int]:
     if placement == Placement.RESIDENT:
         return 0, 0
     copy = b.weight_bytes if b.separate_master else 0
-    return b.master_bytes + b.grad_bytes + b.state_bytes + copy, b.grad_bytes + (copy or b.master_bytes)
+    host = b.master_bytes + b.host_grad_bytes + b.state_bytes + copy
+    if b.mixed:  # only what the link reads is pinned: the compute copy (the accumulation buffer apart)
+        return host, copy
+    return host, b.grad_bytes + (copy or b.master_bytes)
 
 
 def plan_bytes(buckets: Sequence[Bucket], placements: Sequence[Placement], in_flight: int = 2,

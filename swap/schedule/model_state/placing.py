@@ -32,9 +32,10 @@ def plan_model_state(
     are made resident (they are the last of the backward pass, whose host step could hide behind nothing)
     while ``resident_room`` (default: all of ``room``) allows; of the rest, as many as fit keep a device
     compute copy (``HOST_MASTER``: one weight fetch a step fewer than streaming), in forward order; the others
-    are streamed. ``host_memory``: host bytes model state may take (None: no limit). ``speculate``: stage
-    speculative host steps in ``staging_slots`` slots; ``accumulation``: the gradient-accumulation buffer's
-    host bytes (``ledger.accumulation_bytes``). Bytes are counted as Note [Model-state bytes] says.
+    are streamed; buckets in mixed precision (``Bucket.mixed``) are never made resident (and "resident" is
+    refused for them). ``host_memory``: host bytes model state may take (None: no limit). ``speculate``: stage
+    speculative host steps in ``staging_slots`` slots; ``accumulation``: the gradient-accumulation buffer's host
+    bytes (``ledger.accumulation_bytes``). Bytes are counted as Note [Model-state bytes] says.
 
     Raises ``ModelStateDoesNotFit`` when even the plan that needs least of the device (or of the host)
     exceeds ``room`` (or ``host_memory``), naming the smallest that fits.
@@ -50,6 +51,10 @@ def plan_model_state(
         raise ValueError(f"in_flight must be at least 1 bucket, not {in_flight}")
     slots = staging_slots if speculate else 0
     n = len(buckets)
+    mixed = any(b.mixed for b in buckets)  # Note [Mixed precision]: no bucket resident
+    if mixed and mode == "resident":
+        raise ValueError("buckets in mixed precision keep fp32 masters and optimizer state on the host, and "
+                         "placement='resident' keeps them on the device: use placement='auto' or 'streamed'")
     if mode == "resident":
         placements = [Placement.RESIDENT] * n
     else:
@@ -95,7 +100,7 @@ def _fill(buckets: Sequence[Bucket], placements: list[Placement], room: int, res
         weight[i] = max(weight[i + 1], buckets[i].weight_bytes)
         grad[i] = max(grad[i + 1], buckets[i].grad_bytes)
     held = k = 0  # device bytes between steps of buckets [0, k)
-    while k < n:
+    while k < n and not buckets[k].mixed:
         cost = device_bytes_of(buckets[k], Placement.RESIDENT)
         if held + cost > resident_room or held + cost + in_flight * (weight[k + 1] + grad[k + 1]) > room:
             break

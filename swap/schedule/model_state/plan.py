@@ -63,6 +63,10 @@ class Bucket:
         grad_bytes: bytes of the gradients.
         state_bytes: bytes of the optimizer state the bucket will have once stepped (e.g. AdamW: two tensors of
             the master's size, plus its step counters).
+        mixed: trained in mixed precision (Note [Mixed precision] in swap.runtime.model_state.precision): the
+            weights are a compute-dtype copy of the master, the gradients (``grad_bytes``) cross the link in the
+            compute dtype and are upcast into host buffers in the master's dtype (``host_grad_bytes``), and the
+            bucket is never ``RESIDENT`` (only the host keeps an fp32 master apart from the compute copy).
     """
 
     index: int
@@ -72,6 +76,15 @@ class Bucket:
     master_bytes: int
     grad_bytes: int
     state_bytes: int
+    mixed: bool = False
+
+    @property
+    def host_grad_bytes(self) -> int:
+        """Bytes of the bucket's host gradient buffers: ``grad_bytes`` in the master's dtype when ``mixed`` (the
+        upcast gradients), else ``grad_bytes``."""
+        if not self.mixed or not self.weight_bytes:
+            return self.grad_bytes
+        return self.grad_bytes * self.master_bytes // self.weight_bytes
 
     @property
     def separate_master(self) -> bool:

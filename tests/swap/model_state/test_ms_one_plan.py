@@ -83,6 +83,87 @@ def test_the_runtime_places_as_the_plan_does_for_its_room(forecast):
         (applied.device_bytes, applied.host_bytes, applied.pinned_bytes)  # fmt: skip
 
 
+def mixed_model_fn() -> nn.Module:
+    # every parameter a multiple of 256 elements: 512 bytes in bf16 (the compute copies, pinned, and the gradients
+    # as they arrive), the host pool's alignment, so the runtime's prediction is exactly the bytes the plan counts
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 256), nn.LayerNorm(256), nn.GELU(), nn.Linear(256, 512), nn.GELU(),
+                         nn.Linear(512, 256), nn.LayerNorm(256), nn.Linear(256, 256))  # fmt: skip
+
+
+def mixed_batch_fn(n: int):
+    return torch.randn(n, 256), torch.randint(0, 256, (n,))
+
+
+def mixed_forecast(placement: str):
+    """``swap.plan``'s model-state forecast of ``mixed_model_fn`` under ``ModelStatePolicy(compute_dtype=bf16)``
+    (Note [Mixed precision pricing]): the capture in bf16, ours in the runtime's mixed format."""
+    from swap.forecast.offload import forecast_model
+
+    return forecast_model(mixed_model_fn, mixed_batch_fn, None, batch=8, budget=BUDGET, dev=profile("rtx4090"),
+                          host=host_profile("desktop-ddr5-2ch"), optimizer=adamw, min_bytes=0, target="cpu",
+                          policy=ModelStatePolicy(placement=placement, compute_dtype=torch.bfloat16)).results["ours"]
+
+
+def run_mixed(policy: ModelStatePolicy, steps: int = 3) -> swap.SwapManager:
+    model = mixed_model_fn()
+    opt = adamw(model.parameters())
+    x, y = mixed_batch_fn(8)
+    with swap.SwapManager(budget=BUDGET, device="cpu", policy="window", model=model, optimizer=opt,
+                          model_state=policy) as sm:  # fmt: skip
+        for _ in range(steps):
+            nn.functional.cross_entropy(model(x).float(), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return sm
+
+
+def test_forecast_and_runtime_agree_on_mixed_precision_bytes():
+    """Issue 37: under ``compute_dtype=torch.bfloat16`` the forecast's buckets and host, pinned and state bytes are
+    what ``SwapManager`` predicts and measures for the same model (the ledger's ``predict_host`` on both sides)."""
+    forecast = mixed_forecast("streamed")
+    sm = run_mixed(ModelStatePolicy(placement="streamed", compute_dtype=torch.bfloat16))
+    ms = sm.report()["model_state"]
+    pred = sm.model_state.prediction
+    assert ms["precision"] == "mixed bf16 compute / fp32 master" and pred.mixed
+    runtime = [(tuple(b["params"]), b["weight_bytes"], b["master_bytes"], b["grad_bytes"], b["state_bytes"],
+                b["mixed"]) for b in ms["bucket_specs"]]  # fmt: skip
+    planned = [(b.params, b.weight_bytes, b.master_bytes, b.grad_bytes, b.state_bytes, b.mixed)
+               for b in forecast.buckets]  # fmt: skip
+    assert len(planned) > 3 and planned == runtime
+    n = sum(b.numel for b in forecast.buckets)
+    assert sum(b.weight_bytes for b in forecast.buckets) == 2 * n  # bf16 compute copies, bf16 gradients
+    assert sum(b.master_bytes for b in forecast.buckets) == 4 * n
+    assert set(forecast.plan.placements) == {Placement.STREAMED}
+    # host: fp32 masters, fp32 gradient buffers, fp32 AdamW state, bf16 copies, the accumulation buffer; every
+    # gradient arrives through the buffer (it is upcast), so all of it is allocated
+    assert forecast.plan.host_bytes == ms["host_bytes_predicted"] == pred.total == ms["host_bytes"]
+    assert pred.grads == 4 * n and pred.copies == 2 * n
+    assert forecast.plan.pinned_bytes == pred.pinned == pred.copies + pred.accumulation
+    assert sum(b.state_bytes for b in forecast.buckets) == ms["state_bytes_predicted"] == ms["state_bytes"]
+    # the link: bf16 gradients out, 2 bytes a parameter, in the simulated step as in the run
+    assert forecast.sim.bytes_by_kind["gradients"][1] == 2 * n == ms["steps"][-1]["grads_out_bytes"]
+
+
+def test_mixed_precision_keeps_no_bucket_resident_in_either_plan():
+    """Note [Mixed precision]: the shared placer makes no mixed bucket resident, for the runtime and the forecast;
+    the room that would hold every bucket resident in fp32 holds them as host masters."""
+    forecast = mixed_forecast("auto")
+    assert Placement.RESIDENT not in forecast.plan.placements
+    sm = run_mixed(ModelStatePolicy(compute_dtype=torch.bfloat16))
+    applied = sm.model_state.plan
+    assert applied is not None and Placement.HOST_MASTER in applied.placements
+    assert Placement.RESIDENT not in applied.placements
+    assert not any("made resident are host masters" in note for note in applied.notes)  # planned so, not converted
+    again = plan_model_state(forecast.buckets, applied.room, placement="auto",
+                             accumulation=sm.model_state.prediction.accumulation)  # fmt: skip
+    assert again.placements == applied.placements
+    assert (again.device_bytes, again.host_bytes, again.pinned_bytes) == \
+        (applied.device_bytes, applied.host_bytes, applied.pinned_bytes)  # fmt: skip
+    with pytest.raises(ValueError, match="placement='auto' or 'streamed'"):
+        plan_model_state(forecast.buckets, BUDGET, placement="resident")
+
+
 def test_the_policy_is_taken_without_a_warning_and_validated():
     model = model_fn()
     opt = adamw(model.parameters())
