@@ -14,9 +14,16 @@ from swap.cli import main
 from swap.devices import HOST_PROFILES, HostProfile, host_profile, host_step_bytes, profile
 from swap.forecast.from_trace import sequence_from_trace
 from swap.forecast.model_state import StateFormat, layout_from_trace, stateless_optimizer
-from swap.forecast.offload import DEFAULT_SCHEDULES, forecast_offload, host_kernel, state_format
+from swap.forecast.offload import (
+    DEFAULT_SCHEDULES,
+    forecast_offload,
+    host_kernel,
+    mixed_format,
+    prices_for,
+    state_format,
+)
 from swap.forecast.zoo import llama
-from swap.schedule.model_state import Placement
+from swap.schedule.model_state import Bucket, Placement
 
 MiB = 1 << 20
 
@@ -222,3 +229,21 @@ def test_a_recompute_plan_says_where_each_step_went(trace):
                 assert m.sequence.kind[m.holds[i]] == "use"
     whole = apply_regions(seq, table, RecomputePlan((Region("blocks.0"),)))
     assert len(set(whole.holds)) < len(seq)  # the checkpointed block's saves joined the steps before them
+
+
+def test_mixed_precision_host_work_is_the_runtimes():
+    """Note [Mixed precision pricing]: the fp32 AdamW step reads fp32 gradients after each arriving bf16 one is
+    upcast (2 bytes read, 4 written a parameter), and every fetch casts the fp32 master into the bf16 copy on the
+    thread that runs the model (the compute stream), which the pure formats do not."""
+    host, dev = host_profile("desktop-ddr5-2ch"), profile("rtx4090")
+    fmt = mixed_format(None, torch.bfloat16)
+    assert (fmt.weight, fmt.master, fmt.grad, fmt.state, fmt.cast, fmt.mixed) == (2, 4, 2, 4, "host", True)
+    n = 1 << 20
+    b = Bucket(0, ("w",), n, 2 * n, 4 * n, 2 * n, 8 * n + 4, mixed=True)
+    prices = prices_for([b], fmt, dev, host)
+    rate = host.optimizer_rate("adamw", "fused")
+    assert prices.host_step_bytes == (host_step_bytes("adamw", n, 4, 4, 2) + 6 * n,)
+    assert prices.host_step_seconds == (prices.host_step_bytes[0] / rate,)
+    assert prices.cast_seconds == (6 * n / rate,)
+    pure = prices_for([b], state_format(None, torch.bfloat16), dev, host)
+    assert pure.cast_seconds == () and pure.host_step_bytes[0] < prices.host_step_bytes[0]

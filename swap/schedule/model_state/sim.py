@@ -24,7 +24,9 @@ step computes), and adds model state:
     ``opt.step()``; the forecast assumes no rollback: coefficient 1, the step taken);
 - casts: a bucket fetched in another dtype than it computes in (the master, cast on the device) costs
   ``cast_seconds`` on the compute stream at its first use after each fetch; a cast on the host is in the
-  host step's bytes (``swap.devices.host_step_bytes``' ``copy``);
+  host step's bytes (``swap.devices.host_step_bytes``' ``copy``), except the runtime's mixed precision, which casts
+  at each fetch on the thread that runs the model, priced as ``cast_seconds`` too (Note [Mixed precision pricing]
+  in swap/forecast/offload.py);
 - the link: copies on an engine take the earliest gap from when they are ready (copies of different streams
   interleave); with ``duplex_bandwidth`` set, a copy is slowed while the other direction is busy, to the
   share of ``duplex_bandwidth`` its direction gets;
@@ -57,7 +59,8 @@ class ModelStatePrices:
         h2d_bandwidth, d2h_bandwidth: bytes/s of each copy engine.
         host_step_seconds: per bucket, its host step.
         device_step_seconds: per bucket, its optimizer step on the device (counted for resident buckets).
-        cast_seconds: per bucket, the device cast of a fetched copy (empty: none: the host casts).
+        cast_seconds: per bucket, the cast of a fetched copy on the compute stream (empty: none: the host step
+            casts).
         host_step_bytes: per bucket, the DRAM bytes of its host step (for DRAM contention; empty: none).
         dram_bandwidth: host DRAM bytes/s shared by host steps and DMA (0: no contention).
         duplex_bandwidth: bytes/s of both directions at once (0: each at its own rate).
