@@ -18,9 +18,10 @@ what differs between the two where the forecast cannot price the run as it ran (
   allocators; step time against ``swap.plan(policies=("none",))``.
 - The Llama-shaped 1B (``zoo.llama(22, 2048, 32, 4, 5632, 32000)``, seq 2048, micro-batches of one sequence, 4 a
   step, AdamW with two param groups): ``plain`` (everything on the device) and ``ours`` (``SwapManager`` with
-  ``ModelStatePolicy(placement="streamed", bucket_bytes="32MiB")``, budget 4 GiB) against ``swap.plan`` without
-  and with ``model_state=`` (host profile ``server-ddr5-8ch``), twice: an fp32 model and a bf16 model, the two
-  configurations nearest the run's (fp32 masters and AdamW state, bf16 compute), neither of them the run's.
+  ``ModelStatePolicy(placement="streamed", bucket_bytes="32MiB")``, budget 4 GiB, ``compute_dtype=torch.bfloat16``)
+  against ``swap.plan`` without and with ``model_state=`` (host profile ``server-ddr5-8ch``): ``ours`` in the run's
+  format (``ModelStatePolicy(compute_dtype=torch.bfloat16)``), ``plain`` twice, an fp32 model and a bf16 model, the
+  two configurations nearest the run's (fp32 masters and AdamW state, bf16 compute), neither of them the run's.
   The runtime's own predictions (``host_bytes_predicted`` etc., in the run's file) are listed apart: they are the
   runtime's ledger for the run as it ran, not a forecast.
 - The swapped ResNet (tests/gpu/swap_worker.py's ``resnet``: ``zoo.resnet((2, 2, 2, 2), width=32,
@@ -33,9 +34,11 @@ Writes <out>/vs_forecast.json and vs_forecast.md (default <out>: the lease folde
 Note [Nearest configuration]
 The 1B run trains an fp32 model with ``compute_dtype=torch.bfloat16`` (``ours``, ``auto``) or by hand in the same
 format (``plain``: bench/gpu/mixed_precision.py): fp32 masters, gradients and AdamW state, bf16 compute copies on
-the device. The forecast cannot price that: ``swap.plan`` refuses ``ModelStatePolicy(compute_dtype=...)``
-(``_model_state_host`` in swap/forecast/planner.py), and its plain capture trains a model in one dtype. So the run
-is forecast twice, in the two formats it lies between, and each row says which: ``fp32`` (``dtype=None``: fp32
+the device. The model-state forecast prices that as the runtime runs it (``ModelStatePolicy(compute_dtype=
+torch.bfloat16)``: Note [Mixed precision pricing] in swap/forecast/offload.py), so ``ours`` is forecast in the run's
+format. The plain forecast cannot (its capture trains a model in one dtype, and mixed precision keeps the masters
+on the host, which a plain run does not): so ``plain`` is forecast twice, in the two formats it lies between, and
+each row says which: ``fp32`` (``dtype=None``: fp32
 weights, gradients, masters and state, fp32 compute with matmuls in IEEE fp32 as the run's flags left them) has the
 run's master, gradient and state bytes but computes and saves activations in fp32, and streams fp32 weights (4
 bytes a parameter, not 2); ``bf16`` (``dtype=torch.bfloat16``: pure bf16, the capture's AdamW state in bf16 too)
@@ -192,12 +195,17 @@ RUN_FORMAT = ("The run: an fp32 model trained with bf16 compute copies on the de
               "and AdamW state (18 B a parameter on the device when plain), bf16 activations, 4 micro-batches of "
               "one sequence a step. ")  # fmt: skip
 ARTICLE = {"fp32": "an", "bf16": "a"}
+MIXED = "mixed"  # ours forecast in the run's format (Note [Nearest configuration])
 FORECAST_FORMAT = {
     "fp32": "The forecast: an fp32 model (`dtype=None`): every role fp32 (16 B a parameter), fp32 compute and "
             "activations, matmuls in IEEE fp32 as the run's flags left them (`tf32='off'`; the model has no "
             "convolutions).",
     "bf16": "The forecast: a bf16 model (`dtype=torch.bfloat16`): every role bf16, the AdamW state too (8 B a "
             "parameter), bf16 compute and activations.",
+    MIXED: "The forecast: the run's format (`ModelStatePolicy(compute_dtype=torch.bfloat16)`, an fp32 model: Note "
+           "[Mixed precision pricing] in swap/forecast/offload.py): bf16 compute copies and activations on the "
+           "device, bf16 weights in and gradients out, fp32 masters, gradients and AdamW state on the host, the bf16 "
+           "copies and the accumulation buffer pinned.",
 }  # fmt: skip
 
 
@@ -241,30 +249,37 @@ def timed_steps(ms_run: dict[str, Any], warmup: int) -> list[dict[str, Any]]:
 
 
 def model_state_1b(ms: dict[str, Any], dtype_name: str) -> dict[str, Any]:
-    """The 1B under SwapManager(model state streamed, budget 4 GiB) against swap.plan's model-state forecast."""
+    """The 1B under SwapManager(model state streamed, budget 4 GiB) against swap.plan's model-state forecast
+    (``dtype_name`` MIXED: in the run's format)."""
     dtype = torch.bfloat16 if dtype_name == "bf16" else None
+    compute = torch.bfloat16 if dtype_name == MIXED else None
     ours = ms["runs"]["ours"]
     budget = ours["budget_bytes"]
     t0 = time.perf_counter()
     p = swap.plan(llama_1b, llama_batch, llama_loss, budget=budget, device=DEVICE, allocator="pytorch_native",
                   max_batch=1, optimizer=adamw_two_groups, dtype=dtype, policies=("none",), strategies=(), tf32="off",
-                  batch=1, host=HOST, model_state=swap.ModelStatePolicy(placement="streamed", bucket_bytes="32MiB"),
+                  batch=1, host=HOST, model_state=swap.ModelStatePolicy(placement="streamed", bucket_bytes="32MiB",
+                                                                        compute_dtype=compute),
                   progress=False)  # fmt: skip
     print(f"gpu_vs_forecast: 1B model state {dtype_name}: forecast in {time.perf_counter() - t0:.0f} s", flush=True)
     f = p.model_state.results["ours"]
     assert f.fits and f.sim is not None and f.plan is not None, f"1B {dtype_name}: {f.why}"
     sim, dtype_arg = f.sim, "torch.bfloat16" if dtype else "None"
+    as_ = "in the run's format" if compute else f"as {ARTICLE[dtype_name]} {dtype_name} model"
+    policy_arg = ", compute_dtype=torch.bfloat16" if compute else ""
+    priced = ("" if compute else " `swap.plan` refused `ModelStatePolicy(compute_dtype=...)` then, so the run's "
+              "format was not priced.")  # fmt: skip
     sec = section(
-        f"1B model state streamed, budget {budget / GiB:.0f} GiB, forecast as {ARTICLE[dtype_name]} {dtype_name} "
-        "model", f"1B model state ({dtype_name} forecast)",
+        f"1B model state streamed, budget {budget / GiB:.0f} GiB, forecast {as_}",
+        f"1B model state ({dtype_name} forecast)",
         "model_state_gpu.json, runs.ours (`ModelStatePolicy(placement='streamed', bucket_bytes='32MiB')`, "
         "`compute_dtype=torch.bfloat16`, strategy auto); per step: the median of the steps after the first",
         f"`swap.plan(zoo llama 1B, loss as the run's, AdamW in two groups, dtype={dtype_arg}, budget={budget}, "
         f"device='h200', batch=1, host='{HOST}', model_state=ModelStatePolicy("
-        "placement='streamed', bucket_bytes='32MiB'), tf32='off').model_state.results['ours']`",
+        f"placement='streamed', bucket_bytes='32MiB'{policy_arg}), tf32='off').model_state.results['ours']`",
         RUN_FORMAT + "Its host keeps fp32 masters, gradients and state and pinned bf16 copies, which stream in. "
-        + FORECAST_FORMAT[dtype_name] + " `swap.plan` refuses `ModelStatePolicy(compute_dtype=...)`, so the run's "
-        "format cannot be priced. The forecast's step is one micro-batch and one host step (rows \"derived\" "
+        + FORECAST_FORMAT[dtype_name] + priced + " The forecast's step is one micro-batch and one host step (rows "
+        "\"derived\" "
         f"compose it to {ACCUM_1B}); its host steps run after `opt.step()`, the run's speculatively during the "
         f"backward; its host is the built-in `{HOST}` profile (AdamW at 211 GB/s of DRAM traffic): the lease's "
         "16-CPU host was never profiled.",
@@ -292,8 +307,9 @@ def model_state_1b(ms: dict[str, Any], dtype_name: str) -> dict[str, Any]:
     row(sec, "host bytes (model state)", ours["model_state"]["host_bytes"], f.plan.host_bytes, "bytes",
         "model_state.host_bytes", "plan.host_bytes (model state; swapped activations apart)", headline=True)
     row(sec, "pinned bytes", ours["pinned_bytes"], f.plan.pinned_bytes, "bytes", "pinned_bytes",
-        "plan.pinned_bytes", "pinned in the run: the bf16 copies and the accumulation buffer; in the forecast: "
-        "masters, gradients and the accumulation buffer (not mixed precision)", headline=True)
+        "plan.pinned_bytes", "pinned in both: the bf16 copies and the accumulation buffer" if compute else
+        "pinned in the run: the bf16 copies and the accumulation buffer; in the forecast: masters, gradients and the "
+        "accumulation buffer (not mixed precision)", headline=True)  # fmt: skip
     row(sec, "weights in a step", med("weights_in_bytes"), ACCUM_1B * moved.get("weights", (0, 0))[0], "bytes",
         "model_state.steps: weights_in_bytes", f"{ACCUM_1B} x sim.bytes_by_kind['weights'][0]", kind="derived")
     row(sec, "gradients out a step", med("grads_out_bytes"), ACCUM_1B * moved.get("gradients", (0, 0))[1], "bytes",
@@ -396,10 +412,11 @@ def markdown(res: dict[str, Any], command: str) -> str:
         f"on {here['machine']} (torch {here['torch']}, commit {here['git_commit']}), device profile "
         f"`{DEVICE}`: every forecast figure is simulated, none ran on a GPU. Error = forecast / measured - 1. "
         "\"derived\": composed from simulated figures by the formula in its row; \"runtime's prediction\": the "
-        "runtime's own ledger or plan, read from the run's file, not the forecast. The 1B runs train in a format "
-        "the forecast cannot price (fp32 masters, bf16 compute): each is forecast in the two formats nearest it, "
-        "an fp32 model and a bf16 model, and the sections say what differs (Note [Nearest configuration] in "
-        "bench/gpu_vs_forecast.py).",
+        "runtime's own ledger or plan, read from the run's file, not the forecast. The 1B runs train in mixed "
+        "precision (fp32 masters, bf16 compute): the model-state run is forecast in that format "
+        "(`ModelStatePolicy(compute_dtype=torch.bfloat16)`), the plain run, which the forecast cannot price so, in "
+        "the two formats nearest it, an fp32 model and a bf16 model; the sections say what differs (Note [Nearest "
+        "configuration] in bench/gpu_vs_forecast.py).",
         "",
         "## Summary",
         "",
@@ -452,7 +469,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with one_thread():
         sections += no_swap(alloc)
         sections += [plain_1b(ms, d) for d in ("fp32", "bf16")]
-        sections += [model_state_1b(ms, d) for d in ("fp32", "bf16")]
+        sections.append(model_state_1b(ms, MIXED))
         sections.append(runtime_own(ms))
         sections.append(swapped_resnet(lag))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
