@@ -82,6 +82,43 @@ def _set(p: torch.Tensor, g: Optional[torch.Tensor]) -> None:
         sink.write(p, g)
 
 
+# Note [Upcast, then add]
+# Under mixed precision each accumulating backward's gradient lands in a staging buffer in the compute dtype and
+# the lane adds it to the fp32 host gradient. ``host.add_(staged)`` with the two dtypes takes TensorIterator's
+# dynamic-casting loop on the CPU, element by element and unvectorised: 85 ms for 16 M elements (bf16 into fp32,
+# one thread, torch 2.13), against 11.5 ms to upcast (``copy_``) and 14 ms for an fp32 ``add_``. The lane is one
+# thread and the backward waits for it once the gradients in flight reach their cap (Note [Gradients in
+# flight]), so at 1.1 B parameters that loop alone was seconds of every accumulating micro-batch. So the staged
+# gradient is upcast a chunk at a time into a small fp32 scratch (CHUNK elements, 1 MiB, the lane's own,
+# reused) and added from there: 9.9 ms for the same 16 M elements, and the same bits, since the upcast is exact
+# and the mixed loop computes the same fp32 addition on the upcast value (test_ms_grad_upcast.py). Buffers that
+# are not contiguous (a parameter that is a strided view) keep the mixed ``add_``.
+CHUNK = 1 << 18
+
+
+def accumulate_upcast(host: torch.Tensor, staged: torch.Tensor,
+                      scratch: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:  # fmt: skip
+    """``host += staged`` with ``staged`` in another (narrower) floating dtype, bitwise ``host.add_(staged)``,
+    upcast a chunk at a time into ``scratch`` (made if None or too small; returned for reuse): Note [Upcast, then
+    add]."""
+    if staged.dtype == host.dtype or not (host.is_contiguous() and staged.is_contiguous()) or \
+            host.shape != staged.shape:  # fmt: skip
+        host.add_(staged)
+        return scratch
+    n = host.numel()
+    chunk = min(n, CHUNK)
+    if scratch is None or scratch.dtype != host.dtype or scratch.numel() < chunk:
+        with _disable_current_modes():  # host memory: unseen by a meter (Note [Host pool on CPU runs])
+            scratch = torch.empty(max(chunk, CHUNK), dtype=host.dtype, device=host.device)
+    dst, src = host.view(-1), staged.view(-1)
+    for i in range(0, n, chunk):
+        m = min(chunk, n - i)
+        up = scratch[:m]
+        up.copy_(src[i : i + m])
+        dst[i : i + m].add_(up)
+    return scratch
+
+
 def _routed_class(cls: type) -> type:
     sub = _classes.get(cls)
     if sub is None:
@@ -129,6 +166,7 @@ class GradSink:
         self.cap = IN_FLIGHT * max(bucket_bytes, largest)
         self.flying: deque[tuple[Future, int]] = deque()
         self.flying_bytes = 0
+        self._scratch: Optional[torch.Tensor] = None  # the lane's upcast chunk (Note [Upcast, then add])
 
     def allocate(self) -> None:
         """A host gradient buffer for every parameter, in its master's dtype (fp32 under Note [Mixed precision]:
@@ -317,7 +355,7 @@ class GradSink:
         self.engine.wait_host(ticket)
         box.clear()
         if accumulate:
-            host.add_(staged)
+            self._scratch = accumulate_upcast(host, staged, self._scratch)
         else:
             host.copy_(staged)
         self.staging.free(block)
