@@ -6,8 +6,10 @@ import threading
 
 import pytest
 import torch
+from ms_training import gpt, train
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import swap
 from swap.runtime.model_state import gradients
 from swap.runtime.model_state.gradients import CHUNK, accumulate_upcast
 
@@ -61,9 +63,6 @@ def test_a_strided_buffer_keeps_the_mixed_add():
 def test_a_streamed_bf16_run_accumulates_without_a_mixed_add(monkeypatch):
     """Two micro-batches a step: the second backward's bf16 gradients are added on the lane, each through the
     chunked upcast (seen on the lane's thread, where the adds run)."""
-    import swap
-    from ms_training import gpt, train
-
     seen = {"mixed": 0, "calls": 0, "threads": set()}
     real = gradients.accumulate_upcast
 
@@ -77,8 +76,11 @@ def test_a_streamed_bf16_run_accumulates_without_a_mixed_add(monkeypatch):
 
     monkeypatch.setattr(gradients, "accumulate_upcast", spy)
     policy = swap.ModelStatePolicy(placement="streamed", bucket_bytes="32KiB", compute_dtype=torch.bfloat16)
-    got = train(gpt, "adamw", 2, 2, manager=lambda m, o: swap.SwapManager(
-        budget=1 << 30, device="cpu", model=m, optimizer=o, model_state=policy, min_bytes="4KiB"))
+
+    def make(model, opt):
+        return swap.SwapManager(budget=1 << 30, device="cpu", model=model, optimizer=opt, model_state=policy)
+
+    got = train(gpt, "adamw", 2, 2, manager=make)
     n = sum(1 for p in gpt().parameters() if p.requires_grad)
     assert seen["calls"] == 2 * n  # one accumulating backward a step, every parameter, two steps
     assert seen["mixed"] == 0
