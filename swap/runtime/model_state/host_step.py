@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -99,6 +99,9 @@ class HostStepper:
         self._lock = threading.Lock()
         self.overrides: dict[str, Any] = {}  # host-only settings over the user's (Note [Shadow optimizer])
         self.notes: list[str] = []
+        # told the host masters a step or a rollback writes, before and after (Note [One cast per master change]
+        # in swap.runtime.model_state.storage), on the worker
+        self.changed: Callable[[list[torch.Tensor]], None] = lambda masters: None
         self.shadow = self._build()
         host_optim.warn_slow(self.kernel)
 
@@ -218,7 +221,12 @@ class HostStepper:
         """The speculation's copies put back (Note [Speculative host steps])."""
         t0 = time.perf_counter()
         if spec.saved is not None:
-            restore(self.shadow.state, spec.saved)
+            masters = [hp for hp, _, _ in spec.saved]
+            self.changed(masters)
+            try:
+                restore(self.shadow.state, spec.saved)
+            finally:
+                self.changed(masters)
             spec.saved = None
         self.counts["rolled_back"] += 1
         self.wasted_seconds += spec.seconds + time.perf_counter() - t0
@@ -286,6 +294,8 @@ class HostStepper:
 
     def _step(self, work: list[tuple[int, torch.Tensor, torch.Tensor]], hyper: dict[int, dict[str, Any]]) -> None:
         shadow = self.shadow
+        masters = [hp for _, hp, _ in work]
+        self.changed(masters)
         try:
             for s, group in enumerate(shadow.param_groups):
                 group.update(hyper[s])
@@ -298,6 +308,7 @@ class HostStepper:
                 hp.grad = None
             for s, group in enumerate(shadow.param_groups):
                 group["params"] = self.full[s]
+            self.changed(masters)
 
     # -- waiting ----------------------------------------------------------------------------------------
     def updated(self, bucket: int) -> bool:

@@ -156,6 +156,8 @@ class ModelStateRuntime:
         self.host_of = host_of
         self.stepper = HostStepper(self.optimizer, host_of, self.grads, self.worker, fast=True)
         self.stepper.policy.enabled = self.speculate
+        entry_of_host = {id(host_of[id(p)]): e for e in entries for _, p in e.params}
+        self.stepper.changed = lambda hosts: [self.masters.changed(entry_of_host[id(h)]) for h in hosts]
         if self.speculate_note is not None:
             self.stepper.notes.append(self.speculate_note)
         self._arrived: set[int] = set()  # parameters whose gradient arrived in this backward
@@ -258,6 +260,9 @@ class ModelStateRuntime:
         self.stepper.invalidate(self.streamer.bucket_of[entry])  # its write-back would change the master
 
     def _host_param(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """``p``'s host master, for a state dict to give or load into: its compute copy is cast again at its next
+        fetch (Note [One cast per master change] in storage)."""
+        self.masters.changed(self.entries[self._entry_index[id(p)]])
         return self.host_of[id(p)]
 
     def _off_device(self, p: torch.nn.Parameter) -> bool:

@@ -79,6 +79,12 @@ class Masters:
         self.compute = compute
         self.cast: list[Optional[HostBlock]] = [None] * len(entries)  # the compute-dtype copy, per mixed entry
         self._cast_h2d: list[Any] = [None] * len(entries)  # the last copy that read it
+        # Note [One cast per master change]: per mixed entry, changes counted, and what they and the masters'
+        # version counters were when the copy was cast (None: never)
+        self._changes = [0] * len(entries)
+        self._cast_seen: list[Optional[tuple[int, tuple[int, ...]]]] = [None] * len(entries)
+        self._hosts: list[Optional[list[torch.Tensor]]] = [None] * len(entries)  # host_param's tensors, per entry
+        self.casts = 0  # casts made (a fetch whose copy was current makes none)
         self.engine = engine
         self.device = device
         self.busy = busy
@@ -155,17 +161,47 @@ class Masters:
         with _disable_current_modes():
             self._flat[i] = torch.empty(0, dtype=torch.uint8, device=self.device).set_(st)
 
+    # Note [One cast per master change]
+    # A fetch of a mixed entry reads its compute-dtype copy, cast from the fp32 master on the thread that fetches:
+    # the main thread in a forward, autograd's in a backward, before the H2D copy is queued, so the device waits
+    # for it. The masters change only at a host step, yet every fetch cast again: 8 casts of every master a step
+    # for 4 micro-batches, 7 of them rewriting the bytes already there (3.1 GB of bf16 per micro-batch of the 1B
+    # Llama, 1.1 s at one thread's 2.8 GB/s, against the 1.3 s the H200 lease measured a micro-batch). So the copy
+    # is cast again only when the master may have changed since: ``changed`` marks it stale (the host step and
+    # its speculation and rollback on the worker, before and after they write; a state dict handing out or loading
+    # the master; a write-back), and, for any other write through the master tensors the runtime keeps
+    # (``host_param``), their version counters, read at the cast, no longer match. Both are read before the cast
+    # copies, so a change while it runs leaves the copy stale. The bytes are the same as casting at every fetch:
+    # the cast is a pure function of the master. (A write no counter sees, through ``.data`` or numpy into a
+    # tensor a state dict handed out, after the next fetch, is not seen: as autograd's saved-tensor check.)
+    def changed(self, e: Entry) -> None:
+        """``e``'s master was (or is about to be) written: its compute-dtype copy is cast again at its next fetch."""
+        self._changes[e.index] += 1
+
+    def _versions(self, i: int) -> tuple[int, ...]:
+        hosts = self._hosts[i]
+        return () if hosts is None else tuple(t._version for t in hosts)
+
+    def _cast_current(self, i: int) -> bool:
+        return self._cast_seen[i] == (self._changes[i], self._versions(i))
+
     def _cast_master(self, e: Entry) -> None:
         """The master of mixed entry ``e`` cast into its compute-dtype copy, on this thread, once the last copy
-        that read that copy is done (the next H2D reads it)."""
+        that read that copy is done (the next H2D reads it); nothing to do if the copy is current (Note [One cast
+        per master change])."""
         i = e.index
+        if self._cast_current(i):
+            return
         ticket = self._cast_h2d[i]
         if ticket is not None:
             self.engine.wait_host(ticket)
             self._cast_h2d[i] = None
         with torch._C._DisableTorchDispatch(), torch.no_grad():  # host memory: unseen by a meter (as copies are)
+            seen = (self._changes[i], self._versions(i))  # read first: a change racing the cast leaves it stale
             dst = flat(self.cast[i].view, e.dtype, e.nbytes)
             dst.copy_(flat(self.blocks[i].view, e.master_dtype, e.master_nbytes))
+        self._cast_seen[i] = seen
+        self.casts += 1
 
     def _ensure_resizable(self, e: Entry) -> None:
         if e.storage.resizable():
@@ -180,8 +216,12 @@ class Masters:
         e.storage, e.key = st, st._cdata
 
     def host_param(self, e: Entry, p: torch.nn.Parameter) -> torch.Tensor:
-        """The host master of parameter ``p`` of entry ``e``: the same geometry on the host, in the master dtype."""
-        return host_tensor(self.blocks[e.index].view, p, p.storage_offset(), e.master_dtype)
+        """The host master of parameter ``p`` of entry ``e``: the same geometry on the host, in the master dtype.
+        Its version counter is read at each cast (Note [One cast per master change])."""
+        t = host_tensor(self.blocks[e.index].view, p, p.storage_offset(), e.master_dtype)
+        self._hosts[e.index] = [*(self._hosts[e.index] or []), t]
+        self.changed(e)
+        return t
 
     def host_bytes(self) -> int:
         return sum(b.size for b in self.blocks if b is not None)
@@ -251,6 +291,7 @@ class Masters:
             with torch._C._DisableTorchDispatch(), torch.no_grad():
                 flat(self.blocks[i].view, e.master_dtype, e.master_nbytes).copy_(flat(self.cast[i].view, e.dtype,
                                                                                       e.nbytes))  # fmt: skip
+            self.changed(e)  # cast again from the master, as before (a NaN's payload need not survive the round trip)
         self.copies.weights_out += e.nbytes
         self.dirty[i] = False
 
