@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Optional
 
 from ..units import fmt_bytes
 from .budget import InfeasibleBudget, diagnose
 from .sequence import SAVE, Sequence
+from .wanted import Wanted
 
 POLICIES = ("window", "fixed_distance", "all", "none")
 
@@ -122,6 +124,59 @@ def plan(
     return _Planner(seq, budget, window or 0, policy, swapout_threshold, swapin_ahead).run(options)
 
 
+def plan_windows(seq: Sequence, budget: int, windows: list[int]) -> Iterator[tuple[int, Schedule]]:
+    """``plan(seq, budget, w, "window")`` for each window w, in the order given, as they are asked for, leaving
+    out a window whose plan is an earlier one's (Note [Windows with the same plan]). Raises as ``plan`` would
+    at the first window that fails."""
+    facts: Optional[_Facts] = None
+    seen: set[tuple[int, ...]] = set()
+    for w in windows:
+        validate(budget, w, "window")
+        if facts is None:  # the budget check is the same for every window: once
+            error = diagnose(seq, budget)
+            if error is not None:
+                raise error
+            facts = _Facts(seq)
+        ends = tuple(window_ends(seq, w))
+        if ends in seen:
+            continue
+        seen.add(ends)
+        planner = _Planner(seq, budget, w, "window", 2, 1, facts, list(ends))
+        yield w, planner.run({"swapout_threshold": 2, "swapin_ahead": 1})
+
+
+def window_ends(seq: Sequence, window: int) -> list[int]:
+    """r_i: the last step of the window of ``window`` bytes that starts at step i.
+
+    Note [Windows with the same plan]
+    The window policy sees its window only through these ends (which uses are due, and which variables want
+    out), so two windows with the same ends plan the same schedule, but for the ``window`` it records; their
+    simulated iterations are the same, and ``choose_window``, which takes the first of the fastest, never takes
+    the later one. ``plan_windows`` plans it once."""
+    sizes, var, n = seq.sizes, seq.var, len(seq)
+    ends, r, acc = [0] * n, -1, 0
+    for i in range(n):
+        if r < i:
+            r, acc = i, sizes[var[i]]
+        while r + 1 < n and acc + sizes[var[r + 1]] <= window:
+            r += 1
+            acc += sizes[var[r]]
+        ends[i] = r
+        acc -= sizes[var[i]]
+    return ends
+
+
+class _Facts:
+    """What every plan of one sequence needs, whatever its window: computed once for a sweep of windows."""
+
+    def __init__(self, seq: Sequence) -> None:
+        self.next = seq.next_access()
+        self.ends = seq.ends()
+        self.first: dict[int, int] = {}  # var -> its first access
+        for i, v in enumerate(seq.var):
+            self.first.setdefault(v, i)
+
+
 def _plan_none(seq: Sequence, budget: int, window: int, options: dict) -> Schedule:
     live = seq.live_bytes()
     totals = [a + b for a, b in zip(seq.nonswap, live)]
@@ -150,12 +205,15 @@ def _plan_none(seq: Sequence, budget: int, window: int, options: dict) -> Schedu
 
 
 class _Planner:
-    def __init__(self, seq: Sequence, budget: int, window: int, policy: str, threshold: int, ahead: int) -> None:
+    def __init__(self, seq: Sequence, budget: int, window: int, policy: str, threshold: int, ahead: int,
+                 facts: Optional[_Facts] = None, ends: Optional[list[int]] = None) -> None:  # fmt: skip
+        facts = facts or _Facts(seq)
         self.seq, self.budget, self.window, self.policy = seq, budget, window, policy
         self.threshold, self.ahead = threshold, ahead
         self.n = len(seq)
-        self.next = seq.next_access()
-        self.ends = seq.ends()
+        self.next = facts.next
+        self.ends = facts.ends
+        self.window_end = ends if ends is not None else window_ends(seq, window) if policy == "window" else []
         n = self.n
         self.swap_out: list[list[int]] = [[] for _ in range(n)]
         self.release: list[list[int]] = [[] for _ in range(n)]
@@ -168,40 +226,24 @@ class _Planner:
         self.pending: OrderedDict[int, int] = OrderedDict()  # reserved swap-outs still resident, oldest first
         self.eager: list[list[int]] = [[] for _ in range(n + 1)]  # releases due at a step (all/fixed)
         self.last_access: dict[int, int] = {}
-        self.first: dict[int, int] = {}  # var -> its first access
-        for i, v in enumerate(seq.var):
-            self.first.setdefault(v, i)
+        self.first = facts.first
         self.pinned: dict[int, int] = {}  # var -> first step its node no longer holds it
-        self.wanted: list[tuple[int, int]] = []  # heap of (use step, var) to prefetch
+        self.wanted = Wanted(seq)  # the uses to prefetch (Note [An incremental prefetch queue])
+        self.i = 0
         self.triggers = self._prefetch_triggers()
 
     # -- which uses get prefetched, and from which step ----------------------------------------------------
-    def _window_end(self) -> list[int]:
-        """r_i: the last step of the window that starts at step i."""
-        seq, n, w = self.seq, self.n, self.window
-        ends, r, acc = [0] * n, -1, 0
-        for i in range(n):
-            if r < i:
-                r, acc = i, seq.sizes[seq.var[i]]
-            while r + 1 < n and acc + seq.sizes[seq.var[r + 1]] <= w:
-                r += 1
-                acc += seq.sizes[seq.var[r]]
-            ends[i] = r
-            acc -= seq.sizes[seq.var[i]]
-        return ends
-
     def _prefetch_triggers(self) -> list[list[int]]:
         """For each step, the use steps whose prefetch becomes due there."""
         seq, n = self.seq, self.n
         triggers: list[list[int]] = [[] for _ in range(n)]
         if self.policy == "window":
-            self.window_end = self._window_end()
-            reached = -1
+            reached, kind, ends = -1, seq.kind, self.window_end
             for i in range(n):
-                for u in range(max(reached + 1, i + 1), self.window_end[i] + 1):
-                    if seq.kind[u] != SAVE:
-                        triggers[i].append(u)
-                reached = max(reached, self.window_end[i])
+                end = ends[i]
+                if end > reached:
+                    triggers[i] = [u for u in range(max(reached + 1, i + 1), end + 1) if kind[u] != SAVE]
+                    reached = end
         else:
             ahead = self.ahead
             for u in range(n):
@@ -228,6 +270,8 @@ class _Planner:
     def _drop(self, v: int) -> None:
         self.resident_bytes -= self.resident.pop(v)
         self.pending.pop(v, None)
+        if v in self.host:
+            self.wanted.dropped(v, self.i)
 
     def _do_release(self, v: int) -> None:
         self.release[self.i].append(v)
@@ -240,14 +284,17 @@ class _Planner:
         """The first step at which releasing v frees its memory."""
         return max(self.seq.held_until[v], self.pinned.get(v, 0))
 
-    def _make_room(self, need: int, keep: set[int], forced: bool) -> bool:
+    def _make_room(self, need: int, keep: set[int], forced: bool, wanted: Optional[dict[int, int]] = None) -> bool:
         """Releases reserved swap-outs oldest first (and, if forced, any resident variable farthest next use
-        first) until ``need`` bytes are free. Variables in ``keep``, and those the forward still holds
-        (``held_until``), stay."""
+        first) until ``need`` bytes are free. Variables in ``keep`` or ``wanted``, and those the forward still
+        holds (``held_until``), stay."""
+        if self._free() >= need:
+            return True
+        wanted = wanted or {}
         for v in list(self.pending):
             if self._free() >= need:
                 return True
-            if v not in keep and self._releasable(v):
+            if v not in keep and v not in wanted and self._releasable(v):
                 self._do_release(v)
         if self._free() >= need or not forced:
             return self._free() >= need
@@ -284,7 +331,7 @@ class _Planner:
                     elif self._free_from(v) < self.n:
                         self.eager[self._free_from(v)].append(v)  # as soon as the forward (or node) lets go
             for u in self.triggers[i]:
-                heapq.heappush(self.wanted, (u, seq.var[u]))
+                self.wanted.trigger(u, self.pending)
             v, size = seq.var[i], seq.sizes[seq.var[i]]
             # The access: its variable must be on the device.
             # Room for it, and for whatever the step's non-swappable memory took since the last step.
@@ -317,6 +364,7 @@ class _Planner:
                     self.swap_out[i].append(v)
                     self.host.add(v)
                 self.pending[v] = i
+                self.wanted.reserved(v, i)
                 if self.policy != "window":
                     self.eager[i + 1].append(v)
         peak = max((a + b for a, b in zip(seq.nonswap, self.resident_trace)), default=0)
@@ -338,20 +386,26 @@ class _Planner:
 
         A wanted variable that is on the device has its reserved swap-out cancelled (it is needed soon);
         one that does not exist yet, or has no host copy, waits; the first that does not fit stops the
-        pass (nearer uses go first), and is tried again at the next step."""
-        seq = self.seq
-        while self.wanted and self.wanted[0][0] <= self.i:
-            heapq.heappop(self.wanted)
-        wanted_vars = {w for _, w in self.wanted}
-        for _use, w in sorted(self.wanted):
-            if not seq.swappable[w]:
+        pass (nearer uses go first), and is tried again at the next step. Only the uses that can act are
+        visited (Note [An incremental prefetch queue])."""
+        i, var, sizes, wanted = self.i, self.seq.var, self.seq.sizes, self.wanted
+        wanted.expire(i)
+        fetchable, resident, host = wanted.fetchable, self.resident, self.host
+        stop = self.n
+        while fetchable:
+            u = fetchable[0]
+            w = var[u]
+            if u <= i or w in resident or w not in host:  # reached, or stale: a later drop pushes it again
+                heapq.heappop(fetchable)
                 continue
-            if w in self.resident:
-                self.pending.pop(w, None)
-                continue
-            if w not in self.host:
-                continue
-            if not self._make_room(seq.sizes[w], keep | wanted_vars, forced=False):
+            if not self._make_room(sizes[w], keep, forced=False, wanted=wanted.count):
+                stop = u
                 break
+            heapq.heappop(fetchable)
             self._add(w)
-            self.swap_in[self.i].append(w)
+            self.swap_in[i].append(w)
+        cancellable = wanted.cancellable
+        while cancellable and cancellable[0] < stop:
+            u = heapq.heappop(cancellable)
+            if u > i:
+                self.pending.pop(var[u], None)
