@@ -27,6 +27,18 @@ Three parts:
   the scheduler and the simulator plan it unchanged; ``choose`` keeps the rebuilds that make the simulated
   iteration faster.
 
+Note [A rebuild lives as long as its node]
+Autograd unpacks every saved tensor of a backward node before the node runs, and they all live until it
+returns: a linear's backward unpacks its rebuilt input (its step in the sequence, the use of the rebuild's
+source), then the other tensors it saved (the steps after it, up to the node's last, ``node_last``), and the
+rebuilt tensor is on the device through all of them. ``with_recompute`` counted it at its own step only, so
+a plan with rebuilds was judged to fit budgets it did not: a GPT whose MLP was rebuilt under
+``strategy="auto"`` measured 64 KiB more (the rebuilt GELU output) at the next step of the output
+projection's backward, and a retry at 1.05x the ``min_budget`` an ``InfeasibleBudget`` had named was refused
+whenever the simulator found the rebuild a little faster than swapping (a matter of measured timings, so it
+came and went: tests/swap/model_state/test_ms_entry_budget.py). The rebuilt bytes are now counted until the
+node's last step, as the runtime measures them.
+
 Note [No rebuild from a rebuild]
 In ``gelu(gelu(x))`` the second GELU's input is the first one's output, itself rebuilt rather than packed: its
 saved handle is a ``Recomputed``, not a tensor or the executor's handle. A chain of rebuilds would redo every
@@ -256,7 +268,7 @@ def with_recompute(seq: Sequence, chosen: dict[int, Recipe], seconds: Callable[[
     """The sequence the runtime records when the ``chosen`` variables are rebuilt (Note [Recompute or swap]):
     a chosen variable is never saved (its forward bytes stay until the forward drops them, not ours to move);
     each backward use of it becomes a use of its source, whose step also computes the rebuild and holds its
-    result."""
+    result, as do the later steps of the same backward node (Note [A rebuild lives as long as its node])."""
     for v, r in chosen.items():
         if seq.sizes[r.source] <= 0 or r.source in chosen:
             raise ValueError(f"variable {v} would be rebuilt from {r.source}, which is not a kept variable")
@@ -268,8 +280,11 @@ def with_recompute(seq: Sequence, chosen: dict[int, Recipe], seconds: Callable[[
 
     var, kind, nonswap, compute, transient, kept, node_last = [], [], [], [], [], [], []
     first_save = {v: seq.var.index(v) for v in chosen}
+    node_held: list[tuple[int, int]] = []  # (last step of the node, bytes): rebuilds its node still holds
     for i, (v, k) in enumerate(zip(seq.var, seq.kind)):
         extra = sum(seq.sizes[c] for c in chosen if first_save[c] <= i < seq.held_until[c])  # in the forward
+        if var:  # Note [A rebuild lives as long as its node]: earlier rebuilds of this step's node
+            extra += sum(b for last, b in node_held if last >= len(var))
         if v in chosen and k == SAVE:
             if var:  # the step disappears: its compute and memory join the step before
                 compute[-1] += seq.compute[i]
@@ -278,6 +293,8 @@ def with_recompute(seq: Sequence, chosen: dict[int, Recipe], seconds: Callable[[
                 kept[-1] = max(kept[-1], seq.kept[i])
             continue
         rebuilt = seq.sizes[v] if v in chosen else 0  # the rebuild's output, made during the use
+        if rebuilt and moved(seq.node_last[i]) > len(var):
+            node_held.append((moved(seq.node_last[i]), rebuilt))
         var.append(chosen[v].source if v in chosen else v)
         kind.append(USE if v in chosen else k)
         nonswap.append(seq.nonswap[i] + extra + rebuilt)
