@@ -12,6 +12,7 @@ import swap
 from swap.forecast import zoo as models
 from swap.joint.recompute import recipes, with_recompute
 from swap.runtime.activations.recompute import RecomputeHooks
+from swap.schedule.budget import step_floors
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "swap"))
 from training import KiB, assert_bitwise_equal, run  # noqa: E402
@@ -89,6 +90,20 @@ def test_sequence_model_of_the_rebuild():
     assert out.nonswap == [1, 21, 21, 1, 1]  # forward: held until step 3; backward: the rebuilt tensor
     with pytest.raises(ValueError, match="not a kept variable"):
         with_recompute(seq, {2: Recipe(2, 1.0, 1.0)}, lambda r: 0.0)
+
+
+def test_a_rebuilt_tensor_is_held_until_its_node_has_unpacked_the_rest():
+    # Note [A rebuild lives as long as its node]: a node that uses the rebuilt variable 2 (step 3), then the
+    # variable 0 (step 4), holds the rebuild through step 4; the node after it (step 5) does not.
+    from swap.joint.recompute import Recipe
+
+    seq = swap.Sequence([0, 1, 2, 2, 0, 1], ["save", "save", "save", "use", "use", "use"], [10, 20, 20],
+                        [1, 1, 1, 1, 1, 1], [0.1] * 6, held_until=[6, 6, 3],
+                        node_last=[0, 1, 2, 4, 4, 5])  # fmt: skip
+    out = with_recompute(seq, {2: Recipe(1, 100.0, 40.0)}, lambda r: 0.0)
+    assert out.var == [0, 1, 1, 0, 1] and out.node_last == [0, 1, 3, 3, 4]
+    assert out.nonswap == [1, 21, 21, 21, 1]  # the rebuilt 20 bytes at its use and the node's next step
+    assert step_floors(out)[3] == 21 + 10 + 20  # with variable 0 and the rebuild's source, which the node holds
 
 
 def gelu_chain() -> torch.nn.Module:
