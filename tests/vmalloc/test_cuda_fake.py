@@ -274,10 +274,11 @@ def test_fault_sweep_over_every_driver_call(mem, entry):
         fc.drain()
         live = fc.live()
         assert live["allocations"] == live["mappings"] == live["reservations"] == 0, live
-    # Half the positions at least; with fewer than 4 (an entry point the workload calls 3 times) one: once the first
-    # call fails, the path changes and the later ones may not come (an ASan run of the whole suite reached 1 of 3 for
-    # cuEventSynchronize, and 3 of 3 alone).
-    assert survived >= max(1, len(positions) // 2), f"only {survived} of {len(positions)} faults were reached"
+    # Half the positions at least (rounded up); with fewer than 4 (an entry point the workload calls 3 times) one:
+    # once the first call fails, the path changes and the later ones may not come (an ASan run of the whole suite
+    # reached 1 of 3 for cuEventSynchronize, and 3 of 3 alone).
+    needed = (len(positions) + 1) // 2 if len(positions) >= 4 else 1
+    assert survived >= needed, f"only {survived} of {len(positions)} faults were reached"
 
 
 def test_a_budget_in_allocation_sizes_is_what_fits_under_the_capacity(mem):

@@ -19,12 +19,17 @@ from swap.schedule.model_state import ModelStatePolicy, Placement, plan_model_st
 BUDGET = 1 << 30
 
 
+def stack(d: int) -> nn.Module:
+    """An nn.Sequential MLP of width ``d`` (and ``2 d`` inside), seeded."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d), nn.GELU(), nn.Linear(d, 2 * d), nn.GELU(),
+                         nn.Linear(2 * d, d), nn.LayerNorm(d), nn.Linear(d, d))  # fmt: skip
+
+
 def model_fn() -> nn.Module:
     # every parameter a multiple of 512 bytes in fp32, the host pool's alignment: the runtime's prediction is then
     # exactly the bytes the plan counts
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(128, 128), nn.LayerNorm(128), nn.GELU(), nn.Linear(128, 256), nn.GELU(),
-                         nn.Linear(256, 128), nn.LayerNorm(128), nn.Linear(128, 128))  # fmt: skip
+    return stack(128)
 
 
 def batch_fn(n: int):
@@ -86,9 +91,7 @@ def test_the_runtime_places_as_the_plan_does_for_its_room(forecast):
 def mixed_model_fn() -> nn.Module:
     # every parameter a multiple of 256 elements: 512 bytes in bf16 (the compute copies, pinned, and the gradients
     # as they arrive), the host pool's alignment, so the runtime's prediction is exactly the bytes the plan counts
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(256, 256), nn.LayerNorm(256), nn.GELU(), nn.Linear(256, 512), nn.GELU(),
-                         nn.Linear(512, 256), nn.LayerNorm(256), nn.Linear(256, 256))  # fmt: skip
+    return stack(256)
 
 
 def mixed_batch_fn(n: int):
