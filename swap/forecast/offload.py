@@ -70,9 +70,10 @@ and every ``Bucket`` ``mixed``), through the ledger and packer the runtime calls
 - host work: the fp32 step reads the fp32 gradient, and each bucket's arriving gradient is upcast into its fp32
   buffer (``compute_dtype`` bytes read, fp32 written), counted with its host step's bytes (the runtime does it on
   its gradient lane during the backward: counted on the host-step lane it may only err slow);
-- the cast into the compute copy: the runtime casts the master at each fetch (``Masters.fetch``), on the thread
-  that runs the model, before the copy starts; priced as ``cast_seconds`` on the compute stream at the first use
-  after each fetch (fp32 read, compute dtype written, at the host step kernel's rate: the host profiles measure
+- the cast into the compute copy: the runtime casts the master once per change of it (``Masters.fetch``, Note [One
+  cast per master change]), at its first fetch after the host step, on the thread that runs the model, before the
+  copy starts; priced as ``cast_seconds`` on the compute stream at a bucket's first fetch of the iteration
+  (``cast_once``; fp32 read, compute dtype written, at the host step kernel's rate: the host profiles measure
   no cast, so that rate is an assumption), and, for a host master (refreshed by a fetch after its host step), in
   its host step's bytes (``copy``; a streamed bucket's host step counts it too: 2 bytes a parameter too many).
 The baselines keep their own formats in ``compute_dtype`` with fp32 masters (``state_format``).
@@ -192,12 +193,12 @@ def prices_for(buckets: Seq[Bucket], fmt: StateFormat, dev: DeviceProfile, host:
     own = fmt.weight if fmt.weight != fmt.master else 0  # the device step writes the compute copy too
     device_step = [host_step_bytes(fmt.optimizer, b.numel, fmt.master, fmt.grad, own) / dev_bw for b in buckets]
     cast = [b.numel * (fmt.master + fmt.weight) / dev_bw for b in buckets] if fmt.cast == "device" else []
-    if fmt.mixed:  # Note [Mixed precision pricing]: each fetch casts the master on the thread that runs the model
+    if fmt.mixed:  # Note [Mixed precision pricing]: the master cast once per change, on the thread running the model
         cast = [b.numel * (fmt.master + fmt.weight) / rate for b in buckets]
     return ModelStatePrices(
         host.h2d_bandwidth or dev.h2d_bandwidth, host.d2h_bandwidth or dev.d2h_bandwidth,
         tuple(x / rate for x in host_bytes), tuple(device_step), tuple(cast), tuple(float(x) for x in host_bytes),
-        host.dram_bandwidth, host.duplex_bandwidth or dev.duplex_bandwidth,
+        host.dram_bandwidth, host.duplex_bandwidth or dev.duplex_bandwidth, cast_once=fmt.mixed,
     )  # fmt: skip
 
 

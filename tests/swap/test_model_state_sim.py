@@ -157,6 +157,20 @@ def test_device_casts_are_charged_at_each_fetch():
     assert cast.compute_time == pytest.approx(plain.compute_time + 0.1 * fetches)
 
 
+def test_mixed_precision_casts_once_an_iteration():
+    # Note [One cast per master change]: the runtime casts a master at its first fetch after the host step only
+    seq, buckets, uses = layers()
+    plan = ModelStatePlan.uniform(4, S)
+    budget = 500  # tight: some buckets are fetched for the forward and again for the backward
+    plain = run(seq, buckets, uses, plan, prices(), budget=budget)[2]
+    each = run(seq, buckets, uses, plan, prices(cast_seconds=(0.1,) * 4), budget=budget)[2]
+    once = run(seq, buckets, uses, plan, prices(cast_seconds=(0.1,) * 4, cast_once=True), budget=budget)[2]
+    fetches = each.bytes_by_kind["weights"][0] // 100
+    assert fetches > 4  # fetched more than once a bucket: the test can tell once from each
+    assert each.compute_time == pytest.approx(plain.compute_time + 0.1 * fetches)
+    assert once.compute_time == pytest.approx(plain.compute_time + 0.1 * 4)
+
+
 def test_lane_takes_the_earliest_gap():
     lane = Lane()
     assert lane.place(0.0, 1.0) == (0.0, 1.0)

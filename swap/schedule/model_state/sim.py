@@ -25,8 +25,9 @@ step computes), and adds model state:
 - casts: a bucket fetched in another dtype than it computes in (the master, cast on the device) costs
   ``cast_seconds`` on the compute stream at its first use after each fetch; a cast on the host is in the
   host step's bytes (``swap.devices.host_step_bytes``' ``copy``), except the runtime's mixed precision, which casts
-  at each fetch on the thread that runs the model, priced as ``cast_seconds`` too (Note [Mixed precision pricing]
-  in swap/forecast/offload.py);
+  on the thread that runs the model once per change of the master (its first fetch after the host step), priced
+  as ``cast_seconds`` too, once an iteration (``cast_once``; Note [Mixed precision pricing] in
+  swap/forecast/offload.py);
 - the link: copies on an engine take the earliest gap from when they are ready (copies of different streams
   interleave); with ``duplex_bandwidth`` set, a copy is slowed while the other direction is busy, to the
   share of ``duplex_bandwidth`` its direction gets;
@@ -61,6 +62,8 @@ class ModelStatePrices:
         device_step_seconds: per bucket, its optimizer step on the device (counted for resident buckets).
         cast_seconds: per bucket, the cast of a fetched copy on the compute stream (empty: none: the host step
             casts).
+        cast_once: the cast only at a bucket's first fetch of the iteration (the runtime's mixed precision casts
+            a master once per change of it, Note [One cast per master change]); else at every fetch.
         host_step_bytes: per bucket, the DRAM bytes of its host step (for DRAM contention; empty: none).
         dram_bandwidth: host DRAM bytes/s shared by host steps and DMA (0: no contention).
         duplex_bandwidth: bytes/s of both directions at once (0: each at its own rate).
@@ -74,6 +77,7 @@ class ModelStatePrices:
     host_step_bytes: tuple[float, ...] = ()
     dram_bandwidth: float = 0.0
     duplex_bandwidth: float = 0.0
+    cast_once: bool = False
 
 
 @dataclass
@@ -223,6 +227,7 @@ class _Run:
         grad_done: dict[int, float] = {}
         outstanding: deque[int] = deque()
         cast_pending: set[int] = set()
+        cast_buckets: set[int] = set()  # buckets cast this iteration (cast_once)
         new_done: dict[int, float] = {}
         staged = set(self.plan.speculated()) if self.timing == "speculative" else set()
         for i in range(self.n):
@@ -238,8 +243,9 @@ class _Run:
                 h2d_done[v] = self.copy(self.h2d, ready, seq.sizes[v], True, f"v{v}")
                 self.h2d_bytes += seq.sizes[v]
                 self.kinds["weights" if k is not None else "activations"][0] += seq.sizes[v]
-                if k is not None and self.prices.cast_seconds:
+                if k is not None and self.prices.cast_seconds and not (self.prices.cast_once and k in cast_buckets):
                     cast_pending.add(v)
+                    cast_buckets.add(k)
             if gated:
                 for k in self.gate_at.get(i, ()):
                     self.wait(self.update_done.get(k, 0.0), "update", host=True)
