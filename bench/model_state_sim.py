@@ -10,11 +10,14 @@ on the meta device, priced on device and host profiles whose figures have source
 [Device profiles], Note [Host profiles]). The math is a full AdamW fine-tune with fp32 master and state and bf16
 compute (``StateFormat()``), sequences of 1024 tokens, activations planned by the joint search, the offload
 schedules side by side (Note [Offload schedules side by side] in swap/forecast/offload.py). "ours" is what
-``SwapManager(model=, optimizer=)`` runs (Note [What the runtime runs]): host steps after ``opt.step()`` (no
-speculation), the model in fp32 (the parameter is the host master; autocast computes in bf16), the host step on
-torch's fused CPU kernel (the runtime's where the user left torch's default); "ours, AdamW(foreach=False)" is the
-same loop with the user's choice of torch's per-tensor kernel; "ours, model in bf16 (pure)" trains bf16 master and
-moments (not the baselines' math).
+``SwapManager(model=, optimizer=)`` runs (Note [What the runtime runs]): host steps speculative in the backward
+where the runtime's rollback copies fit the host's memory beside the model state (the rule and the bytes the
+runtime uses: ``ledger.speculates``; a failed speculation is not priced), else after ``opt.step()``; the model in
+fp32 (the parameter is the host master; autocast computes in bf16), the host step on torch's fused CPU kernel (the
+runtime's where the user left torch's default); "ours, AdamW(foreach=False)" is the same loop with the user's
+choice of torch's per-tensor kernel; "ours, model in bf16 (pure)" trains bf16 master and moments (not the
+baselines' math); "ours, compute_dtype=bf16" is the fp32 model under the runtime's mixed precision
+(``ModelStatePolicy(compute_dtype=torch.bfloat16)``: fp32 masters and state on the host, bf16 copies streamed).
 
 Note [DeepSpeed calibration]
 The rtx4090 profile's efficiency (0.74) was calibrated on a V100. DeepSpeed's published ZeRO-3-offload run on
@@ -68,7 +71,7 @@ DEEPSPEED_SOURCE = ("SlideFormer (arXiv 2603.16428), baseline CSV bench/DeepSpee
                     "ds_bench_1024_bf16_on_20260224_211132.csv: Llama-3.1-8B, seq 1024, bf16, Liger kernels, DeepSpeed "
                     "ZeRO-3 with CPU offload, full activation checkpointing, on an RTX 4090; the host's CPU and DRAM "
                     "are not given (its 176 GB is the process's peak RSS, not the machine's memory)")  # fmt: skip
-SCHEDULES_SHOWN = (*DEFAULT_SCHEDULES, "ours_loop", "ours_pure")
+SCHEDULES_SHOWN = (*DEFAULT_SCHEDULES, "ours_mixed", "ours_loop", "ours_pure")
 T0 = time.perf_counter()
 
 
@@ -114,17 +117,37 @@ def binding(f: OffloadForecast, name: str) -> str:
             "gradients": "gradient copies out", "release": "activation copies out"}.get(stall, stall)  # fmt: skip
     return (f"bound {s.bound} {s.lower_bound:.2f} s; step {s.step_time:.2f} s = compute {s.compute_time:.2f} s "
             f"+ stalls {s.stall_time:.2f} s, most on {what} ({seconds:.2f} s); host steps {s.host_seconds:.2f} s "
-            f"({r.kernel} kernel)")  # fmt: skip
+            f"({r.kernel} kernel, {speculation(f, name)})")  # fmt: skip
+
+
+def speculation(f: OffloadForecast, name: str) -> str:
+    """Whether schedule ``name``'s host steps speculate, and why not where the runtime would not (Note [What the
+    runtime runs]): the rollback copies against the host memory beside the model state."""
+    r = f.results[name]
+    if r.timing == "speculative":
+        return f"speculative: {r.sim.speculated if r.sim else 0} buckets stepped in the backward"
+    if r.timing != "before_use" or r.plan is None:
+        return r.timing
+    copies = sum(b.master_bytes + b.state_bytes for b in r.buckets)
+    every = sum(host_bytes_of(b, Placement.STREAMED)[0] for b in r.buckets)  # the runtime decides on all streamed
+    return (f"not speculative: rollback copies of {copies / 1e9:.0f} GB do not fit beside {every / 1e9:.0f} GB of "
+            f"model state in {f.host_memory / 1e9:.0f} GB")  # fmt: skip
 
 
 def with_loop(f: OffloadForecast) -> str:
-    """What the same loop gives with the user's AdamW(foreach=False) (torch's per-tensor kernel), for a note."""
-    r = f.results.get("ours_loop")
-    if r is None or not r.fits or not r.tokens_per_s:
-        return ""
-    zo = f.results.get("zero_offload")
-    ratio = f" = {r.tokens_per_s / zo.tokens_per_s:.2f}x ZeRO-Offload" if zo is not None and zo.fits else ""
-    return f"; with AdamW(foreach=False): {r.tokens_per_s:.0f} tokens/s{ratio}"
+    """What the same loop gives with the user's AdamW(foreach=False) (torch's per-tensor kernel) and under the
+    runtime's mixed precision (compute_dtype=bf16), for a note."""
+    out = ""
+    for name, what in (("ours_mixed", "with compute_dtype=bf16"), ("ours_loop", "with AdamW(foreach=False)")):
+        r = f.results.get(name)
+        if r is None or not r.fits or not r.tokens_per_s:
+            continue
+        zo = f.results.get("zero_offload")
+        ratio = f" = {r.tokens_per_s / zo.tokens_per_s:.2f}x ZeRO-Offload" if zo is not None and zo.fits else ""
+        share = f.share_of_bound(name)
+        bound = f", {share:.0%} of its bound" if share else ""
+        out += f"; {what}: {r.tokens_per_s:.0f} tokens/s{ratio}{bound} ({r.timing})"
+    return out
 
 
 def target(label: str, value: Optional[float], goal: float, unit: str, why: str, met_note: str = "") -> dict[str, Any]:
@@ -240,7 +263,8 @@ def run(quick: bool) -> dict[str, Any]:
         t.append(target("ours at 32k tokens >= 85% of its max(compute, link, host) bound", f32.share_of_bound("ours"),
                         0.85, "", binding(f32, "ours")))  # fmt: skip
         h = cfg["8b-h100-16"] = forecast("Llama-3-8B shape", llama3_8b, 32, 16, profile("h100-sxm"),
-                                         "server-ddr5-8ch", 80, (*DEFAULT_SCHEDULES, "ours_loop"))  # fmt: skip
+                                         "server-ddr5-8ch", 80, (*DEFAULT_SCHEDULES, "ours_mixed",
+                                                                 "ours_loop"))  # fmt: skip
         r = h.results["ours"]
         t.append(target("8B on h100-sxm + server-ddr5-8ch at 16k tokens >= 8000 tokens/s", r.tokens_per_s, 8000.0,
                         " tokens/s", binding(h, "ours") + with_loop(h)))  # fmt: skip
@@ -274,9 +298,12 @@ def markdown(out: dict[str, Any], seconds: float, quick: bool) -> str:
              f"- command: `{cmd}` ({seconds / 60:.0f} min); the math: {out['format']}; sequences of {out['seq']} "
              "tokens",
              f"- ours is what `SwapManager(model=, optimizer=)` runs (Note [What the runtime runs] in "
-             f"swap/forecast/offload.py): {out['ours_format']} (an fp32 model, autocast in bf16); host steps after "
-             "`opt.step()`, none speculative; torch's fused CPU AdamW kernel (the runtime's where the user left "
-             "torch's default) unless the row says foreach=False (torch's per-tensor loop)",
+             f"swap/forecast/offload.py): {out['ours_format']} (an fp32 model, autocast in bf16), or the runtime's "
+             "mixed precision where the row says compute_dtype=bf16; host steps speculative in the backward where "
+             "the runtime's rollback copies (fp32 master and state: 12 bytes a parameter) fit the host's memory "
+             "beside the model state, as the runtime decides it, else after `opt.step()` (the table's host steps "
+             "column; a failed speculation is not priced); torch's fused CPU AdamW kernel (the runtime's where the "
+             "user left torch's default) unless the row says foreach=False (torch's per-tensor loop)",
              "- every figure is simulated on device and host profiles with sources (swap/devices.py); activations "
              "planned by the joint search",
              f"- rtx4090-24gb at efficiency {d['efficiency']:.3f} "

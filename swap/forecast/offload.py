@@ -9,10 +9,11 @@ simulation] in swap/schedule/model_state/sim.py):
 
 - ``ours``: what ``SwapManager(model=, optimizer=)`` runs, and only that (Note [What the runtime runs]):
   placements planned under the budget (``plan_model_state``: a resident prefix, host masters, streamed
-  buckets; the device room and the resident share tried and simulated, the fastest kept), host steps after
-  ``opt.step()``, each bucket's next use waiting for its own (``before_use``), every role in the model's
-  dtype, the host step on the kernel the runtime runs for the user's optimizer (``host_kernel``); the swapped
-  activations may take all the host memory model state leaves;
+  buckets; the device room and the resident share tried and simulated, the fastest kept), host steps
+  speculative in the backward where the runtime would speculate, else after ``opt.step()``, each bucket's next
+  use waiting for its own (``speculative`` or ``before_use``), every role in the model's dtype (or the runtime's
+  mixed precision), the host step on the kernel the runtime runs for the user's optimizer (``host_kernel``); the
+  swapped activations may take all the host memory model state and its rollback copies leave;
 - ``zero_offload`` (DeepSpeed ZeRO-Offload, ZeRO-2 with ``offload_optimizer``): compute copies resident,
   master and Adam on the host, the host step after the backward; without the one-step delayed update, which
   changes the math;
@@ -36,10 +37,16 @@ swap.joint.search, default ``auto``) with the model state's device bytes reserve
 
 Note [What the runtime runs]
 A forecast prices only what the runtime does. Today ``SwapManager(model=, optimizer=)``:
-- steps the host optimizer after ``opt.step()`` returns (Note [Host step after confirmation] in
-  swap/runtime/model_state/host_step.py), so ``ours`` is simulated ``before_use``; the simulator's
-  ``speculative`` timing (host steps started during the backward) is kept for the runtime that will have it
-  (issue 37) and priced in no row;
+- speculates by default (Note [When to speculate] in swap/runtime/model_state/speculation.py): where the rollback
+  copies of every offloaded parameter fit the host memory beside the model state (``ledger.speculates`` on
+  ``ledger.rollback_bytes``, the runtime's own function and bytes), every offloaded bucket's host step starts in
+  the last backward before ``opt.step()``, as soon as its gradients are on the host, after copying its master and
+  state (priced at the host's DRAM bandwidth, read and written: ``save_seconds``); ``ours`` is then simulated
+  ``speculative`` and its host bytes count the copies (``choice.with_speculation``, Note [Speculation as the
+  runtime decides it]). Where they do not fit it steps the host optimizer after ``opt.step()`` returns (Note
+  [Host step after confirmation] in swap/runtime/model_state/host_step.py): ``before_use``. A speculation that
+  fails (the clip binds, GradScaler finds an inf, another micro-batch follows) is rolled back and redone by the
+  runtime; its cost is not priced (every speculation is assumed to hold);
 - keeps the parameter itself as the host master, so every role is in the model's dtype: a bf16 model trains as
   pure-bf16 AdamW (bf16 master and moments: ``runtime_format``), and fp32 master and state mean an fp32 model,
   whose fp32 weights cross the link and are cast on the device by autocast at each fetch (``cast="device"``;
@@ -101,7 +108,16 @@ from ..schedule.model_state import (
     placement_named,
     plan_model_state,
 )
-from ..schedule.model_state.choice import RESIDENT_SHARES, ROOM_SHARES, Placed, place, simulate_placed, with_bytes
+from ..schedule.model_state.choice import (
+    RESIDENT_SHARES,
+    ROOM_SHARES,
+    Placed,
+    place,
+    simulate_placed,
+    with_bytes,
+    with_speculation,
+)
+from ..schedule.model_state.ledger import rollback_bytes
 from ..schedule.model_state.weights import BucketUses, reserve
 from ..schedule.sequence import Sequence
 from .from_trace import sequence_from_trace
@@ -110,8 +126,8 @@ from .offload_report import OffloadForecast, OffloadResult
 from .ops_from_trace import table_from_trace
 from .pricing import event_seconds
 
-HOST_SHARES = (1.0,)  # of the host memory model state leaves: the most swapped activations may take (ours; no
-# staging for speculative host steps is priced, Note [What the runtime runs], so they may take all of it)
+HOST_SHARES = (1.0,)  # of the host memory model state leaves: the most swapped activations may take (ours; the
+# rollback copies of speculative host steps are in the model state's host bytes, Note [What the runtime runs])
 RUNTIME_DEFAULT_KERNEL = "fused"  # where the user left torch's default (Note [What the runtime runs])
 AUTO_EVALUATIONS = 60  # plans the joint search judges per activation plan
 ROOM_GRID = 64  # rooms are rounded up to a 64th of the budget, so schedules share activation plans
@@ -124,19 +140,22 @@ class OffloadSchedule:
     name: str
     label: str
     placement: Optional[Placement]  # None: planned
-    timing: str
+    timing: str  # ours: where the runtime does not speculate (it does where its copies fit: ``_ours``)
     clipping: str
     weight_in_master_dtype: bool = False  # the device keeps the model's parameters in the master's dtype
     cast: Optional[str] = None  # where the master is cast (None: the format's)
     grad_in_master_dtype: bool = False  # gradients leave the device in the master's dtype
     kernel: Optional[str] = None  # its host optimizer kernel (swap.devices.KERNELS; None: the runtime's, ours)
-    model_dtype: str = ""  # ours: "model" (the user's model's dtype) or "weight" (a model in the compute dtype)
+    model_dtype: str = ""  # ours: "model" (the user's model's dtype), "weight" (a model in the compute dtype) or
+    # "mixed" (an fp32 model with ``ModelStatePolicy(compute_dtype=)`` the weights' dtype)
 
     def format(self, fmt: StateFormat, model_bytes: Optional[int] = None) -> StateFormat:
         """``fmt`` (the math: master and state dtypes, the compute dtype) as this system keeps it; ours for a
         model whose parameters take ``model_bytes`` an element (None: the master's, an fp32 model with autocast)."""
         if self.model_dtype == "model" and fmt.mixed:
             return fmt  # the runtime's mixed precision, as the user asked for it (Note [What the runtime runs])
+        if self.model_dtype == "mixed":  # an fp32 model, compute_dtype fmt.weight (Note [Mixed precision pricing])
+            return replace(fmt, cast="host", mixed=True)
         if self.model_dtype:
             return runtime_format(fmt, (model_bytes or fmt.master) if self.model_dtype == "model" else fmt.weight)
         weight = fmt.master if self.weight_in_master_dtype else fmt.weight
@@ -166,12 +185,15 @@ SCHEDULES = {
                         "not supported", weight_in_master_dtype=True, cast="device", grad_in_master_dtype=True,
                         kernel="for-loop"),
         # ours in other settings the runtime runs, for side-by-side tables (bench.model_state_sim): the user's
-        # AdamW made with foreach=False (the host step then runs torch's per-tensor loop), and a model kept in
-        # the compute dtype (pure bf16: not the baselines' math)
+        # AdamW made with foreach=False (the host step then runs torch's per-tensor loop), a model kept in the
+        # compute dtype (pure bf16: not the baselines' math), and an fp32 model trained in the runtime's mixed
+        # precision (the baselines' math: fp32 masters and state on the host, bf16 copies streamed)
         OffloadSchedule("ours_loop", "ours, AdamW(foreach=False)", None, "before_use",
                         "exact (per-bucket partial norms)", kernel="for-loop", model_dtype="model"),
         OffloadSchedule("ours_pure", "ours, model in bf16 (pure)", None, "before_use",
                         "exact (per-bucket partial norms)", model_dtype="weight"),
+        OffloadSchedule("ours_mixed", "ours, compute_dtype=bf16", None, "before_use",
+                        "exact (per-bucket partial norms)", model_dtype="mixed"),
     )
 }  # fmt: skip
 DEFAULT_SCHEDULES = ("ours", "zero_offload", "zero3_offload", "fsdp2_cpu_offload", "torchao_cpu_offload")
@@ -180,8 +202,8 @@ DEFAULT_SCHEDULES = ("ours", "zero_offload", "zero3_offload", "fsdp2_cpu_offload
 def prices_for(buckets: Seq[Bucket], fmt: StateFormat, dev: DeviceProfile, host: HostProfile,
                kernel: str = "fused") -> ModelStatePrices:  # fmt: skip
     """Per-bucket prices (Note [Model-state simulation]): host steps from the host profile at ``kernel``'s rate
-    (the compute copy written by the host step when the host casts), device steps and casts on the device's
-    memory bandwidth."""
+    (the compute copy written by the host step when the host casts), a speculative step's rollback copy at the
+    host's DRAM bandwidth, device steps and casts on the device's memory bandwidth."""
     copy = fmt.weight if fmt.cast == "host" and fmt.weight != fmt.master else 0
     dev_bw = dev.mem_bandwidth * dev.efficiency
     if fmt.mixed:  # Note [Mixed precision pricing]: the fp32 step reads the fp32 gradient, after its upcast
@@ -195,10 +217,14 @@ def prices_for(buckets: Seq[Bucket], fmt: StateFormat, dev: DeviceProfile, host:
     cast = [b.numel * (fmt.master + fmt.weight) / dev_bw for b in buckets] if fmt.cast == "device" else []
     if fmt.mixed:  # Note [Mixed precision pricing]: the master cast once per change, on the thread running the model
         cast = [b.numel * (fmt.master + fmt.weight) / rate for b in buckets]
+    # a speculative host step's rollback copy (Note [What the runtime runs]): master and state read and written once
+    save = [2.0 * rollback_bytes([(b.master_bytes, b.state_bytes)]) for b in buckets]
     return ModelStatePrices(
         host.h2d_bandwidth or dev.h2d_bandwidth, host.d2h_bandwidth or dev.d2h_bandwidth,
         tuple(x / rate for x in host_bytes), tuple(device_step), tuple(cast), tuple(float(x) for x in host_bytes),
         host.dram_bandwidth, host.duplex_bandwidth or dev.duplex_bandwidth, cast_once=fmt.mixed,
+        save_seconds=tuple(x / host.dram_bandwidth for x in save) if host.dram_bandwidth else (),
+        save_bytes=tuple(save),
     )  # fmt: skip
 
 
@@ -381,6 +407,10 @@ def _ours(name: str, acts: _Activations, buckets: list[Bucket], uses: list[Bucke
             except ModelStateDoesNotFit as e:
                 why = str(e)
                 continue
+            timing = SCHEDULES[name].timing
+            spec = with_speculation(buckets, plan, host.memory, in_flight, accumulation)
+            if spec is not None:  # Note [What the runtime runs]: the runtime speculates where the copies fit
+                plan, timing = spec, "speculative"
             spare = host.memory - plan.host_bytes
             tried: set[int] = set()
             for pool in HOST_SHARES:  # host memory for swapped activations
@@ -389,7 +419,7 @@ def _ours(name: str, acts: _Activations, buckets: list[Bucket], uses: list[Bucke
                     continue  # the same activation plan as with more host memory: the same result
                 tried.add(id(prep.activations) if isinstance(prep, _Prepared) else -len(tried) - 1)
                 r = _result(name, prep, plan, room, tokens, host, prices=prices, buckets=buckets, uses=uses,
-                            timing=SCHEDULES[name].timing, in_flight=in_flight, kernel=kernel)  # fmt: skip
+                            timing=timing, in_flight=in_flight, kernel=kernel)  # fmt: skip
                 if r.fits and (best is None or not best.fits or r.step_time < best.step_time):
                     best = r
                 elif best is None:

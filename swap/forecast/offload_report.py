@@ -123,7 +123,7 @@ class OffloadForecast:
             f"({self.tokens} tokens a step) on {self.device} with {self.host}: budget {fmt_size(self.budget)} "
             f"(simulated)",
             f"{'schedule':<28}{'tokens/s':>10}{'step':>9}{'bound':>14}{'host step':>11}{'exposed':>9}"
-            f"{'R/H/S':>11}{'device':>11}{'host mem':>11}  {'host kernel':<12}clipping",
+            f"{'R/H/S':>11}{'device':>11}{'host mem':>11}  {'host steps':<12}{'host kernel':<12}clipping",
         ]  # fmt: skip
         for r in self.results.values():
             if not r.fits:
@@ -134,11 +134,13 @@ class OffloadForecast:
             lines.append(
                 f"{r.label:<28}{r.tokens_per_s:>10.0f}{r.step_time:>8.2f}s{s.bound:>8} {s.lower_bound:>4.2f}s"
                 f"{s.host_seconds:>10.2f}s{s.host_exposed:>8.2f}s{r.placements():>11}{fmt_size(r.device_peak):>11}"
-                f"{r.host_bytes / 1e9:>8.0f} GB  {r.kernel:<12}{r.clipping}"
+                f"{r.host_bytes / 1e9:>8.0f} GB  {r.timing:<12}{r.kernel:<12}{r.clipping}"
             )  # fmt: skip
         lines.append("R/H/S: buckets resident / host master / streamed; exposed: seconds the step waited on host "
-                     "steps; bound: the largest of compute, link and host-step seconds; every host step runs after "
-                     "the backward (none speculative: the runtime has no speculation)")  # fmt: skip
+                     "steps; bound: the largest of compute, link and host-step seconds; host steps: blocking (after "
+                     "the backward, the next iteration waits for all), before_use (after opt.step(), each bucket's "
+                     "next use waits for its own) or speculative (in the backward, where the runtime's rollback "
+                     "copies fit the host's memory: their copy priced, a failed speculation not)")  # fmt: skip
         lines += [f"{r.label}: {r.format}" for r in self.results.values() if r.format]
         return "\n".join(lines)
 

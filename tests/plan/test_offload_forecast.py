@@ -3,6 +3,7 @@ schedules side by side, ``swap.plan(model_state=...)`` and ``python -m swap.plan
 Llama-shaped model (captured in a second)."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -106,15 +107,18 @@ def test_every_schedule_side_by_side_within_the_budget(trace):
 
 
 def test_ours_is_priced_with_only_what_the_runtime_does(trace):
-    # The forecast sold speculative host steps, fp32 masters beside bf16 weights and a DRAM-speed AdamW for
-    # "ours"; the runtime steps after opt.step(), keeps the parameter as the master, and runs torch's kernel.
+    # The forecast sold speculative host steps of a few staged buckets, where faster, fp32 masters beside bf16
+    # weights and a DRAM-speed AdamW for "ours"; the runtime speculates every offloaded bucket where the rollback
+    # copies fit the host (Note [What the runtime runs]), keeps the parameter as the master, and runs torch's kernel.
     dev, host = profile("rtx4090"), host_profile("desktop-ddr5-2ch")
     f = forecast_offload(trace, tiny, batch=4, tokens=128, budget=2 * MiB, dev=dev, host=host, min_bytes=0,
                          bucket_bytes=16 * 1024, placement="streamed",
                          schedules=(*DEFAULT_SCHEDULES, "ours_loop", "ours_pure"))  # fmt: skip
     ours, loop, pure = (f.results[k] for k in ("ours", "ours_loop", "ours_pure"))
     for r in (ours, loop, pure):
-        assert r.fits and r.timing == "before_use" and not r.plan.speculate and r.sim.speculated == 0
+        assert r.fits and r.timing == "speculative" and r.plan.speculate and r.sim.speculated == len(r.buckets)
+    for name in DEFAULT_SCHEDULES[1:]:
+        assert f.results[name].timing == "blocking" and f.results[name].sim.speculated == 0
     # the baselines' math (fp32 master and state) is an fp32 model to the runtime: fp32 weights fetched, cast on
     # the device; a bf16 model is pure bf16
     assert ours.format == "fp32 weights and gradients, fp32 master and adamw state, cast on the device"
@@ -126,8 +130,18 @@ def test_ours_is_priced_with_only_what_the_runtime_does(trace):
     assert {k: f.results[k].kernel for k in DEFAULT_SCHEDULES[1:]} == {
         "zero_offload": "fused", "zero3_offload": "fused", "fsdp2_cpu_offload": "for-loop",
         "torchao_cpu_offload": "for-loop"}  # fmt: skip
-    assert loop.sim.host_seconds == pytest.approx(ours.sim.host_seconds * 4.79 / 0.94)
-    assert "for-loop" in f.table() and "none speculative" in f.table()
+    # the rollback copies at the host's DRAM bandwidth (read and written), the step at the kernel's rate
+    save = sum(2 * (b.master_bytes + b.state_bytes) for b in ours.buckets) / host.dram_bandwidth
+    assert loop.sim.host_seconds - save == pytest.approx((ours.sim.host_seconds - save) * 4.79 / 0.94)
+    assert "for-loop" in f.table() and "speculative" in f.table()
+    # a host whose memory holds the model state but not its rollback copies: host steps after opt.step(), as the
+    # runtime does there
+    every = ours.plan.host_bytes - sum(b.master_bytes + b.state_bytes for b in ours.buckets)  # less the copies
+    small = replace(host, memory=ours.plan.host_bytes - 1)
+    g = forecast_offload(trace, tiny, batch=4, tokens=128, budget=2 * MiB, dev=dev, host=small, min_bytes=0,
+                         bucket_bytes=16 * 1024, placement="streamed", schedules=("ours",)).results["ours"]  # fmt: skip
+    assert g.fits and g.timing == "before_use" and not g.plan.speculate and g.sim.speculated == 0
+    assert g.plan.host_bytes == every and g.sim.host_seconds == pytest.approx(ours.sim.host_seconds - save)
 
 
 def test_the_host_kernel_is_the_one_the_runtime_runs_for_the_users_optimizer():

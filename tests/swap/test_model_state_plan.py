@@ -179,6 +179,11 @@ def test_speculation_stages_slots_on_the_host():
     spec = plan_model_state(buckets, 8000, placement="streamed", speculate=True, staging_slots=3)
     assert spec.speculate and spec.staging_slots == 3
     assert spec.host_bytes - plain.host_bytes == 3 * 12000  # (master, state) per slot
+    # Note [Rollback copies]: pageable (no copy engine reads them), also where the master is what the link reads
+    fp32 = [Bucket(i, (f"p{i}",), 1000, 4000, 4000, 4000, 8000) for i in range(4)]
+    copies = plan_model_state(fp32, 10**5, placement="streamed", speculate=True, staging_slots=4)
+    alone = plan_model_state(fp32, 10**5, placement="streamed")
+    assert copies.host_bytes - alone.host_bytes == 4 * 12000 and copies.pinned_bytes == alone.pinned_bytes
     assert not plan_model_state(buckets, 10**6, speculate=True).speculate  # all resident: nothing to speculate
 
 

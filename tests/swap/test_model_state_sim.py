@@ -121,6 +121,13 @@ def test_speculation_starts_staged_host_steps_in_the_backward():
     _w, _s, spec = run(seq, buckets, uses, plan, slow, timing="speculative")
     assert spec.speculated == 2 and before.speculated == 0
     assert spec.step_time < before.step_time
+    # a speculative step first copies its master and state for a rollback (Note [Rollback copies]): priced on the
+    # host lane of the staged buckets only
+    copying = prices(host=1.5, save_seconds=(0.25,) * 4)
+    _w, _s, saved = run(seq, buckets, uses, plan, copying, timing="speculative")
+    _w, _s, unsaved = run(seq, buckets, uses, plan, copying, timing="before_use")
+    assert saved.host_seconds == pytest.approx(spec.host_seconds + 2 * 0.25)
+    assert unsaved.host_seconds == pytest.approx(before.host_seconds) and saved.step_time >= spec.step_time
 
 
 def test_host_masters_wait_for_their_update_copy():
@@ -205,19 +212,28 @@ def test_choose_model_state_keeps_the_fastest_plan_that_fits():
 
     seq, buckets, uses = layers()
     slow_host = prices(host=3.0)
-    roomy = choose_model_state(seq, buckets, uses, 10_000, slow_host)
+    roomy = choose_model_state(seq, buckets, uses, 10_000, slow_host, speculative=False)
     assert set(roomy.plan.placements) == {R}  # room for everything: nothing leaves the device, no host steps
     assert roomy.sim.host_seconds == 0 and roomy.placed.schedule.peak <= 10_000
+    # speculating (the runtime's default), the bucket the backward finishes first steps on the host during the
+    # backward, hidden, and saves its device step
+    hidden = choose_model_state(seq, buckets, uses, 10_000, slow_host)
+    assert hidden.timing == "speculative" and hidden.plan.placements == [R, R, R, H]
+    assert hidden.sim.host_exposed == 0 and hidden.sim.step_time < roomy.sim.step_time
     tight = choose_model_state(seq, buckets, uses, 1010, slow_host)
     offload = choose_model_state(seq, buckets, uses, 1010, slow_host, placement="streamed")
     assert tight.placed.schedule.peak <= 1010 and tight.sim.step_time <= offload.sim.step_time  # never slower
     # a short forward cannot hide every host step after opt.step(), a long backward can hide most of them
     seq.compute[:4] = [0.2] * 4
-    plain = choose_model_state(seq, buckets, uses, 1010, prices(host=0.8), placement="streamed")
-    assert choose_model_state(seq, buckets, uses, 1010, prices(host=0.8), placement="streamed",
-                              host_memory=10**6).timing == "before_use"  # the runtime's: no speculation unasked
-    spec = choose_model_state(seq, buckets, uses, 1010, prices(host=0.8), placement="streamed", host_memory=10**6,
-                              speculative=True)  # fmt: skip
-    assert spec.timing == "speculative" and spec.plan.speculate and spec.sim.step_time < plain.sim.step_time
+    # Note [Speculation as the runtime decides it]: speculative where the rollback copies of every bucket (master
+    # 200 + state 400 each) fit beside the model state (800 a bucket streamed), as the runtime decides
+    plain = choose_model_state(seq, buckets, uses, 1010, prices(host=0.8), placement="streamed", speculative=False)
+    tight_host = choose_model_state(seq, buckets, uses, 1010, prices(host=0.8), placement="streamed",
+                                    host_memory=4 * 800 + 4 * 600 - 1)  # fmt: skip
+    assert tight_host.timing == "before_use" and not tight_host.plan.speculate
+    assert tight_host.sim.step_time == plain.sim.step_time
+    spec = choose_model_state(seq, buckets, uses, 1010, prices(host=0.8), placement="streamed", host_memory=10**6)
+    assert spec.timing == "speculative" and spec.plan.speculated() == [3, 2, 1, 0]
+    assert spec.plan.host_bytes == plain.plan.host_bytes + 4 * 600 and spec.sim.step_time < plain.sim.step_time
     with pytest.raises(ModelStateDoesNotFit, match="host"):
         choose_model_state(seq, buckets, uses, 1010, slow_host, placement="streamed", host_memory=100)

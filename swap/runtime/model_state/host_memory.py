@@ -4,20 +4,28 @@ swap.schedule.model_state.ledger), and refused when it would not fit (``HostMemo
 
 The speculative host steps' copies (Note [Speculative host steps] in speculation) are predicted too, apart:
 ``rollback``, the masters and optimizer state of every trainable offloaded parameter, the most they hold at once
-(every bucket speculated before ``opt.step()`` confirms any; unaligned: they are ordinary tensors). They are taken
-only when they fit beside the rest; otherwise speculation is off (Note [When to speculate]).
+(Note [Rollback copies] in swap.schedule.model_state.ledger: ``rollback_bytes``, the forecast's count too). They
+are taken only when they fit beside the rest (``speculates``); otherwise speculation is off (Note [When to
+speculate]).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...schedule.model_state.ledger import HostMemoryError, HostPrediction, predict_host, refuse_host_over
+from ...schedule.model_state.ledger import (
+    HostMemoryError,
+    HostPrediction,
+    predict_host,
+    refuse_host_over,
+    rollback_bytes,
+    speculates,
+)
 from ..machine.host_pool import ALIGN
 from .buckets import Entry, group_of, stepped_state_bytes, trains
 from .storage import grad_span
 
-__all__ = ["HostMemoryError", "HostPrediction", "predict", "refuse_over"]
+__all__ = ["HostMemoryError", "HostPrediction", "predict", "refuse_over", "speculates"]
 
 
 def predict(entries: list[Entry], optimizer: torch.optim.Optimizer, bucket_bytes: int) -> HostPrediction:
@@ -27,6 +35,9 @@ def predict(entries: list[Entry], optimizer: torch.optim.Optimizer, bucket_bytes
     per entry whose device copy has another dtype (Note [Mixed precision])."""
     groups = group_of(optimizer)
     params = [(p, e) for e in entries for _, p in e.params]
+    # Note [Rollback copies]: what a speculation saves, a parameter at a time
+    saved = [(p.numel() * e.master_dtype.itemsize, stepped_state_bytes(optimizer, p, groups, e.master_dtype))
+             for p, e in params if trains(p) and id(p) in groups]  # fmt: skip
     return predict_host(
         [e.master_nbytes for e in entries],
         [grad_span(p, e.master_dtype) for p, e in params if trains(p)],  # Note [Frozen parameters]
@@ -34,8 +45,7 @@ def predict(entries: list[Entry], optimizer: torch.optim.Optimizer, bucket_bytes
         bucket_bytes, sum(p.numel() for p, _ in params), ALIGN,
         arriving=[grad_span(p, e.dtype) for p, e in params if trains(p)],
         copies=[e.nbytes for e in entries if e.dtype != e.master_dtype],
-        rollback=sum(p.numel() * e.master_dtype.itemsize + stepped_state_bytes(optimizer, p, groups, e.master_dtype)
-                     for p, e in params if trains(p) and id(p) in groups),
+        rollback=rollback_bytes(saved),
     )  # fmt: skip
 
 

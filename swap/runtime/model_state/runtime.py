@@ -24,7 +24,7 @@ from .buckets import collect_entries, specs, trains
 from .data_parallel import refuse_compiled, refuse_ddp
 from .gradients import GradSink, set_raw_grad
 from .guard import ParamGuard
-from .host_memory import predict, refuse_over
+from .host_memory import predict, refuse_over, speculates
 from .host_optim import host_worker
 from .host_step import HostStepper, check_optimizer
 from .precision import cast_forward_inputs, check_masters, precision_name
@@ -98,7 +98,7 @@ class ModelStateRuntime:
         refuse_over(self.prediction, limit, "the policy's host_memory=" if host_memory is not None else
                     "the host memory available now (MemAvailable)")  # fmt: skip
         # Note [When to speculate]: on where the rollback copies fit beside the rest (set it False to turn it off)
-        self.speculate = self.prediction.total + self.prediction.rollback <= limit
+        self.speculate = speculates(self.prediction.total, self.prediction.rollback, limit)
         self.speculate_note = None if self.speculate else (
             f"no speculative host steps: their rollback copies ({fmt_bytes(self.prediction.rollback)}) do not fit "
             f"beside the model state in {fmt_bytes(limit)} of host memory")  # fmt: skip

@@ -34,13 +34,14 @@ does not bind keeps the speculation.
 
 Note [When to speculate]
 Speculation is on by default, because it is exact (above), when its copies fit: the rollback copies of every
-offloaded bucket at once (master and state, ``rollback_bytes`` in host_memory) must fit the host memory beside the
-rest, else it is off and the report says why. Its cost when it fails is host work thrown away and the copies, so a
-``SpeculationPolicy`` learns the loop: it speculates only in the backward that the last step's number of backward
-passes says is the last one before ``opt.step()`` (gradient accumulation speculates on the last micro-batch), and
-after a failed speculation it pauses for 1, 2, 4, ... up to 64 steps, retrying after each pause (a loop whose
-clipping binds every step, or that unscales with a GradScaler every step, wastes about one speculation in 64; one
-whose clipping stops binding gets it back).
+offloaded bucket at once (master and state: Note [Rollback copies] in swap.schedule.model_state.ledger) must fit
+the host memory beside the rest (``ledger.speculates``, the rule the forecast prices too: Note [What the runtime
+runs] in swap/forecast/offload.py), else it is off and the report says why. Its cost when it fails is host work
+thrown away and the copies, so a ``SpeculationPolicy`` learns the loop: it speculates only in the backward that the
+last step's number of backward passes says is the last one before ``opt.step()`` (gradient accumulation speculates
+on the last micro-batch), and after a failed speculation it pauses for 1, 2, 4, ... up to 64 steps, retrying after
+each pause (a loop whose clipping binds every step, or that unscales with a GradScaler every step, wastes about one
+speculation in 64; one whose clipping stops binding gets it back).
 """
 
 from __future__ import annotations

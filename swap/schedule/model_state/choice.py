@@ -8,11 +8,24 @@ how much of it resident buckets may take, is a trade the bytes alone do not sett
 room the activations lose (more swapping or recomputing), resident buckets save their host steps and link
 traffic but take 16 bytes a parameter where a host master takes 2. So ``choose_model_state`` tries rooms
 (shares of what the activations leave) and resident shares, places each plan in the sequence
-(``place``: ``with_weights``, then the window schedule whose simulated step is fastest), simulates it with
-host steps before use (what the runtime does: it steps after ``opt.step()``) and, asked for with
-``speculative=True`` where the host has memory for staging slots, speculative (``with_speculation``: a
-mechanism the runtime does not have yet, issue 37; no forecast row prices it), and keeps the fastest that
-fits the host's memory (model state, staging, and the swapped activations).
+(``place``: ``with_weights``, then the window schedule whose simulated step is fastest), simulates it with the
+host steps timed as the runtime times them (``runtime_timing``), and keeps the fastest that fits the host's memory
+(model state, rollback copies, and the swapped activations).
+
+Note [Speculation as the runtime decides it]
+The runtime speculates by default (Note [When to speculate] in swap/runtime/model_state/speculation.py): where the
+rollback copies of every parameter it offloads fit the host memory beside the model state, every offloaded
+bucket's host step starts in the last backward before ``opt.step()``, once its gradients are on the host. The
+runtime decides once, before it places anything, on every parameter streamed (its conservative plan), so the
+forecast decides with the same function (``ledger.speculates``) on the same bytes: the all-streamed plan's host
+bytes (``predict_host``'s total: what the runtime predicted) and ``ledger.rollback_bytes`` of every bucket, against
+the host's memory; not on whether speculating is faster. Where it speculates, every offloaded bucket is staged
+(``with_speculation``), the plan's host bytes count the copies of the offloaded ones, and the step is simulated
+``"speculative"`` (its copies priced in the host step: ``ModelStatePrices.save_seconds``); else ``"before_use"``.
+The runtime does not count the swapped activations when it decides (they are the activation pool's): neither does
+this; the chooser then refuses a plan whose model state, copies and swapped activations exceed the host's memory.
+A speculation that fails (clipping that binds, a GradScaler's inf, another micro-batch) costs the host work thrown
+away and a restore; the forecast assumes every speculation holds and prices no failure.
 """
 
 from __future__ import annotations
@@ -21,11 +34,12 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from ...units import fmt_bytes
 from ..budget import InfeasibleBudget
 from ..scheduler import Schedule
 from ..sequence import Sequence
 from ..simulator import choose_window
-from .ledger import ModelStateDoesNotFit, plan_bytes
+from .ledger import ModelStateDoesNotFit, host_bytes_of, plan_bytes, rollback_bytes, speculates
 from .placing import plan_model_state
 from .plan import Bucket, ModelStatePlan, Placement, placement_named
 from .sim import ModelStatePrices, ModelStateSim, simulate_model_state
@@ -56,28 +70,33 @@ class ModelStateChoice:
     host_bytes: int  # model state, staging and swapped activations
 
 
-def with_bytes(buckets: Seq[Bucket], plan: ModelStatePlan, in_flight: int = 2) -> ModelStatePlan:
-    """``plan`` with its device, host and pinned bytes counted (``plan_bytes``, staging included)."""
+def with_bytes(buckets: Seq[Bucket], plan: ModelStatePlan, in_flight: int = 2,
+               accumulation: int = 0) -> ModelStatePlan:  # fmt: skip
+    """``plan`` with its device, host and pinned bytes counted (``plan_bytes``, rollback copies and the
+    ``accumulation`` buffer included)."""
     slots = plan.staging_slots if plan.speculate else 0
-    plan.device_bytes, plan.host_bytes, plan.pinned_bytes = plan_bytes(buckets, plan.placements, in_flight, slots)
+    plan.device_bytes, plan.host_bytes, plan.pinned_bytes = plan_bytes(buckets, plan.placements, in_flight, slots,
+                                                                       accumulation)  # fmt: skip
     return plan
 
 
-def with_speculation(buckets: Seq[Bucket], plan: ModelStatePlan, spare: int,
-                     in_flight: int = 2) -> Optional[ModelStatePlan]:  # fmt: skip
-    """``plan`` with speculative host steps staged in ``spare`` host bytes less a 5% margin: as many offloaded
-    buckets as fit, in backward order (``ModelStatePlan.speculated``); None when not one does."""
-    room, slots = int(spare * 0.95), 0
-    for b, p in zip(reversed(buckets), reversed(plan.placements)):
-        if p == Placement.RESIDENT:
-            continue
-        if b.master_bytes + b.state_bytes > room:
-            break
-        room -= b.master_bytes + b.state_bytes
-        slots += 1
-    if slots < 1:
+def with_speculation(buckets: Seq[Bucket], plan: ModelStatePlan, host_memory: Optional[int], in_flight: int = 2,
+                     accumulation: int = 0) -> Optional[ModelStatePlan]:  # fmt: skip
+    """``plan`` with every offloaded bucket's host step speculative, where the runtime would speculate (Note
+    [Speculation as the runtime decides it]): the rollback copies of every bucket fit ``host_memory`` (None: no
+    limit) beside the model state of every bucket streamed, with the ``accumulation`` buffer. None where they do
+    not, or no bucket is offloaded."""
+    offloaded = sum(p != Placement.RESIDENT for p in plan.placements)
+    if not offloaded:
         return None
-    return with_bytes(buckets, replace(plan, speculate=True, staging_slots=slots, notes=list(plan.notes)), in_flight)
+    every = sum(host_bytes_of(b, Placement.STREAMED)[0] for b in buckets) + accumulation
+    rollback = rollback_bytes((b.master_bytes, b.state_bytes) for b in buckets)
+    if host_memory is not None and not speculates(every, rollback, host_memory):
+        return None
+    where = "" if host_memory is None else f" in {fmt_bytes(host_memory)} of host memory"
+    note = f"speculative host steps: rollback copies of {fmt_bytes(rollback)} fit beside {fmt_bytes(every)}{where}"
+    spec = replace(plan, speculate=True, staging_slots=offloaded, notes=[*plan.notes, note])
+    return with_bytes(buckets, spec, in_flight, accumulation)
 
 
 def place(seq: Sequence, buckets: Seq[Bucket], uses: Seq[BucketUses], plan: ModelStatePlan, budget: int,
@@ -99,20 +118,17 @@ def simulate_placed(placed: Placed, buckets: Seq[Bucket], uses: Seq[BucketUses],
                                 in_flight=in_flight)  # fmt: skip
 
 
-def fastest_timing(placed: Placed, buckets: Seq[Bucket], uses: Seq[BucketUses], plan: ModelStatePlan,
+def runtime_timing(placed: Placed, buckets: Seq[Bucket], uses: Seq[BucketUses], plan: ModelStatePlan,
                    prices: ModelStatePrices, host_memory: Optional[int], in_flight: int = 2,
-                   speculative: bool = False) -> tuple[ModelStatePlan, str, ModelStateSim]:  # fmt: skip
-    """Host steps before use, or (``speculative``) speculative where ``host_memory`` has room to stage them and
-    it is faster: (the plan, its timing, its simulated step). Note [Choosing model state]."""
-    sim = simulate_placed(placed, buckets, uses, plan, prices, "before_use", in_flight)
-    if host_memory is None or not speculative:
-        return plan, "before_use", sim
-    spec = with_speculation(buckets, plan, host_memory - plan.host_bytes - placed.pool, in_flight)
+                   speculative: bool = True,
+                   accumulation: int = 0) -> tuple[ModelStatePlan, str, ModelStateSim]:  # fmt: skip
+    """The host steps timed as the runtime times them (Note [Speculation as the runtime decides it]): speculative
+    where ``speculative`` (the runtime's default; False: turned off) and ``with_speculation`` says the copies fit
+    ``host_memory``, else before use: (the plan, its timing, its simulated step)."""
+    spec = with_speculation(buckets, plan, host_memory, in_flight, accumulation) if speculative else None
     if spec is not None:
-        trial = simulate_placed(placed, buckets, uses, spec, prices, "speculative", in_flight)
-        if trial.step_time < sim.step_time:
-            return spec, "speculative", trial
-    return plan, "before_use", sim
+        return spec, "speculative", simulate_placed(placed, buckets, uses, spec, prices, "speculative", in_flight)
+    return plan, "before_use", simulate_placed(placed, buckets, uses, plan, prices, "before_use", in_flight)
 
 
 def choose_model_state(
@@ -128,12 +144,15 @@ def choose_model_state(
     host_memory: Optional[int] = None,
     in_flight: int = 2,
     fetch_bytes: Optional[Seq[int]] = None,
-    speculative: bool = False,
+    speculative: bool = True,
+    accumulation: int = 0,
 ) -> ModelStateChoice:
     """The fastest model-state plan for the activation sequence ``seq`` (its ``nonswap`` without model state)
     under ``budget`` (Note [Choosing model state]). ``rooms``: device rooms to try (default ``ROOM_SHARES`` of
     what the activations leave: the budget less the largest ``nonswap``); ``placement`` as ``plan_model_state``;
-    ``speculative``: also try host steps during the backward (not what the runtime does today).
+    ``speculative``: host steps speculative where the runtime would speculate (Note [Speculation as the runtime
+    decides it]; False: as a runtime with speculation turned off); ``accumulation``: the gradient-accumulation
+    buffer's host bytes (``ledger.accumulation_bytes``).
 
     Raises ``ModelStateDoesNotFit`` (no placement fits a room, or the host's memory) or ``InfeasibleBudget``
     (every placement's schedule exceeds the budget), saying what was tried."""
@@ -147,13 +166,14 @@ def choose_model_state(
         for resident in resident_shares if mode == "auto" else (1.0,):
             try:
                 plan = plan_model_state(buckets, room, placement=mode, resident_room=int(resident * room),
-                                        in_flight=in_flight, host_memory=host_memory)  # fmt: skip
+                                        in_flight=in_flight, host_memory=host_memory,
+                                        accumulation=accumulation)  # fmt: skip
                 placed = place(seq, buckets, uses, plan, budget, prices, in_flight=in_flight, fetch_bytes=fetch_bytes)
             except (ModelStateDoesNotFit, InfeasibleBudget) as e:
                 last = e
                 continue
-            plan, timing, sim = fastest_timing(placed, buckets, uses, plan, prices, host_memory, in_flight,
-                                               speculative)  # fmt: skip
+            plan, timing, sim = runtime_timing(placed, buckets, uses, plan, prices, host_memory, in_flight,
+                                               speculative, accumulation)  # fmt: skip
             host = plan.host_bytes + placed.pool
             if host_memory is not None and host > host_memory:
                 what = f"model state and swapped activations need {host} bytes of host memory"

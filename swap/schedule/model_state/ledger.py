@@ -19,10 +19,21 @@ buffers and state are pageable), as ``HostPrediction`` counts the runtime's.
 
 Besides, while buckets move: streamed weights in flight (the one in use and the one arriving: ``in_flight``
 of the largest streamed bucket), and gradients of offloaded buckets not yet copied out (``in_flight`` of the
-largest). Speculative host steps stage (master, state) of the buckets they step, one slot each: the first
-``staging_slots`` offloaded buckets whose gradients the backward makes (``speculated``: the last in forward
-order first). Pinned are the bytes a copy engine reads or writes: gradient buffers, the H2D source (the compute
-copy, or the master when there is none) and, when the master is that source, the staging slots' masters.
+largest). Speculative host steps keep rollback copies of the buckets they step (Note [Rollback copies]), one
+slot each: the first ``staging_slots`` offloaded buckets whose gradients the backward makes (``speculated``: the
+last in forward order first; the runtime speculates every offloaded bucket, so the forecast gives each a slot:
+``choice.with_speculation``). Pinned are the bytes a copy engine reads or writes: gradient buffers and the H2D
+source (the compute copy, or the master when there is none); not the rollback copies (no copy engine reads them).
+
+Note [Rollback copies]
+A speculative host step (Note [Speculative host steps] in swap/runtime/model_state/speculation.py) first copies
+what it will write, so that a step ``opt.step()`` does not confirm can be undone exactly: the master and its
+optimizer state once stepped, of every trainable parameter it steps (``rollback_bytes``). Every offloaded bucket
+may be speculated before ``opt.step()`` confirms any, so the most they hold at once is the sum over every
+trainable offloaded parameter. They are ordinary pageable tensors (not the host pool's: unaligned, unpinned).
+The runtime speculates only where they fit the host memory beside the rest of the model state (``speculates``,
+Note [When to speculate]); the forecast decides with the same function on the same bytes, and counts them in its
+host bytes where it speculates.
 Note [Optimizer state by optimizer]
 How many tensors of a parameter's size an optimizer keeps is one table, ``STATE_TENSORS``, read by the forecast
 (``StateFormat``, the FSDP2 lanes, the host profiles' DRAM passes) and the runtime (which maps the user's torch
@@ -46,7 +57,7 @@ one) instead of letting the kernel's OOM killer end the run halfway; the forecas
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -113,13 +124,8 @@ def plan_bytes(buckets: Sequence[Bucket], placements: Sequence[Placement], in_fl
     (``accumulation_bytes``, Note [Host memory before allocating])."""
     device = host = pinned = 0
     streamed = offloaded = 0
-    staged = staged_pinned = 0
-    slots = staging_slots
-    for b, p in zip(reversed(buckets), reversed(placements)):  # staged: the first offloaded in backward order
-        if p != Placement.RESIDENT and slots > 0:
-            slots -= 1
-            staged += b.master_bytes + b.state_bytes
-            staged_pinned += 0 if b.separate_master else b.master_bytes
+    backward = [b for b, p in zip(reversed(buckets), reversed(placements)) if p != Placement.RESIDENT]
+    staged = rollback_bytes((b.master_bytes, b.state_bytes) for b in backward[:staging_slots])  # in backward order
     for b, p in zip(buckets, placements):
         device += device_bytes_of(b, p)
         h, pin = host_bytes_of(b, p)
@@ -130,7 +136,21 @@ def plan_bytes(buckets: Sequence[Bucket], placements: Sequence[Placement], in_fl
             offloaded = max(offloaded, b.grad_bytes)
     device += in_flight * (streamed + offloaded)
     extra = accumulation if any(p != Placement.RESIDENT for p in placements) else 0
-    return device, host + staged + extra, pinned + staged_pinned + extra
+    return device, host + staged + extra, pinned + extra
+
+
+def rollback_bytes(saved: Iterable[tuple[int, int]]) -> int:
+    """Host bytes the rollback copies of speculative host steps take at most (Note [Rollback copies]): of each
+    (master bytes, optimizer-state bytes once stepped) in ``saved`` (one per trainable offloaded parameter, or per
+    offloaded bucket: the sums are the same), both."""
+    return sum(master + state for master, state in saved)
+
+
+def speculates(model_state: int, rollback: int, limit: int) -> bool:
+    """Whether host steps speculate (Note [When to speculate] in swap/runtime/model_state/speculation.py): the
+    ``rollback`` copies (``rollback_bytes``) fit the host memory ``limit`` beside the ``model_state`` bytes
+    (``HostPrediction.total``). One rule for the runtime and the forecast."""
+    return model_state + rollback <= limit
 
 
 @dataclass
@@ -147,7 +167,7 @@ class HostPrediction:
     params: int  # parameters (elements) these bytes are for
     copies: int = 0
     mixed: bool = False
-    rollback: int = 0  # the runtime's speculative host steps' copies at most (not in ``total``: taken where they fit)
+    rollback: int = 0  # Note [Rollback copies]: at most (not in ``total``: taken where they fit, ``speculates``)
 
     @property
     def pinned(self) -> int:

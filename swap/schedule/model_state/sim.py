@@ -19,9 +19,12 @@ step computes), and adds model state:
   - ``"before_use"``: the same host steps, but the next iteration starts at once and each bucket waits only
     where it is next read: a streamed bucket's fetch starts no earlier than its host step's end, a host
     master's first forward use waits for its update copy (queued when its host step ends);
-  - ``"speculative"``: as ``"before_use"``, and the plan's staged buckets (``ModelStatePlan.speculated``)
-    start their host step as soon as their gradient is on the host, during the backward (staged, committed at
-    ``opt.step()``; the forecast assumes no rollback: coefficient 1, the step taken);
+  - ``"speculative"``: as ``"before_use"``, and the plan's staged buckets (``ModelStatePlan.speculated``: the
+    runtime's, every offloaded bucket, Note [Speculation as the runtime decides it] in choice) start their host
+    step as soon as their gradient is on the host, during the backward (the iteration's one backward is the last
+    before ``opt.step()``, the one the runtime speculates in), each first copying its master and state for a
+    rollback (``save_seconds``, ``save_bytes``); committed at ``opt.step()``, which costs nothing here: every
+    speculation is assumed to hold (a failed one, thrown away and redone, is not priced);
 - casts: a bucket fetched in another dtype than it computes in (the master, cast on the device) costs
   ``cast_seconds`` on the compute stream at its first use after each fetch; a cast on the host is in the
   host step's bytes (``swap.devices.host_step_bytes``' ``copy``), except the runtime's mixed precision, which casts
@@ -67,6 +70,9 @@ class ModelStatePrices:
         host_step_bytes: per bucket, the DRAM bytes of its host step (for DRAM contention; empty: none).
         dram_bandwidth: host DRAM bytes/s shared by host steps and DMA (0: no contention).
         duplex_bandwidth: bytes/s of both directions at once (0: each at its own rate).
+        save_seconds: per bucket, the rollback copy a speculative host step makes first (Note [Rollback copies] in
+            ledger), added to its host step when it speculates (empty: free).
+        save_bytes: per bucket, the DRAM bytes of that copy (for DRAM contention; empty: none).
     """
 
     h2d_bandwidth: float
@@ -78,6 +84,8 @@ class ModelStatePrices:
     dram_bandwidth: float = 0.0
     duplex_bandwidth: float = 0.0
     cast_once: bool = False
+    save_seconds: tuple[float, ...] = ()
+    save_bytes: tuple[float, ...] = ()
 
 
 @dataclass
@@ -90,7 +98,7 @@ class ModelStateSim:
     stalls: dict[str, float]  # seconds the compute stream waited, by what it waited for
     h2d_bytes: int
     d2h_bytes: int
-    host_seconds: float  # the host steps' seconds (the lane's busy time)
+    host_seconds: float  # the host steps' seconds, speculative ones' rollback copies included
     host_exposed: float  # of the stalls, those waiting on a host step (directly or through its copy)
     lower_bound: float
     bound: str  # "compute", "h2d", "d2h", "link" or "host"
@@ -200,15 +208,18 @@ class _Run:
                 self.lanes.append(("stall", self.t, until, cause))
             self.t = until
 
-    def host_step(self, k: int, ready: float) -> float:
-        """Runs bucket k's host step on the worker from ``ready``; returns its end."""
+    def host_step(self, k: int, ready: float, speculative: bool = False) -> float:
+        """Runs bucket k's host step on the worker from ``ready`` (``speculative``: its rollback copy first);
+        returns its end."""
         p = self.prices
-        seconds = p.host_step_seconds[k]
+        seconds = p.host_step_seconds[k] + (p.save_seconds[k] if speculative and p.save_seconds else 0.0)
+        nbytes = p.host_step_bytes[k] + (p.save_bytes[k] if speculative and p.save_bytes else 0.0) \
+            if p.host_step_bytes else 0.0  # fmt: skip
         start = self.host.find(ready, seconds)[1]
         if p.dram_bandwidth and p.host_step_bytes:
             dma = (self.h2d.busy(start, start + seconds) * p.h2d_bandwidth
                    + self.d2h.busy(start, start + seconds) * p.d2h_bandwidth)  # fmt: skip
-            seconds = max(seconds, (p.host_step_bytes[k] + dma) / p.dram_bandwidth)
+            seconds = max(seconds, (nbytes + dma) / p.dram_bandwidth)
         start, end = self.host.place(ready, seconds)
         if self.record:
             self.lanes.append(("host", start, end, f"b{k}"))
@@ -269,7 +280,7 @@ class _Run:
                     self.kinds["gradients"][1] += b[k].grad_bytes
                     outstanding.append(k)
                     if k in staged:
-                        new_done[k] = self.host_step(k, grad_done[k])
+                        new_done[k] = self.host_step(k, grad_done[k], speculative=True)
                         self.speculated += 1
                 while len(outstanding) > self.in_flight:
                     self.wait(grad_done[outstanding.popleft()], "gradients")
@@ -322,7 +333,8 @@ def simulate_model_state(
             run.new_iteration()
         ends.append(run.iteration(first=it == 0))
     step = ends[-1] - ends[-2]
-    host = sum(prices.host_step_seconds[k] for k in run.offloaded)
+    staged = set(plan.speculated()) if timing == "speculative" and prices.save_seconds else set()
+    host = sum(prices.host_step_seconds[k] + (prices.save_seconds[k] if k in staged else 0.0) for k in run.offloaded)
     terms = {"compute": run.compute, "h2d": run.h2d_bytes / prices.h2d_bandwidth,
              "d2h": run.d2h_bytes / prices.d2h_bandwidth, "host": host}  # fmt: skip
     if prices.duplex_bandwidth:

@@ -4,6 +4,7 @@ the same room) make the same buckets, predict the same host bytes and place the 
 ``swap.ModelStatePolicy`` is what every entry point takes, the old spellings warning."""
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -70,11 +71,46 @@ def test_forecast_and_runtime_make_the_same_buckets_and_host_bytes(forecast):
     planned = [(b.params, b.weight_bytes, b.grad_bytes, b.state_bytes) for b in forecast.buckets]
     assert len(planned) > 3  # the default bucket size (Note [Bucket size by default]) splits this model
     assert planned == runtime
-    # the forecast's host bytes of an all-streamed plan are what the runtime predicted, and allocated (all but the
+    # the forecast's host bytes of an all-streamed plan are what the runtime predicted (with the rollback copies of
+    # its speculative host steps: both speculate, the host has room for them), and allocated (all but the
     # accumulation buffer, taken only when a backward adds to a gradient not yet stepped: none here)
     assert set(forecast.plan.placements) == {Placement.STREAMED}
-    assert forecast.plan.host_bytes == ms["host_bytes_predicted"]
+    assert forecast.timing == "speculative" and sm.model_state.speculate
+    assert forecast.plan.host_bytes == ms["host_bytes_predicted"] + ms["speculation"]["rollback_bytes_predicted"]
     assert ms["host_bytes"] == ms["host_bytes_predicted"] - sm.model_state.prediction.accumulation > 0
+
+
+def forecast_on(host_memory: int):
+    """The all-streamed forecast of ``model_fn`` with ``host_memory`` bytes of host memory."""
+    trace = capture(model_fn, batch_fn, 8, optimizer=stateless_optimizer, target="cpu")
+    host = replace(host_profile("desktop-ddr5-2ch"), memory=host_memory)
+    return forecast_offload(trace, model_fn, batch=8, tokens=8, budget=BUDGET, dev=profile("rtx4090"), host=host,
+                            schedules=("ours",), placement="streamed", min_bytes=0).results["ours"]  # fmt: skip
+
+
+def test_forecast_and_runtime_speculate_alike_and_predict_the_copies():
+    """Issue 37 item 5: the forecast speculates exactly where the runtime does (Note [When to speculate]: the
+    rollback copies of every offloaded parameter fit beside the model state), with the runtime's bytes
+    (``ledger.rollback_bytes``): on a host with room, both speculate every bucket and the forecast's host bytes are
+    the runtime's prediction with its copies, the copies the runtime took at most; on a host one byte short of
+    them, neither speculates and the forecast's host bytes are the prediction alone."""
+    sm = run(ModelStatePolicy(placement="streamed"))
+    ms, pred = sm.report()["model_state"], sm.model_state.prediction
+    spec = ms["speculation"]
+    assert sm.model_state.speculate and spec["on"] and spec["speculated"] >= ms["buckets"] and spec["kept"] > 0
+    assert spec["rollback_bytes_predicted"] == pred.rollback > 0
+    assert spec["rollback_bytes_peak"] == pred.rollback  # every bucket speculated before opt.step() confirmed any
+    roomy = forecast_on(pred.total + pred.rollback)  # exactly room: the runtime's rule is <=
+    assert roomy.timing == "speculative" and roomy.plan.speculated() == list(range(len(roomy.buckets)))[::-1]
+    assert roomy.plan.host_bytes == pred.total + pred.rollback and roomy.sim.speculated == len(roomy.buckets)
+    short = pred.total + pred.rollback - 1
+    sm = run(ModelStatePolicy(placement="streamed", host_memory=short))
+    ms = sm.report()["model_state"]
+    assert not sm.model_state.speculate and not ms["speculation"]["on"] and ms["speculation"]["speculated"] == 0
+    assert any("no speculative host steps" in note for note in ms["notes"])
+    tight = forecast_on(short)
+    assert tight.fits and tight.timing == "before_use" and not tight.plan.speculate and tight.sim.speculated == 0
+    assert tight.plan.host_bytes == pred.total == ms["host_bytes_predicted"]
 
 
 def test_the_runtime_places_as_the_plan_does_for_its_room(forecast):
@@ -140,7 +176,9 @@ def test_forecast_and_runtime_agree_on_mixed_precision_bytes():
     assert set(forecast.plan.placements) == {Placement.STREAMED}
     # host: fp32 masters, fp32 gradient buffers, fp32 AdamW state, bf16 copies, the accumulation buffer; every
     # gradient arrives through the buffer (it is upcast), so all of it is allocated
-    assert forecast.plan.host_bytes == ms["host_bytes_predicted"] == pred.total == ms["host_bytes"]
+    assert forecast.plan.host_bytes == ms["host_bytes_predicted"] + pred.rollback  # both speculate: Note [Rollback
+    assert ms["host_bytes_predicted"] == pred.total == ms["host_bytes"]  # copies]: the fp32 master and its state
+    assert forecast.timing == "speculative" and sm.model_state.speculate and pred.rollback == 4 * n + pred.state
     assert pred.grads == 4 * n and pred.copies == 2 * n
     assert forecast.plan.pinned_bytes == pred.pinned == pred.copies + pred.accumulation
     assert sum(b.state_bytes for b in forecast.buckets) == ms["state_bytes_predicted"] == ms["state_bytes"]
