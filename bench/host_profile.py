@@ -29,15 +29,19 @@ import platform
 import resource
 import statistics
 import sys
+import time
 import timeit
+from collections.abc import Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from bench.write import write_results
 from swap.devices import HostProfile, host_step_bytes
+from swap.runtime.model_state import speculation
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results"
@@ -62,12 +66,65 @@ def copy_bandwidth() -> float:
     return 2 * src.nbytes / median_seconds(lambda: dst.copy_(src))
 
 
-def optimizer_rate(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer], name: str) -> float:
-    p = torch.nn.Parameter(torch.ones(STEP_PARAMS))
-    p.grad = torch.full_like(p, 1e-3)
-    opt = make([p])
-    seconds = median_seconds(opt.step)
-    return host_step_bytes(name, STEP_PARAMS, 4, 4) / seconds
+def optimizer_rate(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer], name: str,
+                   numels: Sequence[int] = (STEP_PARAMS,), *, save: bool = False,
+                   worker: Optional[Executor] = None, beside: Optional[Callable[[], object]] = None,
+                   arrivals: Optional[Sequence[float]] = None, repeats: int = REPEATS) -> float:  # fmt: skip
+    """Bytes/s of DRAM traffic of a host step (``host_step_bytes`` over its wall-clock median seconds): one fp32
+    parameter of each of ``numels`` elements (one optimizer call each, as the runtime steps a bucket at a time),
+    fp32 gradients; the seconds are the calls' own, summed (as the runtime times its host step).
+
+    Note [Measuring the host step where it runs]
+    The profile's own figure is one call over ``STEP_PARAMS`` on this thread. ``bench.host_step_overlap`` measures
+    the same way, but as the runtime runs it, in the process right before the run it prices: the runtime's
+    buckets' sizes (``numels``), each its own task on the host step's worker (``worker``:
+    ``host_optim.host_worker``, its thread count), queued ``arrivals`` seconds after the start (when the run's
+    gradients became final, for a speculative step; none: all at once, as at ``opt.step()``), while this thread
+    runs ``beside`` in a loop (the compute the host step shares the cores, DRAM and the GIL with on a CPU run), and
+    for a speculative step (``save``) each bucket's rollback copies first (``speculation.save`` into buffers kept
+    from the last step, as the runtime makes them; in the seconds, not in the bytes: the rate is the speculative
+    step's). Each of these moves the seconds on a machine shared with other jobs (issue 37, item 6: the
+    prediction 2-5x high): a rate measured minutes away from the run is another load's; work run without a pause
+    gets the scheduler's fair share of a core where the runtime's short tasks, queued as gradients arrive, are
+    woken ahead of the other jobs' threads; the compute thread takes cores and the GIL."""
+    params = [torch.nn.Parameter(torch.ones(n)) for n in numels]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    opt = make(params)
+    group = opt.param_groups[0]
+    spare: dict[int, dict] = {}
+
+    def bucket(p: torch.nn.Parameter) -> float:
+        t0 = time.perf_counter()
+        if save:
+            speculation.save(opt.state, [p], spare)
+        group["params"] = [p]
+        opt.step()
+        group["params"] = params
+        return time.perf_counter() - t0
+
+    def step() -> float:
+        if worker is None:
+            return sum(bucket(p) for p in params)
+        futures, start = [], time.perf_counter()
+        for p, at in zip(params, arrivals or [0.0] * len(params)):
+            time.sleep(max(0.0, start + at - time.perf_counter()))
+            futures.append(worker.submit(bucket, p))
+        return sum(f.result() for f in futures)
+
+    def timed() -> float:
+        step()  # the state's and the copies' first allocation is not the cost
+        return statistics.median(step() for _ in range(repeats))
+
+    if beside is None:
+        seconds = timed()
+    else:  # the buckets queued from a thread of their own, this one computing meanwhile
+        with ThreadPoolExecutor(1, thread_name_prefix="host-profile-queue") as queue:
+            future = queue.submit(timed)
+            while not future.done():
+                beside()
+            seconds = future.result()
+    return host_step_bytes(name, sum(numels), 4, 4) / seconds
 
 
 def variants(name: str) -> dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]]:
