@@ -31,15 +31,16 @@ Predicted from what the runtime measures or plans, and a rate measured in this p
 - host bytes: the runtime's prediction before allocating (``host_bytes_predicted``) plus the rollback copies'.
 
 Note [Which calibration prices which run]
-Measured on this machine (2 cores, other jobs at a load of 7-11; bench/results/host_step_overlap.md and the
-session's runs, issue 37 item 6): today's runtime's host step ran about twice as long in the run as alone
-(the forward beside it takes cores and the GIL): priced beside the forward (median of 5 rounds +11 %); priced
-alone, -40 to -60 %. The speculative host step ran about as long as alone (medians within 10 %), while the same
-tasks measured beside a loop of the model's plain backward ran about twice as long as in the run (median
-+117 % over 5 rounds): the run's backward, inside the manager, takes less from it than a bare backward run
-without a pause. Why is not known (a guess: the manager's backward waits on its own copies and hooks, so the
-host worker runs in its gaps). So the speculative run is priced alone, today's beside the forward; both rates
-are in the results, so the choice can be checked against every round.
+Measured on this machine (2 cores, other jobs at a load of 8-11; bench/results/host_step_overlap.md, which
+prints both calibrations' errors for every round, and one earlier run of 5 rounds, not kept): today's
+runtime's host step ran about twice as long in the run as alone (the forward beside it takes cores and the GIL
+each optimizer call needs): priced beside the forward, median +11 % (both runs); alone, -61 %. The speculative
+host step priced alone: median +15 % (the earlier run: +6 %); priced beside a loop of the model's plain
+backward: +90 % (the earlier run: +117 %). The run's backward, inside the manager, takes less from the host
+step than a bare backward run without a pause; why is not known (a guess: the manager's backward waits on its
+own copies and hooks, and the host worker runs in those gaps). So the speculative run is priced alone, today's
+beside the forward. Round to round the measured host step itself moves by up to 2x on this machine at an equal
+load average, so one round's error says little; the medians are the figures.
 
 Writes <out>/host_step_overlap.json and host_step_overlap.md. Wall clock; the machine is shared: the load
 (``os.getloadavg``) is reported with the figures, per round, and the errors' medians over the rounds.
@@ -321,8 +322,9 @@ def markdown(res: dict[str, Any], command: str) -> str:
                      f"{r['speculation']['speculated']} | {r['bitwise']} |")  # fmt: skip
     med = {k: statistics.median(v) for k, v in errors(res).items()}
     lines += ["", "Predicted against measured in the speculative run: the host step priced at the rate measured right "
-              "before it (module docstring; Note [Measuring the host step where it runs] in bench/host_profile.py), "
-              "the hidden seconds from today's run's gradient timing (same round):", "",
+              "before it, alone (module docstring; Note [Measuring the host step where it runs] in "
+              "bench/host_profile.py; Note [Which calibration prices which run] in bench/host_step_overlap.py), the "
+              "hidden seconds from today's run's gradient timing (same round):", "",
               "| round | host-step s: predicted, measured, error | hidden s: predicted, measured, error | "
               "host bytes: predicted, measured, error |", "|---|---|---|---|"]  # fmt: skip
     for i, r in enumerate(res["rounds"]):
