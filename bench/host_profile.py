@@ -84,9 +84,10 @@ def optimizer_rate(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer], 
     for a speculative step (``save``) each bucket's rollback copies first (``speculation.save`` into buffers kept
     from the last step, as the runtime makes them; in the seconds, not in the bytes: the rate is the speculative
     step's). Each of these moves the seconds on a machine shared with other jobs (issue 37, item 6: the
-    prediction 2-5x high): a rate measured minutes away from the run is another load's; work run without a pause
-    gets the scheduler's fair share of a core where the runtime's short tasks, queued as gradients arrive, are
-    woken ahead of the other jobs' threads; the compute thread takes cores and the GIL."""
+    prediction 2-5x high): a rate measured minutes away from the run is another load's; the same work queued with
+    pauses between the buckets ran about twice as fast as back to back (measured once, at a load of 7; a guess at
+    why: the scheduler wakes a thread that slept ahead of the other jobs' threads); the compute thread takes cores
+    and the GIL."""
     params = [torch.nn.Parameter(torch.ones(n)) for n in numels]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
