@@ -31,16 +31,16 @@ Predicted from what the runtime measures or plans, and a rate measured in this p
 - host bytes: the runtime's prediction before allocating (``host_bytes_predicted``) plus the rollback copies'.
 
 Note [Which calibration prices which run]
-Measured on this machine (2 cores, other jobs at a load of 8-11; bench/results/host_step_overlap.md, which
-prints both calibrations' errors for every round, and one earlier run of 5 rounds, not kept): today's
-runtime's host step ran about twice as long in the run as alone (the forward beside it takes cores and the GIL
-each optimizer call needs): priced beside the forward, median +11 % (both runs); alone, -61 %. The speculative
-host step priced alone: median +15 % (the earlier run: +6 %); priced beside a loop of the model's plain
-backward: +90 % (the earlier run: +117 %). The run's backward, inside the manager, takes less from the host
-step than a bare backward run without a pause; why is not known (a guess: the manager's backward waits on its
-own copies and hooks, and the host worker runs in those gaps). So the speculative run is priced alone, today's
-beside the forward. Round to round the measured host step itself moves by up to 2x on this machine at an equal
-load average, so one round's error says little; the medians are the figures.
+Measured on this machine (2 cores, other jobs at a load of 8-15): bench/results/host_step_overlap.md (9 rounds),
+which prints both calibrations' errors for every round, and two earlier runs of 5 rounds (not kept). Today's
+runtime's host step ran two to three times as long in the run as alone (the forward beside it takes cores and
+the GIL each optimizer call needs): priced beside the forward, the medians -4 % (+11 %, +11 % in the earlier
+runs); alone, -68 % (-61 %). The speculative host step priced alone: -8 % (+6 %, +15 %); priced beside a loop
+of the model's plain backward: +79 % (+117 %, +90 %). The run's backward, inside the manager, takes less from
+the host step than a bare backward run without a pause; why is not known (a guess: the manager's backward waits
+on its own copies and hooks, and the host worker runs in those gaps). So the speculative run is priced alone,
+today's beside the forward. Round to round the measured host step itself moves by up to 2x on this machine at
+an equal load average, so one round's error says little; the medians are the figures.
 
 Writes <out>/host_step_overlap.json and host_step_overlap.md. Wall clock; the machine is shared: the load
 (``os.getloadavg``) is reported with the figures, per round, and the errors' medians over the rounds.
