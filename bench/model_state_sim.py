@@ -1,7 +1,7 @@
 """Model larger than the GPU, simulated: the model-state targets of issue 37, priced only with what the runtime
 does, and the baselines held to public figures.
 
-    python -m bench.model_state_sim            # ~30 minutes on 2 shared cores; writes
+    python -m bench.model_state_sim            # ~10 minutes on 2 shared cores; writes
                                                # bench/results/model_state_sim.{json,md,png}
     python -m bench.model_state_sim --quick    # the 8B on the 4090 at 8k tokens only (datasheet efficiency)
 
@@ -115,8 +115,11 @@ def binding(f: OffloadForecast, name: str) -> str:
     what = {"fetch": f"fetches waiting for host steps ({s.host_exposed:.2f} s) or the link",
             "host": "waiting for the host steps after the backward", "update": "host masters' update copies",
             "gradients": "gradient copies out", "release": "activation copies out"}.get(stall, stall)  # fmt: skip
+    extra = s.compute_time - f.compute_seconds  # recompute, the device step and casts: not in the bound's compute
     return (f"bound {s.bound} {s.lower_bound:.2f} s; step {s.step_time:.2f} s = compute {s.compute_time:.2f} s "
-            f"+ stalls {s.stall_time:.2f} s, most on {what} ({seconds:.2f} s); host steps {s.host_seconds:.2f} s "
+            f"(the model's {f.compute_seconds:.2f} s, the bound's compute term, + {extra:.2f} s of recompute, device "
+            f"step and casts) + stalls {s.stall_time:.2f} s, most on {what} ({seconds:.2f} s); host steps "
+            f"{s.host_seconds:.2f} s "
             f"({r.kernel} kernel, {speculation(f, name)})")  # fmt: skip
 
 
@@ -163,7 +166,11 @@ def target(label: str, value: Optional[float], goal: float, unit: str, why: str,
 def only_ours(f: OffloadForecast, other: str) -> str:
     """The note for a ratio met because ``other`` does not fit."""
     r = f.results[other]
-    return "" if r.fits else f"{r.label} does not fit: {r.why}"
+    if r.fits:
+        return ""
+    z3 = f.ratio("ours", "zero3_offload") if "zero3_offload" in f.results else None
+    beside = f"; ours / ZeRO-3-offload {z3:.2f}x" if z3 is not None and z3 != float("inf") else ""
+    return f"{r.label} does not fit: {r.why}{beside}"
 
 
 def llama70_params(layers: int) -> tuple[int, int]:
