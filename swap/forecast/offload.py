@@ -100,18 +100,16 @@ from ..joint.search import BASELINES, Evaluator, Outcome, search
 from ..schedule.budget import InfeasibleBudget
 from ..schedule.model_state import (
     Bucket,
-    ModelStateDoesNotFit,
     ModelStatePlan,
     ModelStatePolicy,
     ModelStatePrices,
     Placement,
     placement_named,
-    plan_model_state,
 )
 from ..schedule.model_state.choice import (
-    RESIDENT_SHARES,
     ROOM_SHARES,
     Placed,
+    candidates,
     place,
     simulate_placed,
     with_bytes,
@@ -394,39 +392,34 @@ def _ours(name: str, acts: _Activations, buckets: list[Bucket], uses: list[Bucke
           prices: ModelStatePrices, host: HostProfile, placement: str, in_flight: int, tokens: int,
           say: Callable[[str], None], kernel: str, accumulation: int = 0) -> OffloadResult:  # fmt: skip
     """The fastest of our plans over the device rooms and resident shares tried (Note [Offload schedules
-    side by side])."""
+    side by side]): ``ROOM_SHARES`` of the budget, the plans ``candidates`` makes for them (Note [One chooser] in
+    swap/schedule/model_state/choice.py), each on its own activation plan and host share."""
     best: Optional[OffloadResult] = None
     why = "no plan fits"
-    for share in ROOM_SHARES:
-        room = acts.grid(int(share * acts.budget))
-        for resident in RESIDENT_SHARES if placement == "auto" else (1.0,):
-            try:
-                plan = plan_model_state(buckets, room, placement=placement, resident_room=int(resident * room),
-                                        in_flight=in_flight, host_memory=host.memory,
-                                        accumulation=accumulation)  # fmt: skip
-            except ModelStateDoesNotFit as e:
-                why = str(e)
-                continue
-            timing = SCHEDULES[name].timing
-            spec = with_speculation(buckets, plan, host.memory, in_flight, accumulation)
-            if spec is not None:  # Note [What the runtime runs]: the runtime speculates where the copies fit
-                plan, timing = spec, "speculative"
-            spare = host.memory - plan.host_bytes
-            tried: set[int] = set()
-            for pool in HOST_SHARES:  # host memory for swapped activations
-                prep = _prepare(acts, room, buckets, uses, plan, fmt, prices, in_flight, int(pool * spare))
-                if isinstance(prep, _Prepared) and id(prep.activations) in tried:
-                    continue  # the same activation plan as with more host memory: the same result
-                tried.add(id(prep.activations) if isinstance(prep, _Prepared) else -len(tried) - 1)
-                r = _result(name, prep, plan, room, tokens, host, prices=prices, buckets=buckets, uses=uses,
-                            timing=timing, in_flight=in_flight, kernel=kernel)  # fmt: skip
-                if r.fits and (best is None or not best.fits or r.step_time < best.step_time):
-                    best = r
-                elif best is None:
-                    best = r
-                why = r.why or why
-            if placement != "auto" or all(p == Placement.RESIDENT for p in plan.placements):
-                break
+    rooms = [acts.grid(int(share * acts.budget)) for share in ROOM_SHARES]  # of the budget, on the grid
+    for c in candidates(buckets, rooms, placement=placement, in_flight=in_flight, host_memory=host.memory,
+                        accumulation=accumulation):  # fmt: skip
+        if c.plan is None:
+            why = str(c.refused)
+            continue
+        plan, room, timing = c.plan, c.room, SCHEDULES[name].timing
+        spec = with_speculation(buckets, plan, host.memory, in_flight, accumulation)
+        if spec is not None:  # Note [What the runtime runs]: the runtime speculates where the copies fit
+            plan, timing = spec, "speculative"
+        spare = host.memory - plan.host_bytes
+        tried: set[int] = set()
+        for pool in HOST_SHARES:  # host memory for swapped activations
+            prep = _prepare(acts, room, buckets, uses, plan, fmt, prices, in_flight, int(pool * spare))
+            if isinstance(prep, _Prepared) and id(prep.activations) in tried:
+                continue  # the same activation plan as with more host memory: the same result
+            tried.add(id(prep.activations) if isinstance(prep, _Prepared) else -len(tried) - 1)
+            r = _result(name, prep, plan, room, tokens, host, prices=prices, buckets=buckets, uses=uses,
+                        timing=timing, in_flight=in_flight, kernel=kernel)  # fmt: skip
+            if r.fits and (best is None or not best.fits or r.step_time < best.step_time):
+                best = r
+            elif best is None:
+                best = r
+            why = r.why or why
     if best is None:  # no room tried holds a plan: say why (the largest room's refusal is the last)
         s = SCHEDULES[name]
         return OffloadResult(name, s.label, False, why, clipping=s.clipping, timing=s.timing, kernel=kernel)

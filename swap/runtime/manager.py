@@ -268,7 +268,7 @@ class SwapManager:
             wiring.attach(ms, self.executor, engine, self.hooks, self.memory, self.budget)
             if ms.mode in ("auto", "host_master"):
                 ms.decide = wiring.placer(self.executor, self.memory, self.budget, self._notices.note, ms.mode,
-                                          ms.prediction.accumulation)  # fmt: skip
+                                          ms.prediction.accumulation, engine, ms)  # fmt: skip
         self.hooks.install(self.executor, self._joint)
         if self._joint is not None:
             self._joint.start(self.executor, self.hooks)

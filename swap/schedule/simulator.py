@@ -138,7 +138,7 @@ def choose_window(
     times; among windows within 1% of the fastest, the smallest (it holds the least memory ahead). ``vmm``, if
     given, returns a schedule's allocator host seconds per step, which are then counted in the choice."""
     if candidates is None:
-        largest = max(seq.sizes, default=1)
+        largest = max(1, max(seq.sizes, default=1))  # a sequence of empty variables: still one window
         room = max(largest, budget - max(seq.nonswap, default=0))
         candidates, w = [], largest
         while w < room:

@@ -115,6 +115,9 @@ class ModelStateRuntime:
         self._proposed: Optional[ModelStatePlan] = None
         # Asked at each optimizer step until it returns a plan (the manager's, once the activations are planned).
         self.decide: Optional[Callable[[list[Any]], Optional[ModelStatePlan]]] = None
+        # What ``decide`` chose, how, and the prices it used (Note [Placing model state under the budget] in
+        # swap.runtime.model_state.wiring): the report's ``choice``.
+        self.choice: Optional[dict[str, Any]] = None
         # Page-locks the host masters and gradient buffers: the CUDA driver on CUDA runs (None), or one given
         # (tests, a host with its own way to pin).
         self.pinner: Optional[Pinner] = None
@@ -550,6 +553,8 @@ class ModelStateRuntime:
             "state_bytes_predicted": pred.state,
             "bucket_bytes": self.bucket_bytes,
         }
+        if self.choice is not None:
+            data["choice"] = dict(self.choice)
         if not self.started:
             return data
         stepper = self.stepper

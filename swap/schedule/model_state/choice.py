@@ -26,10 +26,20 @@ The runtime does not count the swapped activations when it decides (they are the
 this; the chooser then refuses a plan whose model state, copies and swapped activations exceed the host's memory.
 A speculation that fails (clipping that binds, a GradScaler's inf, another micro-batch) costs the host work thrown
 away and a restore; the forecast assumes every speculation holds and prices no failure.
+
+Note [One chooser]
+The rooms and resident shares are tried in one place, ``candidates``: per room, per resident share (one share
+unless the placement is "auto"), ``plan_model_state``'s plan or its refusal, a room's shares stopping at the
+first plan that makes every bucket resident (a larger share places them the same). ``choose_model_state`` (the
+runtime's chooser, priced by what the manager measured: swap/runtime/model_state/wiring.py) and the forecast's
+``ours`` (swap/forecast/offload.py, which also plans the activations per room and tries host shares) both
+iterate it; each only says which rooms (``rooms_of``: shares of what the activations leave, or of the budget on
+the forecast's grid) and how a candidate is placed and judged.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -47,6 +57,47 @@ from .weights import BucketUses, Weighted, with_weights
 
 ROOM_SHARES = (0.15, 0.3, 0.45, 0.6)  # of what the activations leave: rooms tried (Note [Choosing model state])
 RESIDENT_SHARES = (0.0, 0.5, 1.0)  # of a room: the most its resident buckets may take
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan ``candidates`` offers: the room and resident share it was made for, and the plan, or why
+    ``plan_model_state`` refused to make one."""
+
+    room: int
+    resident: float  # of the room: the most its resident buckets may take
+    plan: Optional[ModelStatePlan]
+    refused: Optional[ModelStateDoesNotFit] = None
+
+
+def rooms_of(left: int, shares: Seq[float] = ROOM_SHARES, whole: bool = False) -> list[int]:
+    """The device rooms to try: ``shares`` of ``left`` (what the activations leave), ascending and distinct, and
+    with ``whole`` also ``left`` itself; ``[max(0, left)]`` when no share of it is positive."""
+    rooms = {int(share * left) for share in shares if share * left > 0}
+    if whole and left > 0:
+        rooms.add(left)
+    return sorted(rooms) or [max(0, left)]
+
+
+def candidates(buckets: Seq[Bucket], rooms: Seq[int], *, placement: str = "auto",
+               resident_shares: Seq[float] = RESIDENT_SHARES, in_flight: int = 2, host_memory: Optional[int] = None,
+               accumulation: int = 0) -> Iterator[Candidate]:  # fmt: skip
+    """Plans over ``rooms`` x ``resident_shares`` (Note [One chooser]), in that order; ``placement`` and the
+    rest as ``plan_model_state``'s. A room's shares stop after the first plan that makes every bucket resident,
+    and after its first plan when ``placement`` is not "auto" (whose only share is 1.0)."""
+    mode = placement_named(placement, "placement")
+    for room in rooms:
+        for resident in resident_shares if mode == "auto" else (1.0,):
+            try:
+                plan = plan_model_state(buckets, room, placement=mode, resident_room=int(resident * room),
+                                        in_flight=in_flight, host_memory=host_memory,
+                                        accumulation=accumulation)  # fmt: skip
+            except ModelStateDoesNotFit as e:
+                yield Candidate(room, resident, None, e)
+                continue
+            yield Candidate(room, resident, plan)
+            if mode != "auto" or all(p == Placement.RESIDENT for p in plan.placements):
+                break
 
 
 @dataclass
@@ -68,6 +119,7 @@ class ModelStateChoice:
     timing: str  # "before_use" or "speculative"
     room: int  # the device room the plan was made for
     host_bytes: int  # model state, staging and swapped activations
+    resident: float = 1.0  # of the room: the most its resident buckets could take (``candidates``)
 
 
 def with_bytes(buckets: Seq[Bucket], plan: ModelStatePlan, in_flight: int = 2,
@@ -149,40 +201,37 @@ def choose_model_state(
 ) -> ModelStateChoice:
     """The fastest model-state plan for the activation sequence ``seq`` (its ``nonswap`` without model state)
     under ``budget`` (Note [Choosing model state]). ``rooms``: device rooms to try (default ``ROOM_SHARES`` of
-    what the activations leave: the budget less the largest ``nonswap``); ``placement`` as ``plan_model_state``;
-    ``speculative``: host steps speculative where the runtime would speculate (Note [Speculation as the runtime
-    decides it]; False: as a runtime with speculation turned off); ``accumulation``: the gradient-accumulation
-    buffer's host bytes (``ledger.accumulation_bytes``).
+    what the activations leave: the budget less the largest ``nonswap``, ``rooms_of``); ``placement`` as
+    ``plan_model_state``; ``speculative``: host steps speculative where the runtime would speculate (Note
+    [Speculation as the runtime decides it]; False: as a runtime with speculation turned off); ``accumulation``:
+    the gradient-accumulation buffer's host bytes (``ledger.accumulation_bytes``). The plans tried are
+    ``candidates``' (Note [One chooser]).
 
     Raises ``ModelStateDoesNotFit`` (no placement fits a room, or the host's memory) or ``InfeasibleBudget``
     (every placement's schedule exceeds the budget), saying what was tried."""
-    mode = placement_named(placement, "placement")
-    left = budget - max(seq.nonswap, default=0)
     if rooms is None:
-        rooms = sorted({int(share * left) for share in ROOM_SHARES if share * left > 0}) or [max(0, left)]
+        rooms = rooms_of(budget - max(seq.nonswap, default=0))
     best: Optional[ModelStateChoice] = None
     last: Optional[Exception] = None
-    for room in rooms:
-        for resident in resident_shares if mode == "auto" else (1.0,):
-            try:
-                plan = plan_model_state(buckets, room, placement=mode, resident_room=int(resident * room),
-                                        in_flight=in_flight, host_memory=host_memory,
-                                        accumulation=accumulation)  # fmt: skip
-                placed = place(seq, buckets, uses, plan, budget, prices, in_flight=in_flight, fetch_bytes=fetch_bytes)
-            except (ModelStateDoesNotFit, InfeasibleBudget) as e:
-                last = e
-                continue
-            plan, timing, sim = runtime_timing(placed, buckets, uses, plan, prices, host_memory, in_flight,
-                                               speculative, accumulation)  # fmt: skip
-            host = plan.host_bytes + placed.pool
-            if host_memory is not None and host > host_memory:
-                what = f"model state and swapped activations need {host} bytes of host memory"
-                last = ModelStateDoesNotFit("host", host, host_memory, what)
-                continue
-            if best is None or sim.step_time < best.sim.step_time:
-                best = ModelStateChoice(plan, placed, sim, timing, room, host)
-            if mode != "auto" or all(p == Placement.RESIDENT for p in plan.placements):
-                break
+    for c in candidates(buckets, rooms, placement=placement, resident_shares=resident_shares, in_flight=in_flight,
+                        host_memory=host_memory, accumulation=accumulation):  # fmt: skip
+        if c.plan is None:
+            last = c.refused
+            continue
+        try:
+            placed = place(seq, buckets, uses, c.plan, budget, prices, in_flight=in_flight, fetch_bytes=fetch_bytes)
+        except InfeasibleBudget as e:
+            last = e
+            continue
+        plan, timing, sim = runtime_timing(placed, buckets, uses, c.plan, prices, host_memory, in_flight,
+                                           speculative, accumulation)  # fmt: skip
+        host = plan.host_bytes + placed.pool
+        if host_memory is not None and host > host_memory:
+            what = f"model state and swapped activations need {host} bytes of host memory"
+            last = ModelStateDoesNotFit("host", host, host_memory, what)
+            continue
+        if best is None or sim.step_time < best.sim.step_time:
+            best = ModelStateChoice(plan, placed, sim, timing, c.room, host, c.resident)
     if best is None:
         assert last is not None
         raise last

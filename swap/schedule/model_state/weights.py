@@ -24,7 +24,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from ..sequence import USE, Sequence
+from ..sequence import SAVE, USE, Sequence
 from .ledger import device_bytes_of
 from .plan import Bucket, ModelStatePlan, Placement
 
@@ -204,3 +204,109 @@ def with_weights(seq: Sequence, buckets: Seq[Bucket], uses: Seq[BucketUses], pla
     )  # fmt: skip
     return Weighted(out, piece, var_of, [r[4] for r in rows], [[j for j, _s in r[5]] for r in rows],
                     [[sec for _j, sec in r[5]] for r in rows])  # fmt: skip
+
+
+# Note [Weights out of a profile]
+# A profiled iteration of the runtime has its streamed buckets in it already, as clean variables (Note [Clean
+# variables at run time] in swap.runtime.activations.executor): one per bucket, numbered in bucket order, each
+# step a use of one where its weights were read. ``without_weights`` takes them out again, so the chooser can
+# place any plan in the activations (``with_weights``): a use joins the activation step before it (its compute
+# is that step's, as ``with_weights`` puts it back: after the step's access, before its compute), or the first
+# step when none came before. A use after the backward's first unpack is the backward's, one before the
+# forward's last save the forward's; between the two (the backward may read the last layer's weights before
+# the first saved tensor it unpacks, the forward reads the last layer's before it saves) it is the backward's
+# when the forward read the bucket already.
+# A profile without an activation step (every saved tensor under ``min_bytes``) gets an empty variable saved
+# before each of its steps (``stand_in``): the uses keep their order and their compute, and with no unpack to
+# tell the passes apart, the backward begins at the first bucket read again other than straight after its last
+# read (the backward runs the layers in reverse).
+# A bucket the backward never reads may still get a gradient (the first layer's: the weight's gradient needs
+# only the saved input when the input needs none; the last layer's, read once across the turn); given the
+# buckets, one with gradient bytes and no backward use has it made where the backward unpacks what its modules
+# saved, else at the backward step that mirrors its last forward use (the backward runs the forward in reverse).
+# What a merged step held (``nonswap``, ``transient``, ``kept``) is the most of its parts. The profile's
+# ``nonswap`` holds the streamed buckets' gradients while they were made: with them added again the room errs
+# small.
+def stand_in(seq: Sequence) -> Sequence:
+    """``seq`` with an empty variable saved before each of its steps (Note [Weights out of a profile]): a profile
+    that recorded no activation (each under ``min_bytes``) still has steps to place its buckets in."""
+    dummy, rows, seen = len(seq.sizes), [], set()
+    turn = len(seq)  # the backward's first step: the first bucket read again, not straight after its last read
+    for i, v in enumerate(seq.var):
+        if v in seen and seq.var[i - 1] != v:
+            turn = i
+            break
+        seen.add(v)
+    for i, v in enumerate(seq.var):
+        rows += [(dummy, SAVE if i < turn else USE, 0.0, i), (v, seq.kind[i], seq.compute[i], i)]
+    at = [2 * i for i in range(len(seq))] + [2 * len(seq)]  # old step -> new (its stand-in's)
+    return replace(
+        seq, var=[r[0] for r in rows], kind=[r[1] for r in rows], sizes=[*seq.sizes, 0],
+        nonswap=[seq.nonswap[r[3]] for r in rows], compute=[r[2] for r in rows],
+        swappable=[*seq.swappable, False], held_until=[at[h] for h in seq.held_until] + [0],
+        freed=[at[f] for f in seq.freed] + [len(rows)] if seq.freed else [],
+        modules=[*seq.modules, ""] if seq.modules else [], transient=[seq.transient[r[3]] for r in rows],
+        kept=[seq.kept[r[3]] for r in rows], node_last=list(range(len(rows))), clean=[*seq.clean, False],
+        saved_before=[seq.saved_before[r[3]] for r in rows] if seq.saved_before else [],
+    )  # fmt: skip
+
+
+def without_weights(seq: Sequence, buckets: Optional[Seq[Bucket]] = None) -> tuple[Sequence, list[BucketUses]]:
+    """``seq`` (a profiled iteration with its buckets as clean variables) as ``with_weights`` takes it: the
+    activations alone, and each clean variable's uses in their steps, in variable order (Note [Weights out of a
+    profile]); ``buckets`` (one per clean variable): where a gradient the backward made without reading its
+    bucket is. Raises ``ValueError`` for a sequence with no clean variable or no activation step."""
+    clean = [v for v, c in enumerate(seq.clean) if c]
+    if not clean:
+        raise ValueError("the sequence has no clean variable (no streamed bucket was profiled)")
+    keep = [i for i, v in enumerate(seq.var) if not seq.clean[v]]
+    if not keep:
+        if not len(seq):
+            raise ValueError("the sequence has no step to place the buckets in")
+        return without_weights(stand_in(seq), buckets)
+    n = len(seq)
+    before = [0] * (n + 1)  # raw step -> kept steps before it
+    for i in range(n):
+        before[i + 1] = before[i] + (not seq.clean[seq.var[i]])
+    first_use = next((i for i in keep if seq.kind[i] == USE), n)  # the backward's first unpack
+    last_save = max((i for i in keep if i < first_use), default=-1)  # the forward's last save
+    into = [max(0, before[i + 1] - 1) for i in range(n)]  # raw step -> the kept step it joins
+    m = len(keep)
+    compute, nonswap = [0.0] * m, [0] * m
+    transient, kept = [0] * m, [0] * m
+    for i in range(n):
+        j = into[i]
+        compute[j] += seq.compute[i]
+        nonswap[j] = max(nonswap[j], seq.nonswap[i])
+        transient[j] = max(transient[j], seq.transient[i])
+        kept[j] = max(kept[j], seq.kept[i])
+    forward: dict[int, list[int]] = {v: [] for v in clean}
+    backward: dict[int, list[int]] = {v: [] for v in clean}
+    for i, v in enumerate(seq.var):
+        if seq.clean[v]:
+            late = i > first_use or (i > last_save and bool(forward[v]))
+            (backward if late else forward)[v].append(into[i])
+    others = [v for v, c in enumerate(seq.clean) if not c]
+    renumber = {v: k for k, v in enumerate(others)}
+    out = replace(
+        seq, var=[renumber[seq.var[i]] for i in keep], kind=[seq.kind[i] for i in keep],
+        sizes=[seq.sizes[v] for v in others], nonswap=nonswap, compute=compute,
+        swappable=[seq.swappable[v] for v in others], held_until=[before[min(seq.held_until[v], n)] for v in others],
+        freed=[before[min(seq.freed[v], n)] for v in others] if seq.freed else [],
+        modules=[seq.modules[v] for v in others] if seq.modules else [], transient=transient, kept=kept,
+        node_last=[max(j, into[seq.node_last[i]]) for j, i in enumerate(keep)], clean=[False] * len(others),
+        saved_before=[seq.saved_before[i] for i in keep] if seq.saved_before else [],
+    )  # fmt: skip
+    if buckets is not None:
+        if len(buckets) != len(clean):
+            raise ValueError(f"the profile streamed {len(clean)} buckets, {len(buckets)} were given")
+        unpacks = [into[i] for i in keep if i >= first_use]
+        start = into[first_use] if first_use < n else m - 1  # the backward's first step
+        for v, b in zip(clean, buckets):
+            if b.grad_bytes and not backward[v]:
+                mods = {p.rsplit(".", 1)[0] for p in b.params}
+                mirror = min(m - 1, max(start, 2 * start - 1 - max(forward[v], default=0)))
+                backward[v] = [j for j in unpacks if out.kind[j] == USE and out.modules
+                               and out.modules[out.var[j]] in mods] or [mirror]  # fmt: skip
+    uses = [BucketUses(tuple(sorted(set(forward[v]))), tuple(sorted(set(backward[v])))) for v in clean]
+    return out, uses

@@ -117,7 +117,11 @@ def test_the_runtime_places_as_the_plan_does_for_its_room(forecast):
     sm = run(ModelStatePolicy())  # placement="auto": chosen once the activations are planned
     applied = sm.model_state.plan
     assert applied is not None and applied.room > 0
+    # the chooser's (Note [One chooser]): the room and resident share it kept, placed by the forecast's buckets
+    choice = sm.report()["model_state"]["choice"]
+    assert choice["chooser"] == "choose_model_state" and choice["plan_room"] == applied.room
     again = plan_model_state(forecast.buckets, applied.room, placement="auto",
+                             resident_room=int(choice["resident_share"] * applied.room),
                              accumulation=sm.model_state.prediction.accumulation)  # fmt: skip
     assert again.placements == applied.placements
     assert (again.device_bytes, again.host_bytes, again.pinned_bytes) == \
