@@ -178,6 +178,8 @@ def placer(executor: Executor, memory: DeviceMemory, budget: int, note: Callable
             report.update(chooser="choose_model_state", plan_room=choice.room, resident_share=choice.resident,
                           simulated_step_seconds=choice.sim.step_time, timing=choice.timing, bound=choice.sim.bound,
                           compute_seconds=sum(acts.compute))  # fmt: skip
+            plan.notes.append(f"the fastest of the chooser's plans, {choice.sim.step_time:.3g} s a step simulated "
+                              f"({choice.sim.bound}-bound)")  # fmt: skip
             if measured.defaults:
                 plan.notes.append("priced with defaults for " + ", ".join(measured.defaults) + " (not measured yet)")
         except (ValueError, ModelStateDoesNotFit, InfeasibleBudget) as e:
