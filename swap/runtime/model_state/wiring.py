@@ -85,7 +85,8 @@ def fits(executor: Executor, memory: DeviceMemory, budget: int) -> Callable[[int
 # chooser] in swap/schedule/model_state/choice.py): ``choose_model_state`` tries ``ROOM_SHARES`` of that room
 # and the room itself (the plan greedy by bytes made alone before, still among the candidates) times
 # ``RESIDENT_SHARES``, places each plan in the profiled activations (the buckets taken out of the profile:
-# Note [Weights out of a profile]), simulates it with host steps before use, and keeps the fastest. It is
+# Note [Weights out of a profile]), simulates it with the host steps timed as the runtime times them
+# (speculative where it decided to speculate, Note [When to speculate]), and keeps the fastest. It is
 # priced by what the manager measured (``measured_prices``): the link's bandwidth each way from the copies made
 # so far, the host step's seconds a byte from the host worker's timings, each step's compute from the profile;
 # what was not measured yet takes a named default (``DEFAULT_LINK_BANDWIDTH``, ``DEFAULT_HOST_STEP_RATE``), and
@@ -113,7 +114,9 @@ def measured_prices(buckets: list[Bucket], engine: Any, host_seconds: dict[int, 
     """Model-state prices from what the manager measured (Note [Placing model state under the budget]): the
     copy engine's bandwidths, and the host step's seconds a byte of the masters, gradients and state it stepped
     (``host_seconds``: the host worker's seconds by optimizer step, every bucket offloaded; the first, which makes
-    the optimizer state, only when it is the one timed). A cast (mixed precision) is priced at that rate too."""
+    the optimizer state, only when it is the one timed). A cast (mixed precision) is priced at that rate too; a
+    speculative step's rollback copy is in the seconds measured where the runtime speculated (no
+    ``save_seconds``)."""
     out = Measured(ModelStatePrices(0.0, 0.0, ()), {})
     bw = {}
     for name, meter in (("h2d_bandwidth", getattr(engine, "h2d_bw", None)),
@@ -137,16 +140,18 @@ def measured_prices(buckets: list[Bucket], engine: Any, host_seconds: dict[int, 
 
 
 def choose(seq: Optional[Sequence], buckets: list[Bucket], room: int, budget: int, measured: Measured,
-           placement: str = "auto",
-           accumulation: int = 0) -> tuple[ModelStateChoice, list[BucketUses], Sequence]:  # fmt: skip
+           placement: str = "auto", accumulation: int = 0,
+           speculative: bool = False) -> tuple[ModelStateChoice, list[BucketUses], Sequence]:  # fmt: skip
     """``choose_model_state`` on the profiled ``seq`` (its buckets taken out: ``without_weights``) for rooms up
-    to ``room`` (``rooms_of(room, whole=True)``): (the choice, the buckets' uses, the activations). Raises
+    to ``room`` (``rooms_of(room, whole=True)``), the host steps speculative where ``speculative`` (the runtime
+    decided it already: Note [When to speculate]): (the choice, the buckets' uses, the activations). Raises
     ``ValueError`` for a profile the chooser cannot read, else as ``choose_model_state``."""
     if seq is None:
         raise ValueError("no profiled iteration")
     acts, uses = without_weights(seq, buckets)
     choice = choose_model_state(acts, buckets, uses, budget, measured.prices, placement=placement,
-                                rooms=rooms_of(room, whole=True), accumulation=accumulation)  # fmt: skip
+                                rooms=rooms_of(room, whole=True), accumulation=accumulation,
+                                speculative=speculative)  # fmt: skip
     return choice, uses, acts
 
 
@@ -172,8 +177,9 @@ def placer(executor: Executor, memory: DeviceMemory, budget: int, note: Callable
         report: dict[str, Any] = {"room": room, "prices": dict(measured.figures), "measured": measured.measured,
                                   "defaults": measured.defaults}  # fmt: skip
         try:
+            speculative = runtime is not None and runtime.speculate
             choice, _uses, acts = choose(ex.lifecycle.latest, buckets, room, budget, measured, placement,
-                                         accumulation)  # fmt: skip
+                                         accumulation, speculative)  # fmt: skip
             plan = choice.plan
             report.update(chooser="choose_model_state", plan_room=choice.room, resident_share=choice.resident,
                           simulated_step_seconds=choice.sim.step_time, timing=choice.timing, bound=choice.sim.bound,

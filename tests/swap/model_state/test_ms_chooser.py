@@ -85,9 +85,10 @@ def test_the_runtime_applies_what_choose_model_state_keeps(monkeypatch):
         seen["measured"] = m
         return m
 
-    def choose(seq, buckets, room, budget, measured, placement="auto", accumulation=0):
-        seen.update(seq=seq, buckets=buckets, room=room, budget=budget, accumulation=accumulation)
-        return original_choose(seq, buckets, room, budget, measured, placement, accumulation)
+    def choose(seq, buckets, room, budget, measured, placement="auto", accumulation=0, speculative=False):
+        seen.update(seq=seq, buckets=buckets, room=room, budget=budget, accumulation=accumulation,
+                    speculative=speculative)  # fmt: skip
+        return original_choose(seq, buckets, room, budget, measured, placement, accumulation, speculative)
 
     monkeypatch.setattr(wiring, "measured_prices", prices)
     monkeypatch.setattr(wiring, "choose", choose)
@@ -108,8 +109,9 @@ def test_the_runtime_applies_what_choose_model_state_keeps(monkeypatch):
     # its input is unpacked
     assert len(buckets) == 8 and len(uses) == 8 and all(u.forward and u.backward for u in uses)
     rooms = rooms_of(seen["room"], whole=True)
+    assert seen["speculative"] == sm.model_state.speculate
     expected = choose_model_state(acts, buckets, uses, seen["budget"], m.prices, rooms=rooms,
-                                  accumulation=seen["accumulation"])  # fmt: skip
+                                  accumulation=seen["accumulation"], speculative=seen["speculative"])  # fmt: skip
     assert applied.placements == expected.plan.placements
     greedy = plan_model_state(buckets, seen["room"], accumulation=seen["accumulation"])
     assert greedy.placements == [R] * 8  # what the runtime applied before
