@@ -12,8 +12,10 @@ the same functions, so a forecast's buckets, bytes and placements are the runtim
 - ``ledger``: optimizer state by optimizer (``STATE_TENSORS``), device, host and pinned bytes of a plan, the host
   memory a run takes (``predict_host``), ``ModelStateDoesNotFit`` and its host case ``HostMemoryError``;
 - ``placing``: ``plan_model_state`` (placements within a room, by bytes);
-- ``weights`` (buckets as clean variables of the activation sequence), ``sim`` (the iteration with its host-step
-  lane), ``choice`` (``choose_model_state``: the fastest simulated plan);
+- ``weights`` (buckets as clean variables of the activation sequence, and taken out of a profiled one:
+  ``without_weights``), ``sim`` (the iteration with its host-step lane), ``choice`` (``candidates``, the one loop
+  over rooms and resident shares, and ``choose_model_state``: the fastest simulated plan, the runtime's and the
+  forecast's chooser);
 - ``units``: FSDP2 units (blocks, shards, which units a rank offloads by a budget);
 - ``policy``: ``ModelStatePolicy``, the user's one object (exported as ``swap.ModelStatePolicy``).
 """
