@@ -16,6 +16,7 @@ from swap.devices import host_profile, profile
 from swap.forecast.model_state import stateless_optimizer
 from swap.forecast.offload import forecast_offload
 from swap.schedule.model_state import ModelStatePolicy, Placement, plan_model_state
+from swap.schedule.model_state.choice import with_speculation
 
 BUDGET = 1 << 30
 
@@ -200,8 +201,14 @@ def test_mixed_precision_keeps_no_bucket_resident_in_either_plan():
     assert applied is not None and Placement.HOST_MASTER in applied.placements
     assert Placement.RESIDENT not in applied.placements
     assert not any("made resident are host masters" in note for note in applied.notes)  # planned so, not converted
+    # the chooser's room and resident share (Note [One chooser]), its host steps speculative where the runtime's are
+    choice, accumulation = sm.report()["model_state"]["choice"], sm.model_state.prediction.accumulation
+    assert choice["chooser"] == "choose_model_state" and applied.speculate == sm.model_state.speculate
     again = plan_model_state(forecast.buckets, applied.room, placement="auto",
-                             accumulation=sm.model_state.prediction.accumulation)  # fmt: skip
+                             resident_room=int(choice["resident_share"] * applied.room),
+                             accumulation=accumulation)  # fmt: skip
+    if applied.speculate:
+        again = with_speculation(forecast.buckets, again, None, accumulation=accumulation)
     assert again.placements == applied.placements
     assert (again.device_bytes, again.host_bytes, again.pinned_bytes) == \
         (applied.device_bytes, applied.host_bytes, applied.pinned_bytes)  # fmt: skip
