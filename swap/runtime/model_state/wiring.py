@@ -125,7 +125,7 @@ def measured_prices(buckets: list[Bucket], engine: Any, host_seconds: dict[int, 
         (out.measured if bw[name] > 0 else out.defaults).append(name)
         bw[name] = bw[name] or DEFAULT_LINK_BANDWIDTH
     stepped = sum(b.master_bytes + b.grad_bytes + b.state_bytes for b in buckets if b.grad_bytes)
-    timed = [s for k, s in sorted(host_seconds.items()) if s > 0]
+    timed = [s for _k, s in sorted(host_seconds.items()) if s > 0]
     per_byte = min(timed[1:] or timed) / stepped if timed and stepped else 0.0
     (out.measured if per_byte > 0 else out.defaults).append("host_step_seconds_per_byte")
     per_byte = per_byte or 1 / DEFAULT_HOST_STEP_RATE
