@@ -69,8 +69,13 @@ test: setup-test test-python test-sanitize
 # written by rename (bench/traces.py). PYTEST_WORKERS=0 runs everything in this one process.
 # The default is 0, for now: the first whole-suite run on 2 workers (a fresh clone, 2026-11-28) had 9 failures and
 # 2 errors where serial runs pass, nearly all InfeasibleBudget with megabytes "not swappable" — tests that measure
-# the CPU budget (every live storage in the process) ran after other files than they do in one process. Parallel
-# runs come back as the default once `make test PYTEST_WORKERS=auto` passes on a fresh clone.
+# the CPU budget (every live storage in the process) ran after other files than they do in one process. Which
+# leftovers those were is not known: the files' cached reference runs keep NumPy copies, not tensors (0 bytes of
+# CPU storage alive after tests/plan/test_plan.py, then after swap/test_training.py, run in that order in one
+# process, 2026-11-28). Parallel runs come back as the default once
+# `make test PYTEST_WORKERS=2` passes twice on a fresh clone. Meanwhile CI keeps its second core busy with the
+# ASan half (Note [CI in three lanes] in .ci/run), and the suite's garbage collections skip what collection
+# loaded (Note [Frozen before the tests] in tests/conftest.py).
 PYTEST_WORKERS ?= 0
 PYTEST_PARALLEL = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
