@@ -18,6 +18,13 @@ from swap.runtime.machine.host_pool import HostPool
 MiB = 1 << 20
 
 
+def room(nbytes: int) -> int:
+    """A CPU budget of ``nbytes`` for the training, on top of what the process holds already: the budget counts
+    every live storage (Note [What the CPU budget counts]), and what earlier tests in the same process left
+    alive differs between a serial run and each parallel worker (Note [Tests in parallel] in the Makefile)."""
+    return swap.LiveBytesMeter("cpu").track_existing().live + nbytes
+
+
 def mlp(layers: int = 4, width: int = 256) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.GELU())])
@@ -26,10 +33,11 @@ def mlp(layers: int = 4, width: int = 256) -> torch.nn.Module:
 def test_planned_iterations_make_no_host_waits():
     """Every release used to wait on the host for its copy (cudaEventSynchronize on a GPU): the CPU ran in
     lockstep with the copies. A device-side wait orders any reuse of the memory after the copy."""
+    budget = room(5_000_000)
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     per_iteration = []
-    with swap.SwapManager(budget=5_000_000, device="cpu", policy="window", min_bytes=0) as sm:
+    with swap.SwapManager(budget=budget, device="cpu", policy="window", min_bytes=0) as sm:
         engine = sm.executor.engine
         waited = []
         wait_host = engine.wait_host
@@ -50,11 +58,12 @@ def test_planned_iterations_make_no_host_waits():
 def test_spare_host_blocks_stay_bounded_under_cycling_shapes():
     """20 batch sizes in turn: spare blocks kept by exact size grew to one iteration's swapped bytes per shape
     ever seen (1.7 -> 50 MiB here), all of it page-locked on a GPU."""
+    budget = room(6_000_000)
     model = mlp(layers=6)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     sizes = [256 + 16 * k for k in range(20)]
     spare, used, swapped = [], [], []
-    with swap.SwapManager(budget=6_000_000, device="cpu", policy="window", min_bytes=0) as sm:
+    with swap.SwapManager(budget=budget, device="cpu", policy="window", min_bytes=0) as sm:
         ex = sm.executor
         for it in range(24):
             before = ex.counters.swapped_out_bytes
