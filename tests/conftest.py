@@ -24,10 +24,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     and automatically (the oldest generation, as tests allocate), each full pass about 0.3 s of CPU here. Frozen,
     they are skipped: tests/swap/test_training.py took 40.1 s of CPU instead of 49.0, test_patterns.py with
     model_state/test_ms_memory.py 85.8 instead of 98.0 (wall 132 s against 214, 142 against 320, on the shared
-    2-core VM at load ~10, 2026-11-28). Frozen objects are never collected, and ``gc.get_objects()`` (which
-    ``LiveBytesMeter.track_existing`` reads: Note [What the CPU budget counts]) no longer lists them, so a CPU
-    tensor alive at that point would be invisible to the budget's count; 3 tensors of 28 bytes in all were (the
-    whole suite, measured), and if more than ``FREEZE_LIMIT`` bytes ever are, nothing is frozen."""
+    2-core VM at load ~10, 2026-11-28); at load 3-5, test_training.py 33.6 s of CPU instead of 39.4, 54.6 s wall
+    instead of 57.5 (`/usr/bin/time`, a plugin calling ``gc.unfreeze()`` after this hook for the unfrozen run;
+    the memory stalls of a traversal are what a loaded machine adds). Frozen objects are never collected, and
+    ``gc.get_objects()`` (which ``LiveBytesMeter.track_existing`` reads: Note [What the CPU budget counts]) no
+    longer lists them, so a CPU tensor alive at that point would be invisible to the budget's count; 3 tensors
+    of 28 bytes in all were (the whole suite, measured), and if more than ``FREEZE_LIMIT`` bytes ever are,
+    nothing is frozen."""
     import gc
     import warnings
 
