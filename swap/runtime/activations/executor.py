@@ -223,10 +223,11 @@ class Executor:
             return (seq.kind[i] == SAVE and seq.var[i] == (var.id if known else len(self.vars))
                     and seq.saved_before[i] == self.saves + 1)  # fmt: skip
 
-    def _stays_declined(self, t: torch.Tensor) -> bool:
-        """A declined run's iteration begins at ``t``: with the shape key of the last one, it only marks the
-        boundary and stays declined; else its plan is chosen (Note [Plans by input shape])."""
-        if not self.lifecycle.stays(shape_key(t)):
+    def _stays_declined(self, t: Any) -> bool:
+        """A declined run's iteration begins at ``t`` (a tensor, or an iteration's shape key): with the shape key
+        of the last one, it only marks the boundary and stays declined; else its plan is chosen (Note [Plans by
+        input shape])."""
+        if not self.lifecycle.stays(shape_key(t) if isinstance(t, torch.Tensor) else t):
             return False
         self._backward_done, self._iteration_counted = False, False
         return True
@@ -236,16 +237,28 @@ class Executor:
         when the executor takes no step for it (declined, closed, no grad: the caller moves the weights itself)."""
         with self.lock:
             running = backward_running()  # a forward without grad (evaluation) is no iteration's:
-            if self.closed or self.steps.in_hook or self.mode == DECLINED or not (running or torch.is_grad_enabled()):
+            if self.closed or self.steps.in_hook or not (running or torch.is_grad_enabled()):
                 return False
             if self._in_backward and not running:
                 self._backward_end()  # Note [A backward that raised]
+            between, shape = not running and self.between_iterations, ("clean", (nbytes,))
+            # Note [A declined run begins where a planned one does]
+            # An iteration whose first access is a bucket's use begins there, under the bucket's shape key, in
+            # every mode. A declined run used to leave the use to the streamer before looking for the boundary,
+            # so its next iteration began at the first saved tensor instead, under the tensor's key: no plan was
+            # kept under that key, so it profiled again, holding the bucket the streamer had fetched before the
+            # boundary through the whole iteration, uncounted (the MLP of test_ms_min_budget at the smallest
+            # budget its refusal named went over by its first layer's weights); and the plan made then was
+            # kept under the tensor's key, so the run alternated between the two keys' plans, every other
+            # iteration over the budget.
+            if self.mode == DECLINED and (not between or self._stays_declined(shape)):
+                return False
             if running:
                 self._queue_end_of_backward()
-            elif self.between_iterations:
+            elif between:
                 if self.on_boundary is not None:
                     self.on_boundary()
-                self._begin_iteration(nbytes, ("clean", (nbytes,)))
+                self._begin_iteration(nbytes, shape)
             if self.lifecycle.mode == DECLINED:
                 return False
             var = self.clean.get(key)

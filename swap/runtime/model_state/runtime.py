@@ -153,7 +153,7 @@ class ModelStateRuntime:
                               lambda i: self.stepper.quiet(self.streamer.bucket_of[i]),
                               lambda: self.streamer.in_backward(), copies, self.busy, self._grad_arrived,
                               lambda i: self.stepper.reading(self.streamer.bucket_of[i]),
-                              self.bucket_bytes)  # fmt: skip
+                              self.bucket_bytes, fits)  # fmt: skip
         self.grads.allocate()
         host_of = {id(p): self.masters.host_param(e, p) for e in entries for _, p in e.params}
         self.host_of = host_of
@@ -535,8 +535,17 @@ class ModelStateRuntime:
             pool.close()
         # The report keeps ``final``; nothing here may keep the model, its state or host memory alive.
         self.model = self.optimizer = self.decide = None
+        # Note [A closed runtime holds nothing]
+        # The manager keeps its runtime after exit (``sm.model_state``, the report), and users keep the manager:
+        # every part that reaches a parameter or a host buffer goes here. The weight hooks reach the streamer, so
+        # the masters and the host step's state; the speculation's cache of each bucket's parameters reaches the
+        # parameters, so their gradients. Kept, they held the whole trained model alive (21 MB for the 2.6 MB MLP
+        # of test_ms_defaults), which the next run's CPU budget counts (Note [What the CPU budget counts] in
+        # swap.runtime.machine.memory): a retry at the smallest budget a refusal named was refused again.
         self.entries, self.pools, self.host_of, self.records = [], [], {}, []
-        for part in ("masters", "grads", "stepper", "streamer", "state_dicts", "guard", "worker", "lane"):
+        self._needed, self._arrived, self._specced, self._entry_index = (None, {}), set(), set(), {}
+        for part in ("masters", "grads", "stepper", "streamer", "state_dicts", "guard", "worker", "lane",
+                     "weight_hooks"):
             delattr(self, part)
 
     # -- the report -------------------------------------------------------------------------------------
