@@ -293,7 +293,7 @@ class GradSink:
                 ticket = self.engine.d2h(staged, g)
                 nbytes = g.numel() * g.element_size()
                 if not self.has[k] and earlier is not None:
-                    earlier.result()  # nothing else may be writing the buffer
+                    self._wait_unlocked([earlier], quiet=False)  # nothing else may be writing the buffer
                 box = self._hand_over(ticket, g, nbytes)
                 task = self.worker.submit(self._add, ticket, box, host, staged, block, self.has[k])
                 self.tasks[k] = task
@@ -301,7 +301,7 @@ class GradSink:
                 self.has[k] = True
             else:
                 if earlier is not None:
-                    earlier.result()  # nothing else may be writing the buffer
+                    self._wait_unlocked([earlier], quiet=False)  # nothing else may be writing the buffer
                 ticket = self.engine.d2h(host, g)
                 nbytes = g.numel() * g.element_size()
                 box = self._hand_over(ticket, g, nbytes)
@@ -319,9 +319,31 @@ class GradSink:
         try:
             return self.staging.alloc(nbytes)
         except HostPoolExhausted:
-            for t in list(self.tasks.values()):
-                t.result()
+            self._wait_unlocked(list(self.tasks.values()), quiet=False)
             return self.staging.alloc(nbytes)
+
+    # Note [Waiting for the lane outside the lock]
+    # ``take`` runs under the sink's lock, and a speculative host step reads the gradients' signatures under it
+    # (Note [Speculative host steps]), while a zeroing that ``zero_grad(set_to_none=False)`` queued on the lane
+    # waits for the speculations reading its buffer. So ``take`` waiting for the lane with the lock held (a staging
+    # buffer to free, a gradient in flight to land, the last work on its own buffer) deadlocked whenever a
+    # zeroing ahead on the lane waited for a speculation that had not yet read its signatures: two backward passes
+    # over one forward with ``zero_grad(set_to_none=False)`` between them, a host slow to start the speculations
+    # (test_ms_zero_grad_lock). Every such wait lets go of the lock while it waits: only this thread changes what
+    # the lock guards in the meantime (the lane's work and the speculations take no part of it).
+    def _wait_unlocked(self, tasks: list[Future], quiet: bool = True) -> None:
+        """Waits for ``tasks`` without the sink's lock, which the caller holds (Note [Waiting for the lane outside
+        the lock]); ``quiet``: a task's error is left to whoever waits for its buffer (settle, a read)."""
+        self.lock.release()
+        try:
+            for t in tasks:
+                try:
+                    t.result()
+                except Exception:
+                    if not quiet:
+                        raise
+        finally:
+            self.lock.acquire()
 
     # Note [Gradients in flight keep the budget]
     # A gradient whose copy is still running when it is handed over stays on the device until the lane lets go of
@@ -342,12 +364,9 @@ class GradSink:
         while self.flying and (self.flying_bytes + nbytes > self.cap or not self.fits(0)):
             task, n = self.flying.popleft()
             self.flying_bytes -= n
-            try:
-                task.result()
-            except Exception:  # noqa: S110 -- raised again to whoever waits for the buffer (settle, a read)
-                pass
+            self._wait_unlocked([task])  # Note [Waiting for the lane outside the lock]
         if not self.fits(0):
-            self.engine.wait_host(ticket)
+            self.engine.wait_host(ticket)  # the copy engine's worker takes no lock of ours
             return []
         return [g]
 

@@ -8,12 +8,14 @@ memory (``host_memory``). The manager builds it when given ``model=`` and ``opti
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from typing import Any, Callable, Optional
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ...schedule.model_state import ModelStatePlan, ModelStatePolicy, Placement, UpdateSite, default_bucket_bytes
 from ...units import fmt_bytes
@@ -163,6 +165,7 @@ class ModelStateRuntime:
         self.stepper.changed = lambda hosts: [self.masters.changed(entry_of_host[id(h)]) for h in hosts]
         if self.speculate_note is not None:
             self.stepper.notes.append(self.speculate_note)
+        self._handed_out: dict[int, list[weakref.ref]] = {}  # Note [Masters handed out]: entry -> tensors
         self._arrived: set[int] = set()  # parameters whose gradient arrived in this backward
         self._specced: set[int] = set()  # buckets speculated in this backward
         self._needed: tuple[Any, dict[int, list[torch.nn.Parameter]]] = (None, {})
@@ -194,7 +197,7 @@ class ModelStateRuntime:
         self._entry_index = {id(p): e.index for e in entries for _, p in e.params}
         self.state_dicts = StateDictHooks(self.model, self.optimizer, entries, self.flush, self._host_param,
                                           self.stepper.state_of, self.stepper.set_state, self._settle,
-                                          self._off_device, self.busy)  # fmt: skip
+                                          self._off_device, self.busy, self._hand_out)  # fmt: skip
         self.state_dicts.install()
         self._restore.append(self.state_dicts.uninstall)
         clipping.route(self)
@@ -268,6 +271,38 @@ class ModelStateRuntime:
         self.masters.changed(self.entries[self._entry_index[id(p)]])
         return self.host_of[id(p)]
 
+    # Note [Masters handed out]
+    # ``model.state_dict()`` gives an offloaded parameter's host master as torch gives a parameter: a tensor that
+    # is the weight (``detach()``, sharing its memory and version counter), so a user who keeps the state dict and
+    # writes into it (``sd[k].mul_(0.5)``, an EMA or a hand-made decay) writes the weight, as in plain torch. Such a
+    # write comes at any time and no counter of ours sees it, and the master has host work of its own: a
+    # speculative step made during the backward (Note [Speculative host steps]) would be kept over a write
+    # between the backward and ``opt.step()``, or its rollback would undo the write; a host step still running
+    # after ``opt.step()`` returned would race a write (or a read) right after it. So while any tensor a state
+    # dict handed out for an entry is alive (weak references, per entry: buckets re-pack), the entry's bucket is
+    # not speculated, and ``opt.step()`` returns only once its host step is done. A state dict saved and let go
+    # (``torch.save(model.state_dict(), f)``) costs nothing after it is gone.
+    def _hand_out(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """The tensor ``model.state_dict()`` gives for offloaded ``p``: its host master's ``detach()``, noted as
+        handed out (Note [Masters handed out])."""
+        hp = self._host_param(p)
+        with _disable_current_modes():  # host memory: no meter's business
+            view = hp.detach()
+        self._handed_out.setdefault(self._entry_index[id(p)], []).append(weakref.ref(view))
+        return view
+
+    def _exposed(self, b: int) -> bool:
+        """Whether a tensor a state dict handed out for one of bucket ``b``'s masters is still alive."""
+        for i in self.streamer.buckets[b]:
+            refs = self._handed_out.get(i)
+            if refs is None:
+                continue
+            refs[:] = [r for r in refs if r() is not None]
+            if refs:
+                return True
+            del self._handed_out[i]
+        return False
+
     def _off_device(self, p: torch.nn.Parameter) -> bool:
         """Whether ``p``'s host master is the truth (every placement but resident), frozen parameters included:
         a state dict takes their value from the host (Note [Saving without fetching])."""
@@ -304,6 +339,8 @@ class ModelStateRuntime:
 
     def _speculate(self, b: int) -> None:
         self._specced.add(b)
+        if self._handed_out and self._exposed(b):  # Note [Masters handed out]
+            return
         self.stepper.speculate(b, [p for i in self.streamer.buckets[b] for _, p in self.entries[i].params])
 
     def _grad_arrived(self, p: torch.nn.Parameter) -> None:
@@ -361,6 +398,10 @@ class ModelStateRuntime:
     def _step_post_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         self.grads.stepping = False
         self._user_flags_back()
+        if self._handed_out:  # Note [Masters handed out]
+            for b in range(len(self.streamer.buckets)):
+                if self._exposed(b):
+                    self.stepper.wait(b)
 
     # Note [One kernel on a CPU run]
     # The host step runs torch's fused kernel where the user left the default (Note [The host kernel]); resident
@@ -544,6 +585,7 @@ class ModelStateRuntime:
         # swap.runtime.machine.memory): a retry at the smallest budget a refusal named was refused again.
         self.entries, self.pools, self.host_of, self.records = [], [], {}, []
         self._needed, self._arrived, self._specced, self._entry_index = (None, {}), set(), set(), {}
+        self._handed_out = {}
         for part in ("masters", "grads", "stepper", "streamer", "state_dicts", "guard", "worker", "lane",
                      "weight_hooks"):
             delattr(self, part)

@@ -33,7 +33,7 @@ swap.runtime.model_state.streaming).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -68,13 +68,16 @@ class StateDictHooks:
     dirty device copy; ``host_param(p)`` is ``p``'s host master; ``state_of(p)`` / ``set_state(p, s)`` read and set
     its host optimizer state; ``settle(entries)`` copies written device copies of ``entries`` back and drops them;
     ``offloaded(p)`` says whether ``p`` is offloaded now (a resident parameter is plain torch's business);
-    ``quiet()`` is a context in which the parameter guard fetches nothing (Note [Saving without fetching])."""
+    ``quiet()`` is a context in which the parameter guard fetches nothing (Note [Saving without fetching]);
+    ``hand_out(p)``: the tensor a state dict gives for offloaded ``p`` (its host master, or a view of it: Note
+    [Masters handed out] in swap.runtime.model_state.runtime)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, entries: list[Entry],
                  flush: Callable[[], None], host_param: Callable[[Any], torch.Tensor],
                  state_of: Callable[[Any], dict], set_state: Callable[[Any, dict], None],
                  settle: Callable[[list[int]], None], offloaded: Callable[[Any], bool],
-                 quiet: Callable[[], Any] = contextlib.nullcontext) -> None:  # fmt: skip
+                 quiet: Callable[[], Any] = contextlib.nullcontext,
+                 hand_out: Optional[Callable[[Any], torch.Tensor]] = None) -> None:  # fmt: skip
         self.model = model
         self.optimizer = optimizer
         self.entries = entries
@@ -85,6 +88,7 @@ class StateDictHooks:
         self.settle = settle
         self.offloaded = offloaded
         self.quiet = quiet
+        self.hand_out = hand_out if hand_out is not None else host_param  # Note [Masters handed out]
         self.managed = {id(p): p for e in entries for _, p in e.params}
         self.entry_of = {id(p): e.index for e in entries for _, p in e.params}
         self._stash: dict[int, dict[str, Any]] = {}
@@ -136,7 +140,7 @@ class StateDictHooks:
             self.flush()
             for name, p in own:
                 if prefix + name in state_dict and self.offloaded(p):
-                    state_dict[prefix + name] = self.host_param(p)
+                    state_dict[prefix + name] = self.hand_out(p)
 
         return hook
 

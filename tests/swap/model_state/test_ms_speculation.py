@@ -195,6 +195,36 @@ def checkpoint_loop() -> Step:
     return step
 
 
+def state_dict_write_loop(how: str) -> Callable[[], Step]:
+    """The user writes a weight between the backward and the step, through the model's state dict: ``held``, in
+    place into a state dict taken before the backward (its tensors are the weights themselves, as torch's are);
+    ``load``, by loading an edited copy."""
+
+    def make() -> Step:
+        held: list[dict[str, torch.Tensor]] = []
+
+        def step(model, opt, it, log):
+            opt.zero_grad()
+            if how == "held" and not held:  # the rest of the state dict let go: its buckets still speculate
+                kept = ("head.weight", "blocks.0.ln1.weight")
+                held.append({k: v for k, v in model.state_dict().items() if k in kept})
+            log["loss"].append(forward_backward(model, it).item())
+            with torch.no_grad():
+                if how == "held":
+                    held[0]["head.weight"].mul_(0.5)
+                    held[0]["blocks.0.ln1.weight"].add_(0.25)
+                else:
+                    sd = {k: v.clone() for k, v in model.state_dict().items()}
+                    sd["head.weight"].mul_(0.5)
+                    model.load_state_dict(sd)
+            opt.step()
+            log.setdefault("weights", []).append(model.state_dict()["head.weight"].clone().numpy())
+
+        return step
+
+    return make
+
+
 LOOPS: dict[str, Callable[[], Step]] = {
     "plain": plain_loop,
     "clip_loose": clip_loop(1e6),
@@ -208,6 +238,8 @@ LOOPS: dict[str, Callable[[], Step]] = {
     "group_edited": hyper_loop("weight_decay"),
     "grad_reads": grad_reads_loop,
     "checkpoint": checkpoint_loop,
+    "held_state_dict_write": state_dict_write_loop("held"),
+    "load_state_dict": state_dict_write_loop("load"),
 }
 
 
@@ -282,3 +314,12 @@ def test_policy_learns_accumulation_and_backs_off():
     assert p.pause == SpeculationPolicy.MAX_PAUSE
     p.kept()
     assert p.failures == 0
+
+
+@pytest.mark.parametrize("name", ["held_state_dict_write", "load_state_dict"])
+def test_a_write_through_the_state_dict_before_the_step_is_kept(name):
+    """A weight the user writes between the backward and ``opt.step()``, through the state dict, is the weight the
+    step updates, as in plain torch: a speculation made before the write is not kept over it, nor does its
+    rollback undo it (Note [Masters handed out])."""
+    spec = check(name)
+    assert spec["speculated"] > 0
