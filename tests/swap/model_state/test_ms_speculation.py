@@ -7,6 +7,7 @@ run]), and each test checks that the case really speculated, and kept or rolled 
 from __future__ import annotations
 
 import functools
+import gc
 from typing import Any, Callable
 
 import pytest
@@ -182,14 +183,17 @@ def grad_reads_loop() -> Step:
 
 
 def checkpoint_loop() -> Step:
-    """State dicts taken between backward and step (a checkpoint at a bad moment)."""
+    """State dicts taken between backward and step (a checkpoint at a bad moment). What it logs are NumPy copies:
+    ``t.clone().numpy()`` shares the clone's memory, a CPU tensor that the cached plain run (``_plain``) kept alive
+    for the rest of the session, and the CPU budget of every later test counts it (Note [What the CPU budget
+    counts]): 300 KB, which refused test_ms_frozen's LoRA run and the first of test_ms_entry_budget run after it."""
 
     def step(model, opt, it, log):
         opt.zero_grad()
         log["loss"].append(forward_backward(model, it).item())
-        log.setdefault("weights", []).append(model.state_dict()["head.weight"].clone().numpy())
+        log.setdefault("weights", []).append(model.state_dict()["head.weight"].numpy().copy())
         exp_avg = opt.state_dict()["state"].get(0, {}).get("exp_avg")
-        log.setdefault("exp_avg", []).append(None if exp_avg is None else exp_avg.clone().numpy())
+        log.setdefault("exp_avg", []).append(None if exp_avg is None else exp_avg.numpy().copy())
         opt.step()
 
     return step
@@ -218,7 +222,7 @@ def state_dict_write_loop(how: str) -> Callable[[], Step]:
                     sd["head.weight"].mul_(0.5)
                     model.load_state_dict(sd)
             opt.step()
-            log.setdefault("weights", []).append(model.state_dict()["head.weight"].clone().numpy())
+            log.setdefault("weights", []).append(model.state_dict()["head.weight"].numpy().copy())
 
         return step
 
@@ -323,3 +327,15 @@ def test_a_write_through_the_state_dict_before_the_step_is_kept(name):
     rollback undo it (Note [Masters handed out])."""
     spec = check(name)
     assert spec["speculated"] > 0
+
+
+@pytest.mark.parametrize("name", ["checkpoint", "held_state_dict_write"])
+def test_a_kept_plain_run_holds_no_tensor(name):
+    """``_plain`` keeps each loop's plain run for the session: what it logs must hold no CPU tensor memory, which
+    every later test's CPU budget would count (Note [What the CPU budget counts] in swap.runtime.machine.memory)."""
+    gc.collect()
+    before = swap.LiveBytesMeter("cpu").track_existing().live
+    kept = _plain.__wrapped__(name)
+    gc.collect()
+    assert swap.LiveBytesMeter("cpu").track_existing().live == before, "the run's log holds tensor memory"
+    assert kept["log"]["weights"]
