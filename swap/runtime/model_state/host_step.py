@@ -41,6 +41,26 @@ from .speculation import Speculation, SpeculationPolicy, restore, save, saved_by
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
+# Note [Optimizer wrappers]
+# accelerate's ``Accelerator.prepare`` hands back the user's optimizer wrapped (``AcceleratedOptimizer``, a
+# ``torch.optim.Optimizer`` subclass whose ``param_groups`` and ``state`` are the wrapped optimizer's own objects):
+# its ``step`` and ``zero_grad`` call the wrapped optimizer's (or skip them while accumulating), as do its state
+# dicts, and accelerate unscales a GradScaler's gradients on the wrapped one. The runtime's hooks (step pre
+# and post hooks, ``zero_grad``, state-dict hooks) are per instance, so they go on the wrapped optimizer, where
+# they fire whichever object the loop calls; given the wrapper, the class check refused it as an unsupported
+# optimizer ("AcceleratedOptimizer is not supported"). So a wrapper that shares its ``param_groups`` with the
+# optimizer in its ``optimizer`` attribute is unwrapped first, and the manager given the prepared optimizer or
+# its ``.optimizer`` runs the same (tests/trainers/test_model_state_recipes.py).
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer ``optimizer`` forwards to (Note [Optimizer wrappers]); ``optimizer`` itself if it is none."""
+    while isinstance(optimizer, torch.optim.Optimizer):
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner.param_groups is not optimizer.param_groups:
+            break
+        optimizer = inner
+    return optimizer
+
+
 def check_optimizer(optimizer: Any) -> None:
     """Raises for an optimizer whose state the runtime cannot move (saying what to do instead)."""
     if not isinstance(optimizer, torch.optim.Optimizer):

@@ -28,7 +28,7 @@ from .gradients import GradSink, set_raw_grad
 from .guard import ParamGuard
 from .host_memory import predict, refuse_over, speculates
 from .host_optim import host_worker
-from .host_step import HostStepper, check_optimizer
+from .host_step import HostStepper, check_optimizer, unwrap_optimizer
 from .precision import cast_forward_inputs, check_masters, precision_name
 from .state_dicts import StateDictHooks, host_state_value
 from .storage import Copies, Masters
@@ -62,7 +62,7 @@ def check_model_state(model: Any, optimizer: Any, policy: ModelStatePolicy) -> O
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
     if policy.offloads:
-        check_optimizer(optimizer)
+        check_optimizer(unwrap_optimizer(optimizer))  # Note [Optimizer wrappers] in host_step
         refuse_ddp(model)
         refuse_compiled(model)
     return policy
@@ -83,7 +83,7 @@ class ModelStateRuntime:
         self.mode = policy.placement
         bucket_bytes, host_memory, compute_dtype = policy.bucket_bytes, policy.host_memory, policy.compute_dtype
         self.model = model
-        self.optimizer = optimizer
+        optimizer = self.optimizer = unwrap_optimizer(optimizer)  # Note [Optimizer wrappers] in host_step
         self.device = device
         self.compute_dtype = compute_dtype
         self.entries = collect_entries(model, optimizer, device, compute_dtype)
