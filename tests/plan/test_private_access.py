@@ -37,6 +37,8 @@ ALLOWED = {
     "unscaled and checked exactly as the device's are",
     "_get_fsdp_state": "an FSDP2 module's state: every path that unshards a unit ends in its parameter group's "
     "unshard, which has no public hook (Note [Every unshard gated])",
+    "_get_active_ddp_module": "the DDP module whose forward runs now (the classmethod TorchDynamo reads): a model "
+    "wrapped in DDP after the manager started is refused at its forward (Note [DDP that wraps the model later])",
     "_fsdp_param_group": "the FSDP2 state's parameter group, whose unshard is gated (Note [Every unshard gated])",
     # tensors, storages, operators and autograd nodes
     "_base": "a view's base tensor (parameters are recognised through their views)",

@@ -23,7 +23,7 @@ from ..machine.host_pool import ALIGN, HostPool, Pinner
 from ..machine.resources import available_host_memory
 from . import clipping, scaling
 from .buckets import collect_entries, specs, trains
-from .data_parallel import refuse_compiled, refuse_ddp
+from .data_parallel import refuse_compiled, refuse_ddp, refuse_ddp_forward
 from .gradients import GradSink, set_raw_grad
 from .guard import ParamGuard
 from .host_memory import predict, refuse_over, speculates
@@ -185,6 +185,7 @@ class ModelStateRuntime:
         self._restore.append(lambda: self.guard.__exit__(None, None, None))
         self.weight_hooks.install(self.model)
         self._restore.append(self.weight_hooks.uninstall)
+        self._restore.append(refuse_ddp_forward(self.model))  # Note [DDP that wraps the model later]
         self.grads.install()
         self._restore.append(self.grads.uninstall)
         handle = self.optimizer.register_step_pre_hook(self._step_pre_hook)
