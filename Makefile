@@ -78,9 +78,11 @@ test: setup-test test-python test-sanitize
 # loaded (Note [Frozen before the tests] in tests/conftest.py).
 PYTEST_WORKERS ?= 0
 PYTEST_PARALLEL = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+# What test-python runs: the whole suite, or a part of it (CI runs it as two parts, Note [CI in three lanes]).
+PYTEST_SELECT ?= tests
 
 test-python: fakecuda
-	$(PY) -m pytest -q --durations=25 $(PYTEST_PARALLEL) tests
+	$(PY) -m pytest -q --durations=25 $(PYTEST_PARALLEL) $(PYTEST_SELECT)
 
 # The allocator's tests again, against a build with AddressSanitizer + UndefinedBehaviorSanitizer.
 # Python itself is not instrumented, so libasan is preloaded and leak checking (Python's own) is off.
